@@ -1,0 +1,37 @@
+"""Package set-up, read from settings.ini as nbdev 2 projects do."""
+from configparser import ConfigParser
+import setuptools
+
+
+config = ConfigParser(delimiters=['='])
+config.read('settings.ini', encoding='utf-8')
+cfg = config['DEFAULT']
+
+requirements = cfg.get('requirements', '').split()
+dev_requirements = cfg.get('dev_requirements', '').split()
+# torch is a requirement, but the set-up installs it only when absent (see Makefile), so a user's own
+# CUDA build is kept; any torch 2.6+ satisfies this range.
+requirements = ['torch>=2.6'] + requirements
+
+setuptools.setup(
+    name=cfg['lib_name'],
+    version=cfg['version'],
+    description=cfg['description'],
+    long_description=open('README.md', encoding='utf-8').read(),
+    long_description_content_type='text/markdown',
+    author=cfg['author'], author_email=cfg['author_email'],
+    license='Apache Software License 2.0',
+    url=cfg['git_url'],
+    keywords=cfg['keywords'].split(),
+    python_requires='>=' + cfg['min_python'],
+    packages=setuptools.find_packages(include=['ilab_nb', 'ilab_nb.*']),
+    include_package_data=True,
+    package_data={'ilab_nb': ['assets/*', 'assets/**/*']},
+    install_requires=requirements,
+    extras_require={'dev': dev_requirements},
+    entry_points={
+        'console_scripts': cfg.get('console_scripts', '').split(),
+        'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
+    },
+    zip_safe=False,
+)
