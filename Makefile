@@ -1,0 +1,44 @@
+# The README's two commands. Each does its own set-up on a fresh clone: a .venv with the package
+# (editable) and its dev tools. torch is installed only when absent, so a user's own build is kept.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test setup sync-check nbtest pytest browser-deps clean-venv
+
+setup: $(VENV)/.installed
+
+# A torch importable by $(PY) (a user's CUDA build, say) is reused through --system-site-packages.
+$(VENV)/.installed: settings.ini setup.py
+	@if [ ! -x $(BIN)/python ]; then \
+	  if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m venv --system-site-packages $(VENV); \
+	  else $(PY) -m venv $(VENV); fi; fi
+	$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null && echo "torch present: keeping it" || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $@
+
+demo: setup
+	$(BIN)/ilab-nb demo
+
+# The library must be exactly what the notebooks export.
+sync-check: setup
+	$(BIN)/nbdev_export
+	@git diff --quiet -- ilab_nb && [ -z "$$(git status --porcelain -- ilab_nb)" ] || \
+	  { echo "ilab_nb/ is out of step with nbs/: run nbdev_export and commit both"; git status --short -- ilab_nb; exit 1; }
+
+nbtest: setup
+	$(BIN)/nbdev_test --n_workers 2
+
+# Debian chromium for the browser test (skipped with a reason where it cannot be had).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium could not be installed: the browser test will skip"; }
+
+pytest: setup browser-deps
+	$(BIN)/python -m pytest tests -q -ra
+
+test: sync-check nbtest pytest

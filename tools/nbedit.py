@@ -1,0 +1,23 @@
+"""Authoring aid (dev only): edit a notebook as a py:percent text file and write it back as a clean .ipynb.
+
+    python tools/nbedit.py to-py nbs/00_config.ipynb /tmp/00_config.py   # notebook -> editable text
+    python tools/nbedit.py to-nb /tmp/00_config.py nbs/00_config.ipynb   # text -> notebook (no outputs)
+
+The notebook stays the source of truth; the text file is a scratch copy. Uses jupytext (pip install jupytext).
+"""
+import sys, jupytext, nbformat
+
+def to_py(nb_path, py_path): jupytext.write(jupytext.read(nb_path), py_path, fmt='py:percent')
+
+def to_nb(py_path, nb_path):
+    nb = jupytext.read(py_path, fmt='py:percent')
+    nb.metadata = {'kernelspec': {'display_name': 'python3', 'language': 'python', 'name': 'python3'}}
+    for c in nb.cells:
+        c.metadata = {}
+        if c.cell_type == 'code': c.outputs, c.execution_count = [], None
+    nbformat.validator.normalize(nb)
+    nbformat.write(nb, nb_path)
+
+if __name__ == '__main__':
+    cmd, src, dst = sys.argv[1:4]
+    {'to-py': to_py, 'to-nb': to_nb}[cmd](src, dst)
