@@ -1,0 +1,339 @@
+"""Behaviour of ilab_nb.data: validation of chat files, assistant-only labels, dataset building, splits, tokenizers."""
+import json
+import pickle
+
+import datasets
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ilab_nb.data import (DEFAULT_CHAT_TEMPLATE, MAX_DATA_ERRORS, DataError, build_dataset, ensure_chat_template,
+                          load_chat_records, load_tokenizer, render_chat, split_records, tokenize_chat)
+
+SPECIAL = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
+_BACKEND = None
+
+
+def make_tokenizer(chat_template=None, **kw):
+    """A byte-level BPE tokenizer built offline, with the ChatML markers as special tokens."""
+    global _BACKEND
+    if _BACKEND is None:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(
+            ["You are a helpful assistant.", "What is the capital of France? Paris is the capital.",
+             "And of Italy? Rome, of course.", "system user assistant"],
+            trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        _BACKEND = tok.to_str()
+    t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_BACKEND),
+                                **{"eos_token": "<eos>", "pad_token": "<pad>", **kw},
+                                additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    t.chat_template = chat_template
+    return t
+
+
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+CONV = [msg("system", "You are a helpful assistant."), msg("user", "What is the capital of France?"),
+        msg("assistant", "Paris is the capital. Très bien!"), msg("user", "And of Italy?"),
+        msg("assistant", "Rome, of course 🙂")]
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r, ensure_ascii=False) for r in rows) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def labelled_runs(t):
+    runs, cur = [], []
+    for i, l in zip(t["input_ids"], t["labels"]):
+        if l != -100:
+            assert l == i
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
+# ---------------------------------------------------------------- load_chat_records
+
+def test_valid_records_and_formats(tmp_path):
+    f = write_jsonl(tmp_path / "a.jsonl", [{"messages": CONV}, "", "   ",
+                                          {"input": "q", "output": "a"},
+                                          {"input": "q", "output": "a", "system": "s"},
+                                          {"messages": [dict(CONV[1], name="x"), CONV[2]]}])
+    recs = load_chat_records([f])
+    assert [r["source"] for r in recs] == [f"{f}:1", f"{f}:4", f"{f}:5", f"{f}:6"]
+    assert recs[0]["messages"] == CONV
+    assert recs[1]["messages"] == [msg("user", "q"), msg("assistant", "a")]
+    assert recs[2]["messages"][0] == msg("system", "s")
+    assert recs[3]["messages"][0] == CONV[1]          # extra keys dropped
+    g = write_jsonl(tmp_path / "b.jsonl", [{"input": "x", "output": "y"}])
+    assert len(load_chat_records([f, str(g)])) == 5
+
+
+def test_utf8_bom_is_accepted(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"input": "q", "output": "a"}).encode() + b"\n")
+    assert len(load_chat_records(p)) == 1
+
+
+@pytest.mark.parametrize("line, text", [
+    ('{"messages": [', "malformed JSON: Expecting value"),
+    ('[1, 2]', "expected a JSON object, got an array"),
+    ('"text"', "expected a JSON object, got a string"),
+    ('{"text": "hi"}', "no 'messages' list (and no 'input'/'output' pair); keys found: 'text'"),
+    ('{"messages": []}', "'messages' must be a non-empty list"),
+    ('{"messages": "hi"}', "'messages' must be a non-empty list"),
+    ('{"messages": ["hi"]}', "message 1 must be an object with 'role' and 'content', got a string"),
+    ('{"messages": [{"content": "x"}]}', "message 1 has no 'role'"),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}',
+     "message 2 has unknown role 'bot' (expected system, user or assistant)"),
+    ('{"messages": [{"role": "user"}]}', "message 1 (user) has no 'content'"),
+    ('{"messages": [{"role": "user", "content": ""}]}', "message 1 (user) has empty content"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "message 1 (user) content must be a string, got a number"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
+     "message 2 is a system message; a system message may only come first"),
+    ('{"messages": [{"role": "assistant", "content": "a"}]}', "message 1 is an assistant message"),
+    ('{"input": "q"}', "'output' must be a non-empty string"),
+    ('{"input": "q", "output": 5}', "'output' must be a non-empty string, got a number"),
+])
+def test_each_problem_names_file_and_line(tmp_path, line, text):
+    p = write_jsonl(tmp_path / "train.jsonl", [{"input": "q", "output": "a"}, "", line])
+    with pytest.raises(DataError) as ei:
+        load_chat_records(p)
+    e = ei.value
+    assert (e.path, e.line) == (str(p), 3)
+    assert str(e).startswith(f"{p}, line 3: ") and text in str(e), str(e)
+
+
+def test_problems_are_collected_up_to_a_limit(tmp_path):
+    bad = '{"messages": [{"role": "bot", "content": "x"}]}'
+    p = write_jsonl(tmp_path / "t.jsonl", [{"input": "q", "output": "a"}, bad, '{"oops"', bad])
+    with pytest.raises(DataError) as ei:
+        load_chat_records([p, tmp_path / "missing.jsonl"])
+    e = ei.value
+    assert [(x["line"], x["path"]) for x in e.errors] == [(2, str(p)), (3, str(p)), (4, str(p)),
+                                                          (None, str(tmp_path / "missing.jsonl"))]
+    assert e.line == 2 and "... and 3 more problems:" in str(e) and "missing.jsonl: file not found" in str(e)
+    many = write_jsonl(tmp_path / "many.jsonl", [bad] * 50)
+    with pytest.raises(DataError) as ei:
+        load_chat_records(many)
+    assert len(ei.value.errors) == MAX_DATA_ERRORS and "there may be more" in str(ei.value)
+    e2 = pickle.loads(pickle.dumps(ei.value))
+    assert str(e2) == str(ei.value) and e2.errors == ei.value.errors
+
+
+def test_file_level_problems(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: no records") as ei:
+        load_chat_records(tmp_path / "empty.jsonl")
+    assert ei.value.line is None
+    with pytest.raises(DataError, match=r"nope\.jsonl: file not found"):
+        load_chat_records(tmp_path / "nope.jsonl")
+    (tmp_path / "plain_dir").mkdir()
+    with pytest.raises(DataError, match="not a dataset saved with datasets"):
+        load_chat_records(tmp_path / "plain_dir")
+    with pytest.raises(DataError, match="no data files given"):
+        load_chat_records([])
+    (tmp_path / "bin.jsonl").write_bytes(b'{"input": "\xff"}\n')
+    with pytest.raises(DataError, match=r"bin\.jsonl, line 1: not valid UTF-8"):
+        load_chat_records(tmp_path / "bin.jsonl")
+
+
+def test_saved_dataset_directories(tmp_path):
+    datasets.Dataset.from_list([{"messages": CONV}, {"messages": CONV[1:3]}]).save_to_disk(str(tmp_path / "m"))
+    recs = load_chat_records(tmp_path / "m")
+    assert recs[0]["messages"] == CONV and recs[1]["source"] == f"{tmp_path / 'm'}:2"
+    datasets.Dataset.from_list([{"input": "q", "output": "a"}, {"input": "q", "output": ""}]).save_to_disk(str(tmp_path / "io"))
+    with pytest.raises(DataError, match=r"io, row 2: 'output' must be a non-empty string") as ei:
+        load_chat_records(tmp_path / "io")
+    assert ei.value.line == 2
+    datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "txt"))
+    with pytest.raises(DataError, match="expected a 'messages' column"):
+        load_chat_records(tmp_path / "txt")
+    datasets.DatasetDict(train=datasets.Dataset.from_list([{"input": "q", "output": "a"}])).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match="DatasetDict"):
+        load_chat_records(tmp_path / "dd")
+
+
+# ---------------------------------------------------------------- chat template and labels
+
+def test_ensure_chat_template_sets_default_only_when_missing():
+    tok = make_tokenizer()
+    assert ensure_chat_template(tok) == DEFAULT_CHAT_TEMPLATE and tok.chat_template == DEFAULT_CHAT_TEMPLATE
+    custom = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok2 = make_tokenizer(chat_template=custom)
+    assert ensure_chat_template(tok2) == custom and tok2.chat_template == custom
+    text = tok.apply_chat_template(CONV[:2], tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_labels_token_by_token_multi_turn():
+    tok = make_tokenizer()
+    t = tokenize_chat(CONV, tok)
+    assert len(t["input_ids"]) == len(t["labels"])
+    assert tok.decode(t["input_ids"]) == tok.apply_chat_template(CONV, tokenize=False)
+    runs = labelled_runs(t)
+    assert [tok.decode(r) for r in runs] == ["Paris is the capital. Très bien!<|im_end|>\n", "Rome, of course 🙂<|im_end|>\n"]
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert im_start not in [i for r in runs for i in r]
+    # every unlabelled token is prompt: system/user text and markers, no assistant text
+    prompt = tok.decode([i for i, l in zip(t["input_ids"], t["labels"]) if l == -100])
+    assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                      "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+                      "<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_spans_with_another_template_and_single_bos():
+    tmpl = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}A: {{ m['content'] }}<eos>"
+            "{% else %}{{ m['role'][0] | upper }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}A: {% endif %}")
+    tok = make_tokenizer(chat_template=tmpl, bos_token="<pad>")
+    text, spans = render_chat(CONV, tok)
+    assert [text[a:b] for a, b in spans] == ["Paris is the capital. Très bien!<eos>", "Rome, of course 🙂<eos>"]
+    t = tokenize_chat(CONV, tok)
+    assert t["input_ids"][0] == tok.bos_token_id and t["input_ids"][1] != tok.bos_token_id
+    # the prompt ends in a space, which the tokenizer joins to the answer's first word: that token is learned
+    assert [tok.decode(r) for r in labelled_runs(t)] == [" Paris is the capital. Très bien!<eos>", " Rome, of course 🙂<eos>"]
+
+
+def test_non_incremental_template_is_refused():
+    # renders only the last assistant message: earlier renderings are not prefixes of the whole
+    tmpl = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}|{% endif %}"
+            "{% endfor %}")
+    with pytest.raises(DataError, match="does not render this conversation incrementally"):
+        tokenize_chat(CONV, make_tokenizer(chat_template=tmpl))
+
+
+def test_template_failure_and_slow_tokenizer_are_explained():
+    tok = make_tokenizer(chat_template="{{ raise_exception('only user/assistant allowed') }}")
+    with pytest.raises(DataError, match="the chat template failed on this conversation: .*only user/assistant"):
+        tokenize_chat(CONV, tok)
+
+    class NotFast:
+        is_fast = False
+    with pytest.raises(DataError, match="not a fast tokenizer"):
+        tokenize_chat(CONV, NotFast())
+
+
+# ---------------------------------------------------------------- build_dataset
+
+def records(*convs):
+    return [{"messages": c, "source": f"data/t.jsonl:{i + 1}"} for i, c in enumerate(convs)]
+
+
+def test_build_dataset_columns_and_stats():
+    tok = make_tokenizer()
+    recs = records(CONV, CONV[1:3], [msg("user", "hi"), msg("assistant", "yo")])
+    ds, stats = build_dataset(recs, tok, max_seq_len=1000)
+    assert ds.column_names == ["input_ids", "labels", "length", "num_loss_tokens"]
+    for r, rec in zip(ds, recs):
+        t = tokenize_chat(rec["messages"], tok)
+        assert r["input_ids"] == t["input_ids"] and r["labels"] == t["labels"]
+        assert r["length"] == len(r["input_ids"])
+        assert r["num_loss_tokens"] == sum(l != -100 for l in r["labels"][1:])
+    assert stats == dict(samples=3, dropped_too_long=0, truncated=0, dropped_no_loss=0, tokens=sum(ds["length"]),
+                         loss_tokens=sum(ds["num_loss_tokens"]), max_length=max(ds["length"]),
+                         mean_length=sum(ds["length"]) / 3)
+
+
+def test_long_sequence_policies():
+    tok = make_tokenizer()
+    recs = records(CONV, CONV[1:3])
+    n_long, n_short = (len(tokenize_chat(r["messages"], tok)["input_ids"]) for r in recs)
+    ds, s = build_dataset(recs, tok, max_seq_len=n_short)
+    assert (s["samples"], s["dropped_too_long"], ds["length"]) == (1, 1, [n_short])
+    ds, s = build_dataset(recs, tok, max_seq_len=n_long - 3, policy="truncate")
+    assert (s["samples"], s["truncated"], s["max_length"]) == (2, 1, n_long - 3)
+    full = tokenize_chat(CONV, tok)
+    assert ds[0]["input_ids"] == full["input_ids"][:n_long - 3] and ds[0]["labels"] == full["labels"][:n_long - 3]
+    # truncated before the first assistant token: nothing left to learn, so dropped (as too long)
+    first_label = next(i for i, l in enumerate(full["labels"]) if l != -100)
+    tiny = records(CONV, [msg("user", "hi"), msg("assistant", "yo")])
+    assert len(tokenize_chat(tiny[1]["messages"], tok)["input_ids"]) <= first_label
+    _, s = build_dataset(tiny, tok, max_seq_len=first_label, policy="truncate")
+    assert (s["samples"], s["dropped_too_long"], s["truncated"]) == (1, 1, 0)
+    with pytest.raises(DataError) as ei:
+        build_dataset(recs, tok, max_seq_len=n_short, policy="error")
+    assert (ei.value.path, ei.value.line) == ("data/t.jsonl", 1)
+    assert f"data/t.jsonl, line 1: sample is {n_long} tokens long, more than max_seq_len={n_short}" in str(ei.value)
+    with pytest.raises(ValueError, match="policy"):
+        build_dataset(recs, tok, 100, policy="cut")
+
+
+def test_samples_without_loss_tokens_are_dropped():
+    # this template writes no system text, so the first answer's only label is at position 0: never predicted
+    tok = make_tokenizer(chat_template="{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}{% endif %}{% endfor %}")
+    recs = records([msg("system", "s"), msg("assistant", "A")], [msg("user", "What is"), msg("assistant", " Paris")])
+    ds, s = build_dataset(recs, tok, 100)
+    assert (s["samples"], s["dropped_no_loss"]) == (1, 1) and ds[0]["num_loss_tokens"] > 0
+    with pytest.raises(DataError, match="no trainable sample left out of 1: 0 longer .* 1 without any assistant token"):
+        build_dataset(recs[:1], tok, 100)
+
+
+def test_cache_dir_reuses_arrow_files(tmp_path):
+    tok = make_tokenizer()
+    recs = records(CONV, CONV[1:3])
+    ds1, s1 = build_dataset(recs, tok, 1000, cache_dir=tmp_path / "cache")
+    files = sorted(p.name for p in (tmp_path / "cache").glob("*.arrow"))
+    assert files and all(f["filename"].startswith(str(tmp_path / "cache")) for f in ds1.cache_files)
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*.arrow")}
+    ds2, s2 = build_dataset(recs, make_tokenizer(), 1000, cache_dir=tmp_path / "cache")
+    assert ds2[:] == ds1[:] and s2 == s1
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*.arrow")} == mtimes   # read, not rewritten
+    build_dataset(recs, tok, 999, cache_dir=tmp_path / "cache")                               # other settings: other file
+    assert len(list((tmp_path / "cache").glob("*.arrow"))) > len(files)
+
+
+# ---------------------------------------------------------------- split_records
+
+def test_split_records_is_deterministic_and_complete():
+    recs = [{"messages": [], "source": f"f:{i}"} for i in range(50)]
+    tr, ev = split_records(recs, 0.2, seed=3)
+    assert len(ev) == 10 and len(tr) == 40
+    assert split_records(recs, 0.2, seed=3) == (tr, ev) and split_records(recs, 0.2, seed=4)[1] != ev
+    assert sorted(r["source"] for r in tr + ev) == sorted(r["source"] for r in recs)
+    assert tr == sorted(tr, key=recs.index) and ev == sorted(ev, key=recs.index)
+    assert split_records(recs[:3], 0.01, seed=0)[1].__len__() == 1
+    assert split_records(recs, 0.0, 1) == (recs, [])
+    with pytest.raises(DataError, match="cannot hold out"):
+        split_records(recs[:1], 0.5, 0)
+    with pytest.raises(ValueError):
+        split_records(recs, 1.0, 0)
+
+
+# ---------------------------------------------------------------- load_tokenizer
+
+def test_load_tokenizer_local_dir_and_pad(tmp_path):
+    make_tokenizer(pad_token=None).save_pretrained(tmp_path / "m")
+    tok = load_tokenizer(tmp_path / "m")
+    assert tok.is_fast and tok.pad_token == "<eos>" and tok.pad_token_id == tok.eos_token_id
+    make_tokenizer().save_pretrained(tmp_path / "m2")
+    assert load_tokenizer(str(tmp_path / "m2")).pad_token == "<pad>"
+
+
+def test_load_tokenizer_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        load_tokenizer("./models/tiny")
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        load_tokenizer(tmp_path / "f.txt")
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(OSError, match="could not load a tokenizer from"):
+        load_tokenizer(tmp_path / "emptydir")
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)   # never touch the network in tests
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match="hub ids need network access.*pass its local directory"):
+        load_tokenizer("some-org/some-model")
