@@ -1,0 +1,163 @@
+"""The worker, for real: `accelerate launch` with 2 CPU processes (gloo), FSDP2 sharding, DDP, a single
+process, resume, and the config fields whose effect can be seen cheaply in the files a run writes."""
+import json, os, shutil, socket, subprocess, sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ilab_nb.config import TrainConfig
+from ilab_nb.demo import demo_assets
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return demo_assets(tmp_path_factory.mktemp("demo"))
+
+
+def make_run(tmp_path, assets, name, **fields) -> Path:
+    rd = tmp_path / name
+    (rd / "logs").mkdir(parents=True)
+    base = dict(model=str(assets.model_dir), data=[str(assets.train_file)], device="cpu", max_tokens_per_batch=1024,
+                max_seq_len=256, learning_rate=3e-3, logging_steps=1, seed=7)
+    TrainConfig(**{**base, **fields}).to_json(rd / "config.json")
+    return rd
+
+
+def launch(rd: Path, nproc: int, *extra, expect_ok=True):
+    """Start the worker the way the launcher does (ARCHITECTURE.md), wait, and return the process result."""
+    if nproc > 1:
+        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+               "-m", "ilab_nb.worker", str(rd), *extra]
+    else:
+        cmd = [sys.executable, "-m", "ilab_nb.worker", str(rd), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((rd / "logs").glob("rank-*.log")))
+    if expect_ok: assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-3000:]}\n{logs}"
+    return r
+
+
+def records(rd: Path, kind=None):
+    recs = [json.loads(l) for l in (rd / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [r for r in recs if kind is None or r["kind"] == kind]
+
+
+def test_fsdp_two_ranks_shard_parameters_and_split_data(tmp_path, assets):
+    rd = make_run(tmp_path, assets, "fsdp", num_processes=2, strategy="fsdp", max_steps=6, eval_split=0.05, save_steps=3)
+    launch(rd, 2)
+    head = records(rd, "header")[0]
+    assert (head["world_size"], head["backend"], head["strategy"], head["distributed_type"]) == (2, "gloo", "fsdp", "MULTI_CPU")
+    total, per_rank = head["params_total"], head["params_per_rank"]
+    assert len(per_rank) == 2 and sum(per_rank) == total
+    assert all(abs(n - total / 2) / total < 0.05 for n in per_rank), per_rank      # each rank holds about half
+    done = [r for r in records(rd, "event") if r["event"] == "completed"][0]
+    seen = done["data_seen"]
+    assert all(n > 0 for n in seen["per_rank"]) and seen["shared"] == 0, seen     # different data on each rank
+    train = records(rd, "train")
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert all(r["grad_norm"] > 0 and r["tokens"] > 0 and 0 < r["efficiency"] <= 1 for r in train)
+    assert len(records(rd, "eval")) == 2                                           # before training and at the end
+    # both ranks wrote their own log; checkpoints are whole, Hugging Face loadable, and final/ exists
+    assert (rd / "logs" / "rank-0.log").exists() and (rd / "logs" / "rank-1.log").exists()
+    ckpts = sorted(p.name for p in (rd / "checkpoints").iterdir())
+    assert ckpts == ["step-00000003", "step-00000006"], ckpts
+    for c in ckpts:
+        assert (rd / "checkpoints" / c / "COMPLETE").exists() and (rd / "checkpoints" / c / "distributed" / ".metadata").exists()
+    m = AutoModelForCausalLM.from_pretrained(rd / "final")
+    m6 = AutoModelForCausalLM.from_pretrained(rd / "checkpoints" / "step-00000006")
+    m0 = AutoModelForCausalLM.from_pretrained(assets.model_dir)
+    for (k, a), b, c in zip(m.state_dict().items(), m6.state_dict().values(), m0.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert any(not torch.equal(a, c) for a, c in zip(m.state_dict().values(), m0.state_dict().values()))
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, assets):
+    fields = dict(num_processes=2, strategy="fsdp", max_steps=8, save_steps=4, lr_scheduler_type="cosine", warmup_steps=2)
+    a = make_run(tmp_path, assets, "a", **fields)
+    launch(a, 2)
+    b = make_run(tmp_path, assets, "b", **fields)
+    launch(b, 2, "--resume", str(a / "checkpoints" / "step-00000004"), "--attempt", "2")
+    head = records(b, "header")[0]
+    assert head["resumed_from_step"] == 4 and head["attempt"] == 2
+    la = {r["step"]: r for r in records(a, "train")}
+    lb = {r["step"]: r for r in records(b, "train")}
+    assert sorted(lb) == [5, 6, 7, 8]
+    for s in lb:   # same seed, same data position, restored optimizer/scheduler/RNG: same trajectory
+        assert abs(lb[s]["loss"] - la[s]["loss"]) <= 1e-4 * abs(la[s]["loss"]), (s, lb[s]["loss"], la[s]["loss"])
+        assert lb[s]["learning_rate"] == pytest.approx(la[s]["learning_rate"], rel=1e-9)
+
+
+def test_ddp_replicates_and_single_runs_one_process(tmp_path, assets):
+    rd = make_run(tmp_path, assets, "ddp", num_processes=2, strategy="ddp", max_steps=2)
+    launch(rd, 2)
+    head = records(rd, "header")[0]
+    assert head["strategy"] == "ddp" and head["world_size"] == 2 and head["params_per_rank"] == [head["params_total"]] * 2
+    rd1 = make_run(tmp_path, assets, "single", num_processes=1, strategy="single", max_steps=2)
+    launch(rd1, 1)
+    assert records(rd1, "header")[0]["world_size"] == 1 and (rd1 / "final" / "model.safetensors").exists()
+
+
+def test_asked_for_processes_not_in_effect_fails_loudly(tmp_path, assets):
+    # num_processes=2 but started as one plain process: the silent single-process fallback is refused.
+    rd = make_run(tmp_path, assets, "wrong", num_processes=2, strategy="fsdp", max_steps=2)
+    r = launch(rd, 1, expect_ok=False)
+    assert r.returncode != 0
+    log = (rd / "logs" / "rank-0.log").read_text()
+    assert "num_processes=2 was asked for, but 1 process(es) are in effect" in log
+    assert records(rd, "event")[-1]["event"] == "failed"
+
+
+def test_fields_are_honoured(tmp_path, assets):
+    """Single-process runs (cheap) in which each field's effect shows in the files."""
+    common = dict(num_processes=1, strategy="single")
+    # learning_rate, warmup_steps, lr_scheduler_type, max_steps, logging_steps, eval_steps, save_steps,
+    # save_total_limit, gradient_checkpointing
+    rd = make_run(tmp_path, assets, "f1", **common, max_steps=8, learning_rate=1e-3, warmup_steps=4,
+                  lr_scheduler_type="linear", logging_steps=2, eval_split=0.05, eval_steps=4, save_steps=2,
+                  save_total_limit=2, gradient_checkpointing=True)
+    launch(rd, 1)
+    head, train = records(rd, "header")[0], records(rd, "train")
+    assert head["total_steps"] == 8 and head["gradient_checkpointing"] is True
+    assert [r["step"] for r in train] == [2, 4, 6, 8]
+    lrs = [r["learning_rate"] for r in train]          # lr after the step: warmup to 1e-3 at step 4, linear to 0
+    assert lrs == pytest.approx([0.5e-3, 1e-3, 0.5e-3, 0.0])
+    assert [r["step"] for r in records(rd, "eval")] == [0, 4, 8]
+    assert sorted(p.name for p in (rd / "checkpoints").iterdir()) == ["step-00000006", "step-00000008"]
+    # seed: same seed, same losses; gradient_accumulation_steps: half the steps, twice the tokens per step
+    r2 = make_run(tmp_path, assets, "f2", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
+    r3 = make_run(tmp_path, assets, "f3", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
+    r4 = make_run(tmp_path, assets, "f4", **common, max_steps=4, gradient_accumulation_steps=1, num_train_epochs=1)
+    for r in (r2, r3, r4): launch(r, 1)
+    t2, t3, t4 = records(r2, "train"), records(r3, "train"), records(r4, "train")
+    assert [x["loss"] for x in t2] == [x["loss"] for x in t3]
+    assert sum(x["tokens"] for x in t2) > 1.7 * sum(x["tokens"] for x in t4)
+    # max_grad_norm: a tiny clip norm leaves the model (and so the loss) almost where it started
+    r5 = make_run(tmp_path, assets, "f5", **common, max_steps=4, max_grad_norm=1e-9, learning_rate=1e-2)
+    launch(r5, 1)
+    l5 = [x["loss"] for x in records(r5, "train")]
+    assert abs(l5[-1] - l5[0]) < 0.02 * l5[0] and abs(t4[-1]["loss"] - t4[0]["loss"]) > 0.05 * t4[0]["loss"]
+
+
+def test_long_sequence_policy_and_token_budget(tmp_path, assets):
+    common = dict(num_processes=1, strategy="single", max_steps=1)
+    drop = make_run(tmp_path, assets, "drop", **common, max_seq_len=48, long_sequence_policy="drop")
+    trunc = make_run(tmp_path, assets, "trunc", **common, max_seq_len=48, long_sequence_policy="truncate")
+    small = make_run(tmp_path, assets, "small", **common, max_tokens_per_batch=256)
+    for r in (drop, trunc, small): launch(r, 1)
+    sd, st = records(drop, "header")[0]["data_stats"]["train"], records(trunc, "header")[0]["data_stats"]["train"]
+    assert sd["dropped_too_long"] > 0 and sd["truncated"] == 0
+    assert st["truncated"] > 0 and st["dropped_too_long"] == 0 and st["max_length"] <= 48
+    # a smaller per-rank token budget means more, smaller micro-batches
+    big = make_run(tmp_path, assets, "big", **common, max_tokens_per_batch=1024)
+    launch(big, 1)
+    assert records(small, "train")[0]["tokens"] < records(big, "train")[0]["tokens"]
+    assert records(small, "header")[0]["plan"]["computed_tokens"] <= 256
