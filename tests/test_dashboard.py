@@ -41,7 +41,7 @@ class RunFiles:
 
     def state(self, state, **kw):
         tmp = self.dir / "state.json.tmp"
-        tmp.write_text(json.dumps({"run_id": self.dir.name, "state": state, "attempt": self.attempt, **kw}))
+        tmp.write_text(json.dumps({"run_id": self.dir.name, "status": state, "attempt": self.attempt, **kw}))
         tmp.replace(self.dir / "state.json")
 
     def log(self, *lines, rank=0):
@@ -138,15 +138,16 @@ def test_failed_run_shows_reason_and_failing_lines_and_resume(run):
 
 def test_resumed_attempt_replaces_replayed_steps(run):
     run.train(*range(1, 16))
-    run.state("cancelled")
+    run.state("cancelled", reason="stopped on request.")
     d = Dashboard(RunMonitor(run.dir), on_resume=lambda: None, autostart=False)
     assert d.progress.value == 15 and d.progress.bar_style == "warning"
+    assert d.failure.layout.display == "" and "Run stopped:</b> stopped on request. Resume continues" in d.failure.value
     run.attempt = 2
     run.state("running")
     run.header(resumed_from_step=10)
     run.train(11, 12, loss=lambda s: 0.5)
     d.update()
-    assert d.progress.value == 12 and "attempt 2" in d.header.value
+    assert d.progress.value == 12 and "attempt 2" in d.header.value and d.failure.layout.display == "none"
     c = run_curves(d.monitor.records)
     assert c["steps"] == list(range(1, 13)) and c["loss"][-2:] == [0.5, 0.5] and c["resumed_at"] == [10]
     d.close()
