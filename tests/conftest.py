@@ -1,0 +1,61 @@
+"""Shared fixtures: the demo assets (built once per test session), a fresh runs root with its own device locks,
+and a guard that no process of a test's runs outlives the test."""
+import os, signal, time
+from pathlib import Path
+
+import psutil
+import pytest
+
+TRAIN_LINES = 200   # a slice of the demo's training data keeps tokenization and start-up short
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    "The demo assets (tiny model, tokenizer, chat data) built once per test session in a temporary directory."
+    from ilab_nb.demo import demo_assets
+    return demo_assets(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def small_train(demo, tmp_path_factory):
+    "The first TRAIN_LINES conversations of the demo's training data."
+    p = tmp_path_factory.mktemp("data") / "train.jsonl"
+    with open(demo.train_file) as f: lines = [next(f) for _ in range(TRAIN_LINES)]
+    p.write_text("".join(lines))
+    return p
+
+
+def run_processes_under(root) -> list:
+    "Live processes tagged (ILAB_NB_RUN_DIR) with a run directory under `root`."
+    root, out = str(Path(root).absolute()), []
+    for p in psutil.process_iter(["pid", "status"]):
+        if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE: continue
+        try:
+            if p.environ().get("ILAB_NB_RUN_DIR", "").startswith(root + os.sep): out.append(p)
+        except psutil.Error: pass
+    return out
+
+
+@pytest.fixture
+def runs_root(tmp_path, monkeypatch):
+    "A fresh runs root (and device-lock directory, and 2 CPU slots); every process of its runs is killed afterwards."
+    root = tmp_path / "runs"
+    monkeypatch.setenv("ILAB_NB_RUNS", str(root))
+    monkeypatch.setenv("ILAB_NB_LOCKS", str(tmp_path / "locks"))
+    monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "2")
+    yield root
+    left = run_processes_under(root)
+    for p in left:
+        try: p.send_signal(signal.SIGKILL)
+        except psutil.Error: pass
+    psutil.wait_procs(left, timeout=10)
+
+
+def wait_until(pred, timeout, poll=0.2, what="condition"):
+    "Poll `pred()` until it returns something truthy; fail the test after `timeout` seconds."
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v: return v
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
