@@ -6,7 +6,7 @@
 __all__ = ['TERMINAL', 'ACTIVE', 'STATUS_COLOURS', 'run_status', 'run_curves', 'smooth_ema', 'LossPlot', 'render_text',
            'Dashboard', 'LossComparison', 'compare']
 
-# %% ../nbs/08_dashboard.ipynb #d331683d
+# %% ../nbs/08_dashboard.ipynb #b214cc49
 import html
 import io
 import json
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .monitor import RunMonitor
 
-# %% ../nbs/08_dashboard.ipynb #5519531e
+# %% ../nbs/08_dashboard.ipynb #6ab8ca6f
 __all__ = ["Dashboard", "LossPlot", "LossComparison", "compare", "render_text", "run_curves", "run_status", "smooth_ema"]
 
 TERMINAL = ("completed", "failed", "cancelled")
@@ -33,12 +33,12 @@ STATUS_COLOURS = {
     "failed": "#d93025", "cancelled": "#9334e6", "unknown": "#5f6368",
 }
 
-# %% ../nbs/08_dashboard.ipynb #9e5f5204
+# %% ../nbs/08_dashboard.ipynb #f117ae41
 def run_status(state: dict) -> str:
     "The status in a parsed `state.json` (`status`; `state` in early drafts of the contract), or `unknown`."
     return state.get("status") or state.get("state") or "unknown"
 
-# %% ../nbs/08_dashboard.ipynb #8125c4c3
+# %% ../nbs/08_dashboard.ipynb #d018c60c
 def run_curves(records) -> dict:
     "Loss, learning-rate and eval-loss series (by step) from metric records of all attempts."
     train, evals, resumed_at = {}, {}, []
@@ -67,7 +67,7 @@ def run_curves(records) -> dict:
 def _num(v) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
-# %% ../nbs/08_dashboard.ipynb #1ec76a70
+# %% ../nbs/08_dashboard.ipynb #4fc16026
 def smooth_ema(values, weight: float = 0.6) -> list[float]:
     "Debiased exponential moving average of `values` (TensorBoard's smoothing); `weight` in [0, 1)."
     if not 0 <= weight < 1:
@@ -81,7 +81,7 @@ def smooth_ema(values, weight: float = 0.6) -> list[float]:
         out.append(avg / (1 - weight**n))
     return out
 
-# %% ../nbs/08_dashboard.ipynb #38aac261
+# %% ../nbs/08_dashboard.ipynb #3a7f8f4e
 class LossPlot:
     "One reused matplotlib `Figure` (no pyplot) of loss, smoothed loss, eval loss and learning rate; `draw()` gives PNG bytes."
 
@@ -134,6 +134,7 @@ class LossPlot:
         right = max(total_steps or 0, last, 1)
         for a in (self.ax, self.ax_lr):
             a.tick_params(labelleft=not empty)
+            a.set_autoscaley_on(True)  # set_ylim (below, for the empty plot) turns y autoscaling off
             a.relim()
             a.autoscale_view()
             a.set_xlim(0, right * 1.02)
@@ -143,7 +144,7 @@ class LossPlot:
         self.fig.savefig(buf, format="png", metadata={"Software": None})
         return buf.getvalue()
 
-# %% ../nbs/08_dashboard.ipynb #de89c075
+# %% ../nbs/08_dashboard.ipynb #974fd826
 def _duration(s) -> str:
     if s is None or not isinstance(s, (int, float)) or not math.isfinite(s):
         return "—"
@@ -171,7 +172,7 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step", postfix=post)
     return f"{line}\n{meter}"
 
-# %% ../nbs/08_dashboard.ipynb #152b07f3
+# %% ../nbs/08_dashboard.ipynb #9fd4ef80
 def _in_kernel() -> bool:
     try:
         from IPython import get_ipython
@@ -431,7 +432,7 @@ def _failure_html(state: dict) -> str:
     return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
             f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
 
-# %% ../nbs/08_dashboard.ipynb #f8290fdc
+# %% ../nbs/08_dashboard.ipynb #00f90ff7
 def _as_monitor(run):
     if hasattr(run, "poll") and hasattr(run, "records"):
         return run

@@ -104,6 +104,19 @@ def test_traits_after_known_records(run):
     d.close()
 
 
+def test_plot_axes_follow_the_data_after_an_empty_start(run):
+    d = Dashboard(RunMonitor(run.dir), autostart=False)
+    assert d.plot.waiting.get_visible() and d.image.value[:4] == b"\x89PNG"
+    run.train(*range(1, 11))
+    d.update()
+    lo, hi = d.plot.ax.get_ylim()
+    assert not d.plot.waiting.get_visible()
+    assert lo <= 4 * 0.97**10 and hi >= 4 * 0.97 and hi < 5 and d.plot.ax.get_xlim()[1] >= 40
+    lo, hi = d.plot.ax_lr.get_ylim()
+    assert lo <= 1e-3 <= hi < 0.01
+    d.close()
+
+
 def test_completed_run_shows_whole_history_and_starts_no_thread(run):
     """An attached old run: the first refresh draws everything; the thread is not needed."""
     run.train(*range(1, 41))
