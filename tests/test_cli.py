@@ -1,0 +1,82 @@
+"""The `ilab-nb` command line, run as real subprocesses against real runs (2 CPU ranks, the demo model)."""
+import json, os, re, subprocess, sys, time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ilab_nb.runstore import RunStore, run_processes
+from conftest import wait_until
+
+pytestmark = pytest.mark.timeout(400)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ilab(*args, timeout=200, check=None):
+    "Run `ilab-nb ARGS` (as `python -m ilab_nb.cli`-equivalent console script) and return the CompletedProcess."
+    cmd = [sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if check is not None: assert r.returncode == check, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r
+
+
+@pytest.fixture
+def config_file(demo, small_train, tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump({"model": str(demo.model_dir), "data": [str(small_train)], "num_processes": 2, "device": "cpu",
+                                 "max_seq_len": 256, "max_tokens_per_batch": 1024, "learning_rate": 1e-3}))
+    return p
+
+
+def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, runs_root):
+    r = ilab("run", config_file, "--runs-root", runs_root, "--name", "cli", "max_steps=300", check=0)
+    run_id = r.stdout.split()[0]
+    assert run_id.endswith("-cli") and (runs_root / run_id / "config.json").exists()
+    assert json.loads((runs_root / run_id / "config.json").read_text())["max_steps"] == 300   # the override was honoured
+    follower = subprocess.Popen([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())",
+                                 "logs", run_id, "-f", "-n", "5", "--runs-root", str(runs_root)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        wait_until(lambda: "running" in ilab("status", run_id, "--runs-root", runs_root, check=0).stdout, 150,
+                   poll=1, what="status running")
+        out = ilab("ls", "--runs-root", runs_root, check=0).stdout
+        assert run_id in out and "running" in out
+        out = ilab("stop", run_id, "--runs-root", runs_root, check=0).stdout          # from another process
+        assert out.strip() == f"{run_id}: cancelled"
+        followed, _ = follower.communicate(timeout=30)                                # -f ends with the run
+        assert "stopped" in followed or "step" in followed, followed[-2000:]
+    finally:
+        follower.kill(); follower.wait()
+    assert not run_processes(runs_root / run_id)
+    st = ilab("status", run_id, "--runs-root", runs_root, "--json", check=0).stdout
+    assert json.loads(st)["status"] == "cancelled"
+    assert "rank" in ilab("logs", run_id, "-n", "3", "--runs-root", runs_root, check=0).stdout
+
+    out = ilab("resume", run_id, "--runs-root", runs_root, check=0).stdout
+    assert "attempt 2" in out
+    wait_until(lambda: RunStore(runs_root).read_state(run_id)["status"] == "running", 150, poll=1, what="attempt 2 running")
+    ilab("stop", run_id, "--no-wait", "--runs-root", runs_root, check=0)
+    w = ilab("watch", run_id, "--runs-root", runs_root, check=1)                      # ends cancelled: exit 1
+    assert "cancelled" in w.stdout and "attempt 2" in w.stdout
+    assert not run_processes(runs_root / run_id)
+
+
+def test_bad_input_exits_2_with_the_reason(config_file, runs_root):
+    r = ilab("run", config_file, "--runs-root", runs_root, "learning_rat=1e-4", check=2)
+    assert "learning_rate" in r.stderr and not runs_root.exists()
+    r = ilab("resume", "no-such-run", "--runs-root", runs_root, check=2)
+    assert "No run 'no-such-run'" in r.stderr
+    r = ilab("run", config_file, "--runs-root", runs_root, "max_steps", check=2)
+    assert "key=value" in r.stderr
+
+
+def test_demo_prints_before_and_after(demo, runs_root, tmp_path):
+    r = ilab("demo", "--path", demo.root, "--runs-root", runs_root, "--eval-limit", "40", "max_steps=12", timeout=380, check=0)
+    out = r.stdout
+    for what in ("before: held-out accuracy", "eval loss before", "training loss:", "held-out loss:", "held-out accuracy:",
+                 "throughput:", "token efficiency:"):
+        assert what in out, out
+    first, last = map(float, re.search(r"training loss:\s+([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first, out                                     # the loss fell
+    (rid,) = RunStore(runs_root).list_runs()
+    assert RunStore(runs_root).read_state(rid)["status"] == "completed"
