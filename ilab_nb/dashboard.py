@@ -6,7 +6,7 @@
 __all__ = ['TERMINAL', 'ACTIVE', 'STATUS_COLOURS', 'run_status', 'run_curves', 'smooth_ema', 'LossPlot', 'render_text',
            'Dashboard', 'LossComparison', 'compare']
 
-# %% ../nbs/08_dashboard.ipynb #b214cc49
+# %% ../nbs/08_dashboard.ipynb #8a503acb
 import html
 import io
 import json
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .monitor import RunMonitor
 
-# %% ../nbs/08_dashboard.ipynb #6ab8ca6f
+# %% ../nbs/08_dashboard.ipynb #4b840982
 __all__ = ["Dashboard", "LossPlot", "LossComparison", "compare", "render_text", "run_curves", "run_status", "smooth_ema"]
 
 TERMINAL = ("completed", "failed", "cancelled")
@@ -33,12 +33,12 @@ STATUS_COLOURS = {
     "failed": "#d93025", "cancelled": "#9334e6", "unknown": "#5f6368",
 }
 
-# %% ../nbs/08_dashboard.ipynb #f117ae41
+# %% ../nbs/08_dashboard.ipynb #7f8f0891
 def run_status(state: dict) -> str:
     "The status in a parsed `state.json` (`status`; `state` in early drafts of the contract), or `unknown`."
     return state.get("status") or state.get("state") or "unknown"
 
-# %% ../nbs/08_dashboard.ipynb #d018c60c
+# %% ../nbs/08_dashboard.ipynb #1c8b53c9
 def run_curves(records) -> dict:
     "Loss, learning-rate and eval-loss series (by step) from metric records of all attempts."
     train, evals, resumed_at = {}, {}, []
@@ -67,7 +67,7 @@ def run_curves(records) -> dict:
 def _num(v) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
-# %% ../nbs/08_dashboard.ipynb #4fc16026
+# %% ../nbs/08_dashboard.ipynb #43ff9005
 def smooth_ema(values, weight: float = 0.6) -> list[float]:
     "Debiased exponential moving average of `values` (TensorBoard's smoothing); `weight` in [0, 1)."
     if not 0 <= weight < 1:
@@ -81,7 +81,7 @@ def smooth_ema(values, weight: float = 0.6) -> list[float]:
         out.append(avg / (1 - weight**n))
     return out
 
-# %% ../nbs/08_dashboard.ipynb #3a7f8f4e
+# %% ../nbs/08_dashboard.ipynb #a1843d84
 class LossPlot:
     "One reused matplotlib `Figure` (no pyplot) of loss, smoothed loss, eval loss and learning rate; `draw()` gives PNG bytes."
 
@@ -144,7 +144,7 @@ class LossPlot:
         self.fig.savefig(buf, format="png", metadata={"Software": None})
         return buf.getvalue()
 
-# %% ../nbs/08_dashboard.ipynb #974fd826
+# %% ../nbs/08_dashboard.ipynb #66ddba76
 def _duration(s) -> str:
     if s is None or not isinstance(s, (int, float)) or not math.isfinite(s):
         return "—"
@@ -166,13 +166,15 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
         line += f": {state['reason']}"
     p = monitor.progress()
     step, total = p.get("step") or 0, p.get("total_steps")
+    if not step and not total:
+        return f"{line}\nno training step yet"
     post = f"loss={_fmt(p.get('loss'), '.4f')}, {_fmt(p.get('tokens_per_s'), ',.0f')} tok/s"
     if p.get("epoch") is not None:
         post = f"epoch={_fmt(p.get('epoch'), '.2f')}, " + post
     meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step", postfix=post)
     return f"{line}\n{meter}"
 
-# %% ../nbs/08_dashboard.ipynb #9fd4ef80
+# %% ../nbs/08_dashboard.ipynb #3affee0e
 def _in_kernel() -> bool:
     try:
         from IPython import get_ipython
@@ -432,7 +434,7 @@ def _failure_html(state: dict) -> str:
     return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
             f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
 
-# %% ../nbs/08_dashboard.ipynb #00f90ff7
+# %% ../nbs/08_dashboard.ipynb #c28221f9
 def _as_monitor(run):
     if hasattr(run, "poll") and hasattr(run, "records"):
         return run

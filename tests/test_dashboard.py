@@ -273,6 +273,8 @@ def test_text_fallback(run):
     bundle = d._repr_mimebundle_()
     assert bundle["text/plain"] == text and "application/vnd.jupyter.widget-view+json" in bundle
     assert render_text(RunMonitor(run.dir), status="queued").startswith("run-test  queued")
+    (run.dir / "metrics.jsonl").unlink()
+    assert render_text(RunMonitor(run.dir), status="queued") == "run-test  queued\nno training step yet"
     d.close()
 
 
