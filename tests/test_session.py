@@ -79,12 +79,16 @@ def test_start_is_fast_and_the_run_outlives_its_killed_parent(demo, small_train,
         from ilab_nb.session import FineTuneSession
         s = FineTuneSession.attach({info['run_id']!r}, runs_root={str(runs_root)!r})
         status = s.wait(timeout=300, progress=False)
+        model, tok = s.load_model()
+        df = s.metrics(as_frame=True)
         print(json.dumps({{"status": status, "steps": [r["step"] for r in s.metrics() if r["kind"] == "train"],
-                           "total": s.monitor.header["total_steps"], "final": s.model_path().name}}))
+                           "total": s.monitor.header["total_steps"], "final": s.model_path().name,
+                           "model": type(model).__name__, "frame_steps": int(df[df.kind == "train"].step.max())}}))
     """)
     out = json.loads(attach.communicate(timeout=330)[0].strip().splitlines()[-1])
     assert out["status"] == "completed" and out["final"] == "final"
     assert out["total"] == 16 and out["steps"] == list(range(1, 17))          # every step's metrics
+    assert out["model"].endswith("ForCausalLM") and out["frame_steps"] == 16
     assert_no_process_left(run_dir)
 
 
@@ -99,8 +103,10 @@ def test_queue_stop_resume(demo, small_train, runs_root):
     with pytest.raises(DevicesBusyError, match=a.run_id):
         make(demo, small_train, runs_root, max_steps=4, queue=False).start()
     assert len(RunStore(runs_root).list_runs()) == 2            # the refused one wrote nothing
+    c = make(demo, small_train, runs_root, max_steps=4).start()
     time.sleep(2)
     assert b.status == "queued" and not b.monitor.poll()
+    assert c.stop(timeout=30) == "cancelled" and c.reason == "stopped while queued"   # a queued run can be stopped too
 
     # stop(): graceful, checkpointed, cancelled, nothing left.
     t = time.perf_counter(); status = a.stop(timeout=120); report("stop_latency_s", time.perf_counter() - t)
