@@ -131,6 +131,8 @@ def test_queue_stop_resume(demo, small_train, runs_root):
     assert steps2 == list(range(1, len(steps2) + 1)) and len(steps2) > len(steps)
     assert [e["event"] for e in RunStore(runs_root).events(a.run_id)].count("resumed") == 1
     assert_no_process_left(a.run_dir)
+    # The supervisors were never children of this process ("the kernel"): no zombie is left behind.
+    assert not [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
 
 
 def test_killed_supervisor_and_killed_rank_fail_with_a_reason(demo, small_train, runs_root):
