@@ -1,0 +1,250 @@
+"""The dashboard as users see it: JupyterLab started on localhost by the test, Debian chromium driven by
+Playwright (Python), a short notebook that starts a real demo run (2 CPU processes) and displays its session.
+
+Asserts that the progress bar advances while the run trains, that the loss image changes, and that clicking
+Stop ends the run `cancelled` (checked through `FineTuneSession.attach` and state.json). Screenshots go to
+artifacts/ at the repository root (git-ignored). JupyterLab (its whole process group, kernels included) and
+the run's processes are always torn down. Skips, saying why, only when chromium or Playwright is missing."""
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ilab_nb.runstore import new_run_id
+from ilab_nb.session import FineTuneSession
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
+STEP_RE = re.compile(r"step (\d+)")
+
+pytestmark = pytest.mark.timeout(480)
+
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+
+
+def chromium_path():
+    "The Debian chromium binary, or None."
+    for p in ("/usr/bin/chromium", shutil.which("chromium") or "", shutil.which("chromium-browser") or ""):
+        if p and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    def __init__(self, url, token, proc, log_path):
+        self.url, self.token, self.proc, self.log_path = url, token, proc, log_path
+
+    def notebook_url(self, name):
+        return f"{self.url}/lab/tree/{name}?token={self.token}&reset"
+
+    def log(self):
+        return Path(self.log_path).read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def jupyter_lab(notebook_dir: Path, work_dir: Path, env: dict | None = None, timeout: float = 90):
+    "JupyterLab serving `notebook_dir` on 127.0.0.1; yields a `Lab`; kills its process group on exit."
+    port, token = free_port(), secrets.token_hex(16)
+    home = work_dir / "jupyter-home"
+    settings = home / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True, exist_ok=True)
+    # no news / update notification toasts over the notebook
+    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    e = {**os.environ, **(env or {}),
+         "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+         "JUPYTERLAB_SETTINGS_DIR": str(home / "lab-settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+         "IPYTHONDIR": str(home / "ipython"), "JUPYTER_PLATFORM_DIRS": "1"}
+    log_path = work_dir / "jupyterlab.log"
+    cmd = [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+           f"--ServerApp.token={token}", f"--ServerApp.root_dir={notebook_dir}", "--ServerApp.open_browser=False",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=notebook_dir, start_new_session=True)
+    lab = Lab(f"http://127.0.0.1:{port}", token, proc, log_path)
+    try:
+        end = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited with code {proc.returncode} before serving; its log:\n{lab.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{lab.url}/api/status?token={token}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError(f"JupyterLab did not answer on port {port} within {timeout} s; its log:\n{lab.log()[-3000:]}")
+            time.sleep(0.5)
+        yield lab
+    finally:
+        stop_process_group(proc)
+
+
+def stop_process_group(proc, grace: float = 10):
+    "SIGTERM the process group of `proc` (JupyterLab and its kernels), then SIGKILL what is left."
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+@contextlib.contextmanager
+def chromium_page(width: int = 1280, height: int = 1000):
+    "A Playwright page in Debian chromium (headless)."
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS, headless=True)
+        try:
+            ctx = browser.new_context(viewport={"width": width, "height": height}, device_scale_factor=1)
+            yield ctx.new_page()
+        finally:
+            browser.close()
+
+
+def run_all_cells(page, timeout_ms: int = 90_000):
+    "Wait for the notebook and an idle kernel (accepting a kernel dialog), then Run > Run All Cells."
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout_ms)
+    end = time.monotonic() + timeout_ms / 1000
+    while time.monotonic() < end:
+        dialog = page.query_selector(".jp-Dialog .jp-mod-accept")
+        if dialog is not None:
+            dialog.click()
+        status = page.query_selector(".jp-StatusBar-TextItem:has-text('|')") or page.query_selector(".jp-Notebook-ExecutionIndicator")
+        text = page.inner_text(".jp-StatusBar-Widget") if page.query_selector(".jp-StatusBar-Widget") else ""
+        if "Idle" in text and dialog is None:
+            break
+        time.sleep(0.5)
+    else:
+        raise TimeoutError("the notebook's kernel did not become idle in JupyterLab")
+    page.click(".lm-MenuBar-item:has-text('Run')")
+    page.click("li.lm-Menu-item[data-command='runmenu:run-all']")
+
+
+def progress_state(page) -> dict:
+    "What the dashboard shows now: step (from the text), bar width (%), status badge, plot image URL."
+    return page.evaluate("""() => {
+        const q = s => document.querySelector(s);
+        const text = q('.ilab-progress-text') ? q('.ilab-progress-text').innerText : '';
+        const bar = q('.ilab-progress .progress-bar');
+        const img = q('.ilab-plot');
+        return {text, width: bar ? parseFloat(bar.style.width || '0') : -1,
+                status: q('.ilab-status') ? q('.ilab-status').innerText.trim().toLowerCase() : '',
+                img: img ? img.getAttribute('src') : null};
+    }""")
+
+
+def step_of(state) -> int:
+    m = STEP_RE.search(state["text"])
+    return int(m.group(1)) if m else -1
+
+
+def poll(page, pred, timeout, what):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = progress_state(page)
+        if pred(st):
+            return st
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; the dashboard shows {progress_state(page)}")
+
+
+NOTEBOOK = """\
+from ilab_nb import FineTuneSession
+s = FineTuneSession(model={model!r}, data={data!r}, run_id={run_id!r}, num_processes=2, device="cpu",
+                    max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1, learning_rate=3e-3, max_steps=400)
+s.start()
+s.run_id, s.status
+"""
+
+
+def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, runs_root, tmp_path, monkeypatch):
+    if chromium_path() is None:
+        pytest.skip("Debian chromium is not installed (no /usr/bin/chromium): `make browser-deps` installs it with "
+                    "apt-get as root; without it the browser test cannot run.")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Playwright for Python is not importable ({e}): `pip install playwright` (dev requirement).")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ARTIFACTS.mkdir(exist_ok=True)
+    run_id = new_run_id("browser")
+    nbdir = tmp_path / "notebooks"
+    nbdir.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(NOTEBOOK.format(model=str(demo.model_dir), data=str(small_train), run_id=run_id)),
+        nbformat.v4.new_code_cell("s")])
+    nb.metadata = {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}}
+    nbformat.write(nb, nbdir / "dashboard.ipynb")
+    t0 = time.monotonic()
+    shots = []
+
+    def shot(page, name):
+        path = ARTIFACTS / f"browser-{name}.png"
+        page.locator(".ilab-dashboard").first.screenshot(path=str(path))
+        page.screenshot(path=str(ARTIFACTS / f"browser-{name}-page.png"))
+        shots.append(path.name)
+
+    try:
+        with jupyter_lab(nbdir, tmp_path) as lab, chromium_page() as page:
+            page.goto(lab.notebook_url("dashboard.ipynb"))
+            try:
+                run_all_cells(page)
+                page.wait_for_selector(".ilab-dashboard", timeout=120_000)
+                # the run starts (processes, model, data): allow a loaded 2-core machine its time
+                first = poll(page, lambda st: step_of(st) >= 1, 180, "the first training step in the dashboard")
+                shot(page, "1-training")
+                later = poll(page, lambda st: step_of(st) >= step_of(first) + 3 and st["img"] != first["img"], 90,
+                             "the progress bar and the loss image to move on")
+                shot(page, "2-later")
+                assert later["width"] > first["width"] > 0, (first, later)
+                assert later["status"] == "running", later
+                page.click(".ilab-stop")
+                stopped = poll(page, lambda st: st["status"] == "cancelled", 120, "the run to end cancelled after Stop")
+                time.sleep(1.5)  # the final refresh (Resume button, notice) reaches the page
+                shot(page, "3-cancelled")
+                assert page.is_visible(".ilab-resume") and not page.is_visible(".ilab-stop")
+                page.click("text=Log — last")  # open the collapsed log lines
+                page.wait_for_selector(".ilab-log pre", state="visible", timeout=10_000)
+                shot(page, "4-log-open")
+                assert step_of(stopped) >= step_of(later)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    page.screenshot(path=str(ARTIFACTS / "browser-failure-page.png"))
+                print("JupyterLab log (tail):\n" + lab.log()[-4000:])
+                raise
+        s = FineTuneSession.attach(run_id)
+        assert s.status == "cancelled", (s.status, s.reason, s.logs(20))
+        assert json.loads((s.run_dir / "state.json").read_text())["status"] == "cancelled"
+        assert (s.run_dir / "control" / "stop").exists()  # it was the dashboard's Stop, not a crash
+        print(f"\n[measured] browser test {time.monotonic() - t0:.1f} s; screenshots: {shots}")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            s = FineTuneSession.attach(run_id)
+            if s.status not in ("completed", "failed", "cancelled"):
+                s.stop(wait=True, timeout=60)
