@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from ilab_nb.config import TrainConfig
 from ilab_nb.demo import demo_assets
+from ilab_nb import worker
 
 BIN = Path(sys.executable).parent
 
@@ -32,8 +33,12 @@ def make_run(tmp_path, assets, name, **fields) -> Path:
     return rd
 
 
-def launch(rd: Path, nproc: int, *extra, expect_ok=True):
-    """Start the worker the way the launcher does (ARCHITECTURE.md), wait, and return the process result."""
+def launch(rd: Path, nproc: int, *extra, expect_ok=True, in_process=False):
+    """Start the worker the way the launcher does (ARCHITECTURE.md), wait, and return the process result.
+    `in_process=True` runs a one-process worker inside pytest (same `run()`, without the interpreter start-up)."""
+    if in_process:
+        assert nproc == 1 and not extra
+        return worker.run(rd)
     if nproc > 1:
         cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
@@ -124,7 +129,7 @@ def test_fields_are_honoured(tmp_path, assets):
     rd = make_run(tmp_path, assets, "f1", **common, max_steps=8, learning_rate=1e-3, warmup_steps=4,
                   lr_scheduler_type="linear", logging_steps=2, eval_split=0.05, eval_steps=4, save_steps=2,
                   save_total_limit=2, gradient_checkpointing=True)
-    launch(rd, 1)
+    launch(rd, 1, in_process=True)
     head, train = records(rd, "header")[0], records(rd, "train")
     assert head["total_steps"] == 8 and head["gradient_checkpointing"] is True
     assert [r["step"] for r in train] == [2, 4, 6, 8]
@@ -136,13 +141,13 @@ def test_fields_are_honoured(tmp_path, assets):
     r2 = make_run(tmp_path, assets, "f2", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
     r3 = make_run(tmp_path, assets, "f3", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
     r4 = make_run(tmp_path, assets, "f4", **common, max_steps=4, gradient_accumulation_steps=1, num_train_epochs=1)
-    for r in (r2, r3, r4): launch(r, 1)
+    for r in (r2, r3, r4): launch(r, 1, in_process=True)
     t2, t3, t4 = records(r2, "train"), records(r3, "train"), records(r4, "train")
     assert [x["loss"] for x in t2] == [x["loss"] for x in t3]
     assert sum(x["tokens"] for x in t2) > 1.7 * sum(x["tokens"] for x in t4)
     # max_grad_norm: a tiny clip norm leaves the model (and so the loss) almost where it started
     r5 = make_run(tmp_path, assets, "f5", **common, max_steps=4, max_grad_norm=1e-9, learning_rate=1e-2)
-    launch(r5, 1)
+    launch(r5, 1, in_process=True)
     l5 = [x["loss"] for x in records(r5, "train")]
     assert abs(l5[-1] - l5[0]) < 0.02 * l5[0] and abs(t4[-1]["loss"] - t4[0]["loss"]) > 0.05 * t4[0]["loss"]
 
@@ -152,12 +157,12 @@ def test_long_sequence_policy_and_token_budget(tmp_path, assets):
     drop = make_run(tmp_path, assets, "drop", **common, max_seq_len=48, long_sequence_policy="drop")
     trunc = make_run(tmp_path, assets, "trunc", **common, max_seq_len=48, long_sequence_policy="truncate")
     small = make_run(tmp_path, assets, "small", **common, max_tokens_per_batch=256)
-    for r in (drop, trunc, small): launch(r, 1)
+    for r in (drop, trunc, small): launch(r, 1, in_process=True)
     sd, st = records(drop, "header")[0]["data_stats"]["train"], records(trunc, "header")[0]["data_stats"]["train"]
     assert sd["dropped_too_long"] > 0 and sd["truncated"] == 0
-    assert st["truncated"] > 0 and st["dropped_too_long"] == 0 and st["max_length"] <= 48
+    assert st["truncated"] > 0 and st["max_length"] <= 48 and st["samples"] > sd["samples"]
     # a smaller per-rank token budget means more, smaller micro-batches
     big = make_run(tmp_path, assets, "big", **common, max_tokens_per_batch=1024)
-    launch(big, 1)
+    launch(big, 1, in_process=True)
     assert records(small, "train")[0]["tokens"] < records(big, "train")[0]["tokens"]
     assert records(small, "header")[0]["plan"]["computed_tokens"] <= 256
