@@ -6,7 +6,7 @@
 __all__ = ['TERMINAL', 'ACTIVE', 'STATUS_COLOURS', 'run_status', 'run_curves', 'smooth_ema', 'LRFormatter', 'LossPlot',
            'render_text', 'Dashboard', 'LossComparison', 'compare']
 
-# %% ../nbs/08_dashboard.ipynb #91e22657
+# %% ../nbs/08_dashboard.ipynb #4d665a06
 import html
 import io
 import json
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .monitor import RunMonitor
 
-# %% ../nbs/08_dashboard.ipynb #998173f9
+# %% ../nbs/08_dashboard.ipynb #9a7cbae1
 __all__ = ["Dashboard", "LRFormatter", "LossPlot", "LossComparison", "compare", "render_text", "run_curves", "run_status", "smooth_ema"]
 
 TERMINAL = ("completed", "failed", "cancelled")
@@ -33,12 +33,12 @@ STATUS_COLOURS = {
     "failed": "#d93025", "cancelled": "#9334e6", "unknown": "#5f6368",
 }
 
-# %% ../nbs/08_dashboard.ipynb #f0864be9
+# %% ../nbs/08_dashboard.ipynb #5a7547e0
 def run_status(state: dict) -> str:
     "The status in a parsed `state.json` (`status`; `state` in early drafts of the contract), or `unknown`."
     return state.get("status") or state.get("state") or "unknown"
 
-# %% ../nbs/08_dashboard.ipynb #9e96e431
+# %% ../nbs/08_dashboard.ipynb #5e54320f
 def run_curves(records) -> dict:
     "Loss, learning-rate and eval-loss series (by step) from metric records of all attempts."
     train, evals, resumed_at = {}, {}, []
@@ -67,7 +67,7 @@ def run_curves(records) -> dict:
 def _num(v) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
-# %% ../nbs/08_dashboard.ipynb #c0bd811f
+# %% ../nbs/08_dashboard.ipynb #3839a1e8
 def smooth_ema(values, weight: float = 0.6) -> list[float]:
     "Debiased exponential moving average of `values` (TensorBoard's smoothing); `weight` in [0, 1)."
     if not 0 <= weight < 1:
@@ -81,7 +81,7 @@ def smooth_ema(values, weight: float = 0.6) -> list[float]:
         out.append(avg / (1 - weight**n))
     return out
 
-# %% ../nbs/08_dashboard.ipynb #0b95049f
+# %% ../nbs/08_dashboard.ipynb #b7c1ac07
 class LRFormatter(Formatter):
     "Tick labels like `3.00e-03` with just enough digits to tell neighbouring ticks apart."
     def format_ticks(self, values):
@@ -99,7 +99,7 @@ class LRFormatter(Formatter):
     def _label(v, digits):
         return f"{v:.{digits}e}" if v else "0"
 
-# %% ../nbs/08_dashboard.ipynb #ef05ced6
+# %% ../nbs/08_dashboard.ipynb #213df904
 class LossPlot:
     "One reused matplotlib `Figure` (no pyplot) of loss, smoothed loss, eval loss and learning rate; `draw()` gives PNG bytes."
 
@@ -163,7 +163,7 @@ class LossPlot:
         self.fig.savefig(buf, format="png", metadata={"Software": None})
         return buf.getvalue()
 
-# %% ../nbs/08_dashboard.ipynb #811b3366
+# %% ../nbs/08_dashboard.ipynb #ecf1bcae
 def _duration(s) -> str:
     if s is None or not isinstance(s, (int, float)) or not math.isfinite(s):
         return "—"
@@ -193,7 +193,7 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step", postfix=post)
     return f"{line}\n{meter}"
 
-# %% ../nbs/08_dashboard.ipynb #1ab814cd
+# %% ../nbs/08_dashboard.ipynb #66346cd6
 def _in_kernel() -> bool:
     try:
         from IPython import get_ipython
@@ -420,7 +420,8 @@ class Dashboard(W.VBox):
     # -- text -----------------------------------------------------------------------------------------
     def text(self) -> str:
         "The terminal rendering of this run (see `render_text`)."
-        return render_text(self.monitor, self.status())
+        with self._lock:  # the refresh thread reads the same monitor
+            return render_text(self.monitor, self.status())
 
     def __repr__(self):
         return self.text()
@@ -452,7 +453,7 @@ def _failure_html(state: dict) -> str:
     return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
             f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
 
-# %% ../nbs/08_dashboard.ipynb #278d0a2e
+# %% ../nbs/08_dashboard.ipynb #b7528014
 def _as_monitor(run):
     if hasattr(run, "poll") and hasattr(run, "records"):
         return run

@@ -135,7 +135,6 @@ def run_all_cells(page, timeout_ms: int = 90_000):
         dialog = page.query_selector(".jp-Dialog .jp-mod-accept")
         if dialog is not None:
             dialog.click()
-        status = page.query_selector(".jp-StatusBar-TextItem:has-text('|')") or page.query_selector(".jp-Notebook-ExecutionIndicator")
         text = page.inner_text(".jp-StatusBar-Widget") if page.query_selector(".jp-StatusBar-Widget") else ""
         if "Idle" in text and dialog is None:
             break
