@@ -6,9 +6,15 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #1f2092d7
-from .config import TrainConfig, ConfigError
-from .data import DataError
-from .session import FineTuneSession
+# %% ../nbs/index.ipynb #b78b032c
+_PUBLIC = {"FineTuneSession": "ilab_nb.session", "PreflightError": "ilab_nb.session", "DevicesBusyError": "ilab_nb.session",
+           "TrainConfig": "ilab_nb.config", "ConfigError": "ilab_nb.config", "DataError": "ilab_nb.data"}
+__all__ = list(_PUBLIC)
 
-__all__ = ["FineTuneSession", "TrainConfig", "ConfigError", "DataError"]
+def __getattr__(name):
+    if name in _PUBLIC:
+        import importlib
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'ilab_nb' has no attribute {name!r}")
+
+def __dir__(): return sorted(list(globals()) + __all__)
