@@ -1,0 +1,134 @@
+"""Generate the demo's synthetic multi-turn chat data: ilab_nb/assets/demo_chat/{train,eval}.jsonl.
+
+    python tools/make_demo_data.py            # writes ilab_nb/assets/demo_chat/
+    python tools/make_demo_data.py --out DIR  # writes DIR/train.jsonl and DIR/eval.jsonl
+
+The task is an invented atlas: 24 invented countries, each with a capital, a currency and a national
+animal (72 facts). Every user turn asks one fact, in one of several phrasings, sometimes after some
+small talk, sometimes as a follow-up ("And its currency?") that names no country, so the answer depends
+on an earlier turn. Every assistant turn is the bare answer (one word), so an answer can be checked by
+exact match.
+
+"Held-out" means: no evaluation conversation appears in the training file (checked below). Every fact
+and every phrasing in the evaluation file also occurs in training; what is new is the combination,
+order, small talk and system message around them. The demo therefore measures whether the model
+learned the facts and the question forms, not knowledge of unseen facts.
+
+Standalone (standard library only) and deterministic: a fixed seed for `random.Random`, so re-running
+it writes byte-identical files.
+"""
+import argparse, json, random
+from pathlib import Path
+
+SEED = 20240611
+N_TRAIN, N_EVAL = 2400, 200
+N_COUNTRIES = 24
+
+SYLLABLES = ['ka', 'lo', 'mi', 'ra', 'to', 'ven', 'dor', 'sel', 'qua', 'bri', 'nu', 'zan', 'pel', 'vor',
+             'thi', 'gal', 'mer', 'osk', 'lun', 'fen', 'tar', 'iri', 'bel', 'cru']
+COUNTRY_ENDINGS = ['ia', 'land', 'mora', 'stan', 'ovia', 'heim']
+ANIMALS = ['otter', 'heron', 'lynx', 'badger', 'falcon', 'tortoise', 'gecko', 'walrus', 'bison', 'marten',
+           'ibis', 'puffin', 'jackal', 'mantis', 'salamander', 'osprey', 'tapir', 'ferret', 'moose',
+           'pelican', 'lemur', 'beetle', 'raven', 'seal']
+ATTRIBUTES = ['capital', 'currency', 'animal']
+
+QUESTIONS = {
+    'capital': ['What is the capital of {c}?', 'Which city is the capital of {c}?', 'Name the capital of {c}.',
+                "What's the capital city of {c}?", 'Tell me the capital of {c}.', '{c} has which capital?'],
+    'currency': ['What is the currency of {c}?', 'Which currency is used in {c}?', 'Name the currency of {c}.',
+                 'What money do people use in {c}?', 'Tell me the currency of {c}.', '{c} pays with which currency?'],
+    'animal': ['What is the national animal of {c}?', 'Which animal is the symbol of {c}?',
+               'Name the national animal of {c}.', "What's {c}'s national animal?",
+               'Tell me the national animal of {c}.', '{c} chose which national animal?'],
+}
+FOLLOW_UPS = {
+    'capital': ['And its capital?', 'What about its capital city?', 'And the capital there?'],
+    'currency': ['And its currency?', 'What about the money there?', 'And which currency does it use?'],
+    'animal': ['And its national animal?', 'What about its national animal?', 'And the animal on its flag?'],
+}
+SMALL_TALK = [
+    "I'm planning a trip next summer.", 'My cousin keeps asking me about geography.', 'Quick question.',
+    "I've been reading an old atlas this week.", 'This is for a quiz night with friends.',
+    'Sorry if this is obvious.', 'I always forget this one.', 'Help me settle a bet.',
+    'We were arguing about it at dinner yesterday and nobody could remember the answer.',
+    'My teacher mentioned it in class, but I did not write it down.',
+    'I found a postcard in a drawer and it made me curious.',
+    'I am writing a short story set in a faraway place and want the details right.',
+    "Thanks for the last answer, that was useful.", 'One more thing.',
+]
+SYSTEMS = [
+    'You are a helpful atlas. Answer with one word.',
+    'Reply with the answer only.',
+    'You are a terse geography assistant.',
+    'You are an assistant for a travel agency that specializes in small and little-known countries. '
+    'Customers ask short factual questions about capitals, currencies and national animals. '
+    'Always answer with the single word that answers the question, with no explanation and no punctuation.',
+]
+
+
+def invent_world(rng):
+    """Invented countries with a capital, a currency and a national animal each (all names distinct)."""
+    used = set()
+    def word(n_syll, ending=''):
+        while True:
+            w = (''.join(rng.choice(SYLLABLES) for _ in range(n_syll)) + ending).capitalize()
+            if w not in used: used.add(w); return w
+    animals = ANIMALS[:]; rng.shuffle(animals)
+    return [dict(country=word(2, rng.choice(COUNTRY_ENDINGS)), capital=word(rng.choice([2, 3])),
+                 currency=word(2).lower(), animal=animals[i]) for i in range(N_COUNTRIES)]
+
+
+def user_turn(rng, question):
+    """The question, after 0-3 sentences of small talk (most turns have none: a long tail of lengths)."""
+    k = rng.choices([0, 1, 2, 3], weights=[55, 25, 12, 8])[0]
+    return ' '.join(rng.sample(SMALL_TALK, k) + [question])
+
+
+def conversation(rng, world):
+    """2-3 user/assistant exchanges; a follow-up turn reuses the previous turn's country."""
+    messages = []
+    if rng.random() < 0.35: messages.append({'role': 'system', 'content': rng.choice(SYSTEMS)})
+    entry, asked = None, set()
+    for turn in range(rng.choice([2, 2, 3])):
+        follow = entry is not None and rng.random() < 0.3
+        if not follow: entry = rng.choice(world)
+        attr = rng.choice([a for a in ATTRIBUTES if (entry['country'], a) not in asked] or ATTRIBUTES)
+        asked.add((entry['country'], attr))
+        q = rng.choice(FOLLOW_UPS[attr]) if follow else rng.choice(QUESTIONS[attr]).format(c=entry['country'])
+        messages += [{'role': 'user', 'content': user_turn(rng, q)}, {'role': 'assistant', 'content': entry[attr]}]
+    return {'messages': messages}
+
+
+def make(seed=SEED):
+    """The train and eval conversation lists; eval conversations never occur in train."""
+    rng = random.Random(seed)
+    world = invent_world(rng)
+    train = [conversation(rng, world) for _ in range(N_TRAIN)]
+    seen = {json.dumps(c, sort_keys=True) for c in train}
+    evals = []
+    while len(evals) < N_EVAL:
+        c = conversation(rng, world)
+        key = json.dumps(c, sort_keys=True)
+        if key not in seen: seen.add(key); evals.append(c)
+    return train, evals
+
+
+def write_jsonl(path, rows):
+    with open(path, 'w', encoding='utf-8', newline='\n') as f:
+        for r in rows: f.write(json.dumps(r, ensure_ascii=False) + '\n')
+
+
+def main(argv=None):
+    default = Path(__file__).resolve().parent.parent / 'ilab_nb' / 'assets' / 'demo_chat'
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--out', type=Path, default=default, help=f'output folder (default: {default})')
+    out = p.parse_args(argv).out
+    out.mkdir(parents=True, exist_ok=True)
+    train, evals = make()
+    write_jsonl(out / 'train.jsonl', train)
+    write_jsonl(out / 'eval.jsonl', evals)
+    print(f'wrote {len(train)} train and {len(evals)} eval conversations to {out}')
+
+
+if __name__ == '__main__':
+    main()
