@@ -7,7 +7,7 @@ __all__ = ['SPECIAL_TOKENS', 'CHAT_TEMPLATE', 'MODEL_SHAPE', 'DEMO_VERSION', 'DE
            'build_tokenizer', 'build_model', 'DemoAssets', 'demo_assets', 'answer_prompts', 'evaluate_answers',
            'answer_loss']
 
-# %% ../nbs/10_demo.ipynb #349ddd82
+# %% ../nbs/10_demo.ipynb #9e713cda
 import hashlib, json, os, shutil, uuid
 from dataclasses import dataclass
 from importlib.resources import files
@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-# %% ../nbs/10_demo.ipynb #4b369080
+# %% ../nbs/10_demo.ipynb #80d8b20d
 def shipped_data_dir() -> Path:
     "The folder of the demo's chat data inside the installed package (`ilab_nb/assets/demo_chat`)."
     return Path(str(files("ilab_nb") / "assets" / "demo_chat"))
 
-# %% ../nbs/10_demo.ipynb #ec20f922
+# %% ../nbs/10_demo.ipynb #d0a9f8e7
 SPECIAL_TOKENS = ["<|pad|>", "<|begin_of_text|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 CHAT_TEMPLATE = (
@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
     "{% else %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
-# %% ../nbs/10_demo.ipynb #44290580
+# %% ../nbs/10_demo.ipynb #67276cb2
 def read_chat_jsonl(path: str | os.PathLike) -> list[list[dict]]:
     "The `messages` list of every line of a chat JSONL file."
     with open(path, encoding="utf-8") as f: return [json.loads(line)["messages"] for line in f if line.strip()]
@@ -48,7 +48,7 @@ def build_tokenizer(train_file: str | os.PathLike, vocab_size: int = 800):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end|>",
                                    pad_token="<|pad|>", chat_template=CHAT_TEMPLATE, model_max_length=512)
 
-# %% ../nbs/10_demo.ipynb #fc340f29
+# %% ../nbs/10_demo.ipynb #58251f2b
 MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                    intermediate_size=384, max_position_embeddings=512, tie_word_embeddings=True)
 
@@ -64,7 +64,7 @@ def build_model(tokenizer, seed: int = 0):
     model.generation_config = GenerationConfig(**ids, do_sample=False, max_new_tokens=16)
     return model
 
-# %% ../nbs/10_demo.ipynb #79d15d2a
+# %% ../nbs/10_demo.ipynb #839016c0
 DEMO_VERSION = 1   # bump when the build below changes, so existing demo folders are rebuilt
 
 @dataclass(frozen=True)
@@ -92,7 +92,15 @@ def _is_complete(root: Path) -> bool:
     try: return json.loads((root / "COMPLETE").read_text(encoding="utf-8")) == _fingerprint()
     except (OSError, ValueError): return False
 
-# %% ../nbs/10_demo.ipynb #8307593d
+_OWN_ENTRIES = {"data", "model", "COMPLETE"}
+
+def _check_replaceable(root: Path) -> None:
+    "Refuse to replace a folder that holds anything a demo build did not write."
+    if root.exists() and not (root.is_dir() and {p.name for p in root.iterdir()} <= _OWN_ENTRIES):
+        raise FileExistsError(f"demo_assets: {root} exists and is not a demo folder (it holds files other than "
+                              f"{', '.join(sorted(_OWN_ENTRIES))}); pass a new or empty path, or delete that folder")
+
+# %% ../nbs/10_demo.ipynb #c74503cf
 def _build(root: Path, seed: int = 0) -> None:
     "Write data, tokenizer, model and (last) the `COMPLETE` marker into the empty folder `root`."
     a = _assets(root)
@@ -107,9 +115,11 @@ def demo_assets(path: str | os.PathLike | None = None, force: bool = False) -> D
     "Build (or reuse) the demo's tiny Llama, tokenizer and chat data under `path`; return their paths."
     root = Path(path if path is not None else Path.home() / ".cache" / "ilab_nb" / "demo").expanduser().absolute()
     if not force and _is_complete(root): return _assets(root)
+    _check_replaceable(root)
     root.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root.parent / f".{root.name}.lock")):
         if not force and _is_complete(root): return _assets(root)   # another process built it meanwhile
+        _check_replaceable(root)
         tmp = root.parent / f".{root.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             _build(tmp)
@@ -122,7 +132,7 @@ def demo_assets(path: str | os.PathLike | None = None, force: bool = False) -> D
             shutil.rmtree(tmp, ignore_errors=True)
     return _assets(root)
 
-# %% ../nbs/10_demo.ipynb #88385ebc
+# %% ../nbs/10_demo.ipynb #b5736fa8
 def _load(model, tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if isinstance(model, (str, os.PathLike)):
@@ -136,7 +146,7 @@ def answer_prompts(conversations: list[list[dict]]) -> list[dict]:
     return [dict(conversation=i, turn=k, context=c[:k], question=c[k - 1]["content"], expected=m["content"])
             for i, c in enumerate(conversations) for k, m in enumerate(c) if m["role"] == "assistant"]
 
-# %% ../nbs/10_demo.ipynb #cbf78347
+# %% ../nbs/10_demo.ipynb #8ad1bf9a
 @torch.no_grad()
 def evaluate_answers(model, tokenizer=None, eval_file: str | os.PathLike | None = None, limit: int | None = None,
                      max_new_tokens: int = 10, batch_size: int = 64) -> dict:
@@ -163,7 +173,7 @@ def evaluate_answers(model, tokenizer=None, eval_file: str | os.PathLike | None 
     correct = sum(e["correct"] for e in examples)
     return dict(accuracy=correct / max(len(examples), 1), n=len(examples), correct=correct, examples=examples)
 
-# %% ../nbs/10_demo.ipynb #dd2a202c
+# %% ../nbs/10_demo.ipynb #ff747ffb
 @torch.no_grad()
 def answer_loss(model, tokenizer=None, eval_file: str | os.PathLike | None = None, limit: int | None = None) -> float:
     "Mean cross-entropy per assistant token (answers and their end-of-turn token) over the eval conversations."
@@ -180,9 +190,11 @@ def answer_loss(model, tokenizer=None, eval_file: str | os.PathLike | None = Non
             count += int(mask.sum())
     finally:
         model.train(was_training)
-    return total / max(count, 1)
+    if count == 0: raise ValueError("answer_loss found no assistant tokens: it needs a chat template that marks "
+                                    "assistant turns with {% generation %} (the demo tokenizer's does)")
+    return total / count
 
-# %% ../nbs/10_demo.ipynb #d9e28239
+# %% ../nbs/10_demo.ipynb #1c67b1fa
 DEMO_CONFIG: dict = dict(
     num_processes=2, strategy="fsdp", device="cpu", precision="fp32",
     max_steps=240, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, weight_decay=0.0,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ilab_nb.demo import (CHAT_TEMPLATE, DEMO_CONFIG, DemoAssets, answer_prompts, demo_assets, evaluate_answers,
+from ilab_nb.demo import (CHAT_TEMPLATE, DEMO_CONFIG, DemoAssets, answer_loss, answer_prompts, demo_assets, evaluate_answers,
                           read_chat_jsonl, shipped_data_dir)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,11 +108,22 @@ def test_incomplete_or_outdated_folder_is_rebuilt(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".demo.lock", "demo"]
 
 
+def test_a_folder_of_other_files_is_never_replaced(tmp_path):
+    (tmp_path / "mine").mkdir(); (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a demo folder"): demo_assets(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError): demo_assets(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"
+    assert (demo_assets(tmp_path / "empty").model_dir / "model.safetensors").exists()
+
+
 def test_untrained_model_answers_almost_nothing(assets):
     r = evaluate_answers(assets.model_dir, eval_file=assets.eval_file, limit=30, max_new_tokens=4)
     convs = read_chat_jsonl(assets.eval_file)[:30]
     assert r["n"] == sum(m["role"] == "assistant" for c in convs for m in c) == len(r["examples"]) > 60
     assert r["accuracy"] <= 0.05 and r["correct"] == sum(e["correct"] for e in r["examples"])
+    assert 5.5 < answer_loss(assets.model_dir, eval_file=assets.eval_file, limit=30) < 8   # ~ log(800) = 6.68
 
 
 class AnswerKey(torch.nn.Module):
