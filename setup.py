@@ -34,7 +34,7 @@ setuptools.setup(
     ],
     keywords=cfg['keywords'].split(),
     python_requires='>=' + cfg['min_python'],
-    packages=setuptools.find_packages(include=['ilab_nb', 'ilab_nb.*']),
+    packages=setuptools.find_namespace_packages(include=['ilab_nb', 'ilab_nb.*']),
     include_package_data=True,
     package_data={'ilab_nb': ['assets/*', 'assets/**/*']},
     install_requires=requirements,
