@@ -444,16 +444,15 @@ def main(argv=None):
     code = 0
     try:
         outcome = run(a.run_dir, resume=a.resume, attempt=a.attempt)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(); dist.destroy_process_group()     # every rank is done with collectives
         print(f"[ilab_nb.worker] rank {rank}: {outcome}", flush=True)
     except BaseException:
-        traceback.print_exc(); sys.stderr.flush(); code = 1
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                if code == 0: dist.destroy_process_group()
-            except Exception: pass
-    if code: os._exit(code)          # do not wait on collectives other ranks will never join
-    return 0
+        traceback.print_exc(); code = 1
+    sys.stdout.flush(); sys.stderr.flush()
+    # Leave without interpreter teardown: a failed rank must not wait on collectives the others will never
+    # join, and library threads (gloo, tokenizers) torn down at exit have aborted a finished rank here.
+    os._exit(code)
 
 # %% ../nbs/05_worker.ipynb #cb1a9c68
 #| eval: false

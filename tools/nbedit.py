@@ -12,9 +12,14 @@ def to_py(nb_path, py_path): jupytext.write(jupytext.read(nb_path), py_path, fmt
 def to_nb(py_path, nb_path):
     nb = jupytext.read(py_path, fmt='py:percent')
     nb.metadata = {'kernelspec': {'display_name': 'python3', 'language': 'python', 'name': 'python3'}}
-    for c in nb.cells:
+    try: old = nbformat.read(nb_path, as_version=4).cells   # keep cell ids (and so the library's diffs) stable
+    except FileNotFoundError: old = []
+    by_source = {c.source: c.get('id') for c in old}
+    for i, c in enumerate(nb.cells):
         c.metadata = {}
         if c.cell_type == 'code': c.outputs, c.execution_count = [], None
+        keep = by_source.get(c.source) or (old[i].get('id') if i < len(old) and len(old) == len(nb.cells) else None)
+        if keep: c['id'] = keep
     nbformat.validator.normalize(nb)
     nbformat.write(nb, nb_path)
 
