@@ -334,3 +334,9 @@ class FineTuneSession(FineTuneSession):
         except ImportError: d = None
         if d is None: print(repr(self))
         else: display(d)
+
+    @staticmethod
+    def compare(runs, labels=None, **kwargs):
+        "Overlay the loss curves of several runs (sessions, run dirs or monitors): see `ilab_nb.dashboard.compare`."
+        from ilab_nb.dashboard import compare
+        return compare(runs, labels=labels, **kwargs)
