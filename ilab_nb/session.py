@@ -16,7 +16,7 @@ from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_
 # %% auto #0
 __all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'FineTuneSession']
 
-# %% ../nbs/07_session.ipynb #47ba34eb
+# %% ../nbs/07_session.ipynb #13795b1f
 class PreflightError(ValueError):
     "A problem found before the run was started (devices, disk, model)."
 
@@ -47,6 +47,9 @@ def resolve_device(cfg) -> tuple:
                                      f"{n} GPU(s), numbered 0..{n - 1}.")
         if not cfg.devices and cfg.num_processes > n:
             raise PreflightError(f"num_processes={cfg.num_processes} on CUDA needs that many GPUs, but there are {n}; lower num_processes.")
+    if cfg.precision == "bf16" and (kind == "cpu" or not torch.cuda.is_bf16_supported()):
+        where = "on CPU" if kind == "cpu" else f"on {torch.cuda.get_device_name(0)}, which lacks bf16"
+        raise PreflightError(f"precision='bf16' (mixed) is not supported {where}; use precision='fp32'.")
     return kind, n
 
 def check_disk(cfg, runs_root) -> dict:
