@@ -122,6 +122,9 @@ def wrap_model(model, strategy: str, env: dict):
         if not blocks: raise RuntimeError(f"strategy='fsdp' needs the model's transformer blocks, but {type(model).__name__} names none in _no_split_modules.")
         for m in blocks: fully_shard(m)
         fully_shard(model)
+        total, local = sum(p.numel() for p in model.parameters()), local_param_count(model)
+        if env["world_size"] > 1 and local >= total:
+            raise RuntimeError(f"strategy='fsdp' is not in effect: this rank holds all {total} parameters after fully_shard.")
         return model
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -166,3 +166,18 @@ def test_long_sequence_policy_and_token_budget(tmp_path, assets):
     launch(big, 1, in_process=True)
     assert records(small, "train")[0]["tokens"] < records(big, "train")[0]["tokens"]
     assert records(small, "header")[0]["plan"]["computed_tokens"] <= 256
+
+
+def test_packed_layout_gives_the_same_loss_as_bucketed(tmp_path, assets):
+    """`batching` is honoured: the packed layout (one row, position_ids restarting per sequence, no attention
+    mask) and the bucketed one (padded rows) evaluate the same held-out samples to the same mean token loss,
+    because packed sequences do not see each other."""
+    common = dict(num_processes=1, strategy="single", max_steps=1, max_tokens_per_batch=512, eval_split=0.05)
+    packed = make_run(tmp_path, assets, "packed", **common, batching="packed")
+    bucketed = make_run(tmp_path, assets, "bucketed", **common, batching="bucketed")
+    for r in (packed, bucketed): launch(r, 1, in_process=True)
+    hp, hb = records(packed, "header")[0], records(bucketed, "header")[0]
+    assert (hp["layout"], hb["layout"]) == ("packed", "bucketed")
+    ep, eb = records(packed, "eval")[0], records(bucketed, "eval")[0]
+    assert ep["step"] == eb["step"] == 0 and ep["eval_tokens"] == eb["eval_tokens"] > 0
+    assert ep["eval_loss"] == pytest.approx(eb["eval_loss"], rel=1e-5)
