@@ -185,7 +185,10 @@ def save_hf(model, tokenizer, out_dir: Path, env, state_dict=None):
     "Write the model and tokenizer in Hugging Face format (rank 0 writes; every rank must call)."
     sd = state_dict if state_dict is not None else _full_state_dict(model, env)
     if env["rank"] == 0:
-        unwrap(model).save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+        hf = unwrap(model)
+        hf.config.use_cache = True          # off for training (packing needs it off); on for whoever generates
+        try: hf.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+        finally: hf.config.use_cache = False
         tokenizer.save_pretrained(out_dir)
 
 # %% ../nbs/05_worker.ipynb #c6b7d8a0

@@ -78,6 +78,7 @@ def test_fsdp_two_ranks_shard_parameters_and_split_data(tmp_path, assets):
     for c in ckpts:
         assert (rd / "checkpoints" / c / "COMPLETE").exists() and (rd / "checkpoints" / c / "distributed" / ".metadata").exists()
     m = AutoModelForCausalLM.from_pretrained(rd / "final")
+    assert m.config.use_cache                 # trained without a KV cache, saved for generation with one
     m6 = AutoModelForCausalLM.from_pretrained(rd / "checkpoints" / "step-00000006")
     m0 = AutoModelForCausalLM.from_pretrained(assets.model_dir)
     for (k, a), b, c in zip(m.state_dict().items(), m6.state_dict().values(), m0.state_dict().values()):
