@@ -18,8 +18,8 @@ from . import batching as B
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'CKPT_MARKER', 'redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps',
-           'load_model', 'wrap_model', 'unwrap', 'local_param_count', 'make_optimizer', 'make_scheduler',
-           'MetricsWriter', 'save_hf', 'save_checkpoint', 'complete_checkpoints', 'prune_checkpoints',
+           'load_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'make_optimizer',
+           'make_scheduler', 'MetricsWriter', 'save_hf', 'save_checkpoint', 'complete_checkpoints', 'prune_checkpoints',
            'load_checkpoint', 'train_step', 'evaluate', 'all_reduce_sum', 'stop_requested', 'run', 'data_seen_by_ranks',
            'write_final', 'main']
 
@@ -107,9 +107,15 @@ def load_model(cfg: TrainConfig, layout: str, device_type: str):
         cfg.model, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
         attn_implementation=B.attn_implementation_for(layout, device_type))
     model.config.use_cache = False
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:     # renamed "activation checkpointing" in recent transformers 5 releases
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+def checkpointing_in_effect(model) -> bool:
+    "Whether any block of the model recomputes its activations in the backward pass."
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 # %% ../nbs/05_worker.ipynb #050daf44
 def wrap_model(model, strategy: str, env: dict):
@@ -364,7 +370,7 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
                   precision=cfg.precision, layout=layout, attn_implementation=unwrap(model).config._attn_implementation,
                   total_steps=total, num_train_samples=len(train_ds), num_eval_samples=len(eval_ds) if eval_ds is not None else 0,
                   resumed_from_step=start if resume else None, params_total=sum(p.numel() for p in model.parameters()),
-                  params_per_rank=[int(t.item()) for t in per_rank], gradient_checkpointing=cfg.gradient_checkpointing,
+                  params_per_rank=[int(t.item()) for t in per_rank], gradient_checkpointing=checkpointing_in_effect(model),
                   plan=B.plan_stats(plan, lengths, layout), data_stats=data_stats, versions=_versions())
 
     def do_eval(step, epoch):

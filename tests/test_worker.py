@@ -132,7 +132,7 @@ def test_fields_are_honoured(tmp_path, assets):
                   save_total_limit=2, gradient_checkpointing=True)
     launch(rd, 1, in_process=True)
     head, train = records(rd, "header")[0], records(rd, "train")
-    assert head["total_steps"] == 8 and head["gradient_checkpointing"] is True
+    assert head["total_steps"] == 8 and head["gradient_checkpointing"] is True     # read off the model's blocks
     assert [r["step"] for r in train] == [2, 4, 6, 8]
     lrs = [r["learning_rate"] for r in train]          # lr after the step: warmup to 1e-3 at step 4, linear to 0
     assert lrs == pytest.approx([0.5e-3, 1e-3, 0.5e-3, 0.0])
@@ -143,6 +143,7 @@ def test_fields_are_honoured(tmp_path, assets):
     r3 = make_run(tmp_path, assets, "f3", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
     r4 = make_run(tmp_path, assets, "f4", **common, max_steps=4, gradient_accumulation_steps=1, num_train_epochs=1)
     for r in (r2, r3, r4): launch(r, 1, in_process=True)
+    assert records(r4, "header")[0]["gradient_checkpointing"] is False
     t2, t3, t4 = records(r2, "train"), records(r3, "train"), records(r4, "train")
     assert [x["loss"] for x in t2] == [x["loss"] for x in t3]
     assert sum(x["tokens"] for x in t2) > 1.7 * sum(x["tokens"] for x in t4)
