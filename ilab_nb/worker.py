@@ -359,9 +359,9 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
     autocast = ((lambda: torch.autocast(env["device_type"], dtype=torch.bfloat16)) if cfg.precision == "bf16" else nullcontext)
     pad_id = tokenizer.pad_token_id
 
-    per_rank = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    mine = torch.tensor([float(local_param_count(model))], dtype=torch.float64)
-    if world > 1: dist.all_gather(per_rank, mine.to(env["device"])) ; per_rank = [t.cpu() for t in per_rank]
+    mine = torch.tensor([float(local_param_count(model))], dtype=torch.float64, device=env["device"])
+    per_rank = [torch.zeros_like(mine) for _ in range(world)]     # on the device: nccl gathers only CUDA tensors
+    if world > 1: dist.all_gather(per_rank, mine)
     else: per_rank = [mine]
     real = sum(lengths[i] for s in steps for ms in s["micro"] for r in ms for i in r)
     plan = [ms for s in steps for ms in s["micro"]]
