@@ -1,6 +1,6 @@
 """The worker, for real: `accelerate launch` with 2 CPU processes (gloo), FSDP2 sharding, DDP, a single
 process, resume, and the config fields whose effect can be seen cheaply in the files a run writes."""
-import json, os, shutil, socket, subprocess, sys
+import json, os, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -10,13 +10,9 @@ from transformers import AutoModelForCausalLM
 from ilab_nb.config import TrainConfig
 from ilab_nb.demo import demo_assets
 from ilab_nb import worker
+from ilab_nb.launcher import free_port
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
