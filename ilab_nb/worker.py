@@ -19,9 +19,9 @@ from . import batching as B
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'CKPT_MARKER', 'redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps',
            'load_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'make_optimizer',
-           'make_scheduler', 'MetricsWriter', 'save_hf', 'save_checkpoint', 'complete_checkpoints', 'prune_checkpoints',
-           'load_checkpoint', 'train_step', 'evaluate', 'all_reduce_sum', 'stop_requested', 'run', 'data_seen_by_ranks',
-           'write_final', 'main']
+           'make_scheduler', 'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'complete_checkpoints',
+           'prune_checkpoints', 'load_checkpoint', 'train_step', 'evaluate', 'all_reduce_sum', 'stop_requested', 'run',
+           'data_seen_by_ranks', 'write_final', 'quiet_progress_bars', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -160,7 +160,7 @@ def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
-# %% ../nbs/05_worker.ipynb #1c2510fc
+# %% ../nbs/05_worker.ipynb #a87a124d
 SCHEMA_VERSION = 1
 
 class MetricsWriter:
@@ -172,8 +172,23 @@ class MetricsWriter:
         if self.f is None: return
         rec = dict(schema=SCHEMA_VERSION, kind=kind, run_id=self.run_id, attempt=self.attempt, time=time.time(), **fields)
         self.f.write(json.dumps(rec) + "\n"); self.f.flush(); os.fsync(self.f.fileno())
+        print(log_line(rec), flush=True)           # and a line a person reads in logs/rank-0.log
     def close(self):
         if self.f is not None: self.f.close()
+
+# %% ../nbs/05_worker.ipynb #f65122b1
+def log_line(rec: dict) -> str:
+    "A one-line human summary of a metrics record, for the rank-0 log."
+    k = rec["kind"]
+    if k == "train":
+        return (f"step {rec['step']}/{rec['total_steps']} epoch {rec['epoch']:.2f} loss {rec['loss']:.4f} "
+                f"lr {rec['learning_rate']:.3g} grad_norm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s")
+    if k == "eval": return f"eval at step {rec['step']}: loss {rec['eval_loss']:.4f} over {rec['eval_tokens']} tokens"
+    if k == "header":
+        return (f"{rec['world_size']} x {rec['device_type']} ({rec['backend'] or 'no process group'}, {rec['strategy']}, "
+                f"{rec['precision']}, {rec['layout']} batches), {rec['total_steps']} steps")
+    return f"{rec.get('event', k)} at step {rec.get('step')}" + (f": {rec['path']}" if rec.get("path") else "") + (
+        f": {rec['error']}" if rec.get("error") else "")
 
 # %% ../nbs/05_worker.ipynb #a06de83d
 CKPT_MARKER = "COMPLETE"
@@ -445,13 +460,20 @@ def write_final(run_dir: Path, model, tokenizer, env):
         os.replace(tmp, final)
     _barrier(env)
 
-# %% ../nbs/05_worker.ipynb #1e5ae961
+# %% ../nbs/05_worker.ipynb #fc61c474
+def quiet_progress_bars():
+    "Turn off the progress bars of datasets and transformers (this process writes to a log file)."
+    import datasets, transformers
+    datasets.disable_progress_bars(); transformers.utils.logging.disable_progress_bar()
+
+# %% ../nbs/05_worker.ipynb #963abeb0
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m ilab_nb.worker", description="ilab_nb training process (one per rank).")
     p.add_argument("run_dir"); p.add_argument("--resume", default=None); p.add_argument("--attempt", type=int, default=1)
     a = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     redirect_output(Path(a.run_dir) / "logs" / f"rank-{rank}.log")
+    quiet_progress_bars()
     print(f"[ilab_nb.worker] rank {rank} pid {os.getpid()} attempt {a.attempt} run_dir {a.run_dir}", flush=True)
     code = 0
     try:
