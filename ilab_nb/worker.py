@@ -378,7 +378,6 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
     per_rank = [torch.zeros_like(mine) for _ in range(world)]     # on the device: nccl gathers only CUDA tensors
     if world > 1: dist.all_gather(per_rank, mine)
     else: per_rank = [mine]
-    real = sum(lengths[i] for s in steps for ms in s["micro"] for r in ms for i in r)
     plan = [ms for s in steps for ms in s["micro"]]
     metrics.write("header", world_size=world, backend=env["backend"], strategy=cfg.strategy,
                   distributed_type=env["distributed_type"], device=str(env["device"]), device_type=env["device_type"],
@@ -409,15 +408,14 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
         out = train_step(model, optimizer, scheduler, s["micro"], train_ds, loss_tokens, cfg, env, autocast, pad_id)
         seen.update(i for ms in s["micro"] for i in ms[rank])
         win_loss[0] += out["loss_sum"]; win_loss[1] += out["loss_tokens"]
-        real_win = sum(lengths[i] for ms in s["micro"] for r in ms for i in r)
-        win_tok += real_win
+        win_tok += sum(lengths[i] for ms in s["micro"] for r in ms for i in r)
         if step % cfg.logging_steps == 0 or step == total:
             tot = all_reduce_sum(win_loss.clone(), env); tot[1] = win_loss[1]      # token count is global already
             dt = max(time.time() - win_t, 1e-9)
             last = dict(step=step, total_steps=total, epoch=round(s["epoch_float"], 4), loss=float(tot[0] / max(tot[1], 1)),
                         learning_rate=scheduler.get_last_lr()[0], grad_norm=out["grad_norm"], tokens=int(tot[1]),
                         tokens_per_s=float(tot[1]) / dt, real_tokens_per_s=win_tok / dt,
-                        efficiency=B.plan_stats([ms for ms in s["micro"]], lengths, layout)["efficiency"],
+                        efficiency=B.plan_stats(s["micro"], lengths, layout)["efficiency"],
                         elapsed_s=time.time() - t0, peak_mem_mb=_peak_mem_mb(env))
             metrics.write("train", **last)
             win_t, win_loss, win_tok = time.time(), torch.zeros(2, dtype=torch.float64), 0
