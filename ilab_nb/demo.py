@@ -32,8 +32,9 @@ CHAT_TEMPLATE = (
 
 # %% ../nbs/10_demo.ipynb #67276cb2
 def read_chat_jsonl(path: str | os.PathLike) -> list[list[dict]]:
-    "The `messages` list of every line of a chat JSONL file."
-    with open(path, encoding="utf-8") as f: return [json.loads(line)["messages"] for line in f if line.strip()]
+    "The `messages` list of every conversation of a chat JSONL file (validated by `ilab_nb.data.load_chat_records`)."
+    from ilab_nb.data import load_chat_records
+    return [r["messages"] for r in load_chat_records(path)]
 
 def build_tokenizer(train_file: str | os.PathLike, vocab_size: int = 800):
     "A byte-level BPE tokenizer trained on the conversations in `train_file`, wrapped for transformers."
