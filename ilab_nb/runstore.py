@@ -12,7 +12,7 @@ import psutil
 from filelock import FileLock
 
 # %% auto #0
-__all__ = ['STATES', 'TERMINAL', 'HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'StateError',
+__all__ = ['STATES', 'TERMINAL', 'HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RANKS_DIR', 'RUN_ID_RE', 'RUN_ENV', 'StateError',
            'default_runs_root', 'validate_run_id', 'new_run_id', 'ProcessRef', 'write_json_atomic', 'read_json',
            'append_jsonl', 'run_processes', 'kill_run_processes', 'RunStore']
 
@@ -22,6 +22,7 @@ TERMINAL = frozenset({"completed", "failed", "cancelled"})
 HEARTBEAT_S = 2.0       # the supervisor writes a heartbeat this often
 STALE_S = 60.0          # a heartbeat older than this means a hung supervisor
 SPAWN_GRACE_S = 60.0    # a queued run with no supervisor yet is given this long to get one
+RANKS_DIR = "ranks"     # each rank writes its own account of itself there, rank-N.json
 
 class StateError(RuntimeError):
     "A state transition the run store refuses (for instance out of a terminal state)."

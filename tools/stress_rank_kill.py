@@ -1,0 +1,62 @@
+"""Stress check (not in the default suite): SIGKILL one rank of a real 2-rank FSDP run, N times in a row, and count
+how often the failure reason names the killed rank (issue: the reason must not depend on which exit the launcher
+happened to see first).
+
+    .venv/bin/python tools/stress_rank_kill.py            # 20 runs, rank 1 killed each time
+    .venv/bin/python tools/stress_rank_kill.py -n 10 --rank 0
+
+Each run: a fresh FineTuneSession on the demo model (2 CPU processes, FSDP), wait for its first train record, kill the
+rank, wait for `failed`, check `failed_rank` and that the reason says "rank R ... SIGKILL". Exit code 0 only at N/N.
+"""
+import argparse, os, signal, sys, tempfile, time
+from pathlib import Path
+
+from ilab_nb.demo import demo_assets
+from ilab_nb.monitor import RunMonitor
+from ilab_nb.runstore import run_processes
+from ilab_nb.session import FineTuneSession
+
+
+def wait(pred, timeout, what):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v: return v
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+
+
+def one(i, rank, assets, train, root):
+    s = FineTuneSession(assets.model_dir, train, runs_root=root, run_id=f"stress-{i:02d}", num_processes=2, device="cpu",
+                        max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1, max_steps=100000).start()
+    m = RunMonitor(s.run_dir)
+    wait(lambda: (m.poll(), m.train_records)[1], 300, "the first train record")
+    victim = wait(lambda: [p for p in run_processes(s.run_dir) if p.environ().get("RANK") == str(rank)
+                           and "ilab_nb.worker" in " ".join(p.cmdline())], 30, f"rank {rank}")[0]
+    victim.send_signal(signal.SIGKILL)
+    wait(lambda: s.status == "failed", 120, "the run to fail")
+    st = s.state
+    ok = st.get("failed_rank") == rank and f"rank {rank} was killed by signal SIGKILL" in st["reason"]
+    wait(lambda: not run_processes(s.run_dir), 30, "every process of the run to end")
+    return ok, st["reason"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=20); ap.add_argument("--rank", type=int, default=1)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="ilab-stress-"))
+    os.environ.setdefault("ILAB_NB_LOCKS", str(tmp / "locks"))
+    assets = demo_assets(tmp / "demo")
+    train = tmp / "train.jsonl"
+    train.write_text("".join(Path(assets.train_file).read_text().splitlines(keepends=True)[:200]))
+    named = 0
+    for i in range(a.n):
+        ok, reason = one(i, a.rank, assets, train, tmp / "runs")
+        named += ok
+        print(f"run {i + 1:2d}/{a.n}: {'named' if ok else 'WRONG'}: {reason[:220]}", flush=True)
+    print(f"\nthe reason named the killed rank {a.rank} in {named}/{a.n} runs")
+    return 0 if named == a.n else 1
+
+
+if __name__ == "__main__": sys.exit(main())
