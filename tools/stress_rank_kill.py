@@ -14,6 +14,8 @@ Each run: a fresh FineTuneSession on the demo model (2 CPU processes, FSDP), wai
 rank, wait for `failed`, check `failed_rank` and that the reason says "rank R ... SIGKILL". Exit code 0 only at N/N.
 """
 import argparse, os, signal, sys, tempfile, time
+
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))   # run the clean-up below when told to stop
 from pathlib import Path
 
 from ilab_nb.demo import demo_assets
@@ -35,6 +37,12 @@ def one(i, rank, assets, train, root, launcher_args):
     s = FineTuneSession(assets.model_dir, train, runs_root=root, run_id=f"stress-{i:02d}", num_processes=2, device="cpu",
                         max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1, max_steps=100000,
                         launcher_args=launcher_args).start()
+    try: return kill_and_judge(s, rank)
+    finally:
+        if s.status not in ("completed", "failed", "cancelled"): s.stop(grace_s=0, timeout=60)   # interrupted
+
+
+def kill_and_judge(s, rank):
     m = RunMonitor(s.run_dir)
     wait(lambda: (m.poll(), m.train_records)[1], 300, "the first train record")
     victim = wait(lambda: [p for p in run_processes(s.run_dir) if p.environ().get("RANK") == str(rank)
