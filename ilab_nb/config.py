@@ -123,6 +123,7 @@ _DESCRIPTIONS = dict(
     strategy="Distribution strategy: fsdp (sharded parameters), ddp (replicated), or single (one process).",
     device="Where to train: auto (CUDA when available, else CPU), cpu, or cuda.",
     devices="GPU indices to use (one per process); None = the first num_processes free GPUs.",
+    oversubscribe_cpus="Allow a CPU run more processes than this machine's CPU slots ($ILAB_NB_CPU_SLOTS or the core count); slower, and it holds every slot.",
     precision="Parameter/compute precision: fp32, or bf16 mixed precision.",
     num_train_epochs="Number of passes over the training data (ignored when max_steps > 0).",
     max_steps="Total optimizer steps; > 0 overrides num_train_epochs, -1 = use num_train_epochs.",
@@ -167,6 +168,7 @@ class TrainConfig(BaseModel):
     strategy: Literal["fsdp", "ddp", "single"] = _f("strategy", "fsdp")
     device: Literal["auto", "cpu", "cuda"] = _f("device", "auto")
     devices: list[int] | None = _f("devices", None, min_length=1)
+    oversubscribe_cpus: bool = _f("oversubscribe_cpus", False)
     precision: Literal["fp32", "bf16"] = _f("precision", "fp32")
     num_train_epochs: float = _f("num_train_epochs", 1.0, gt=0)
     max_steps: int = _f("max_steps", -1)

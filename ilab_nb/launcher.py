@@ -28,10 +28,14 @@ def cpu_slots() -> int:
     "How many CPU processes may train at once on this machine: `$ILAB_NB_CPU_SLOTS`, else the core count."
     return max(1, int(os.environ.get("ILAB_NB_CPU_SLOTS") or os.cpu_count() or 1))
 
-def device_request(kind, num_processes, devices=None, gpu_count=None) -> dict:
-    "The slots a run needs: `{kind, pool, need}`; CPU runs take `min(num_processes, cpu_slots())` CPU slots."
+def device_request(kind, num_processes, devices=None, gpu_count=None, oversubscribe=False) -> dict:
+    "The slots a run needs: `{kind, pool, need}`; a CPU run takes one CPU slot per process, or every slot when `oversubscribe`."
     if kind == "cpu":
-        n = cpu_slots(); return {"kind": "cpu", "pool": [f"cpu-{i}" for i in range(n)], "need": min(num_processes, n)}
+        n = cpu_slots(); req = {"kind": "cpu", "pool": [f"cpu-{i}" for i in range(n)], "need": min(num_processes, n)}
+        if num_processes <= n: return req
+        if not oversubscribe: raise ValueError(f"{num_processes} CPU processes need {num_processes} CPU slots, but this machine has {n} "
+                                               "($ILAB_NB_CPU_SLOTS or the core count); lower num_processes or set oversubscribe_cpus=True.")
+        return {**req, "oversubscribed": True, "ranks": num_processes}
     if kind != "cuda": raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
     if devices: return {"kind": "cuda", "pool": [f"gpu-{i}" for i in devices], "need": len(devices)}
     return {"kind": "cuda", "pool": [f"gpu-{i}" for i in range(gpu_count or num_processes)], "need": num_processes}

@@ -14,7 +14,8 @@ from .monitor import RunMonitor
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 
 # %% auto #0
-__all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'FineTuneSession']
+__all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
+           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'FineTuneSession']
 
 # %% ../nbs/07_session.ipynb #13795b1f
 class PreflightError(ValueError):
@@ -79,8 +80,10 @@ def check_model(cfg):
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
     from ilab_nb.data import load_chat_records, load_tokenizer, ensure_chat_template, tokenize_chat
+    check_runs_root(runs_root)
     records = load_chat_records(cfg.data)
     n_eval = len(load_chat_records(cfg.eval_data)) if cfg.eval_data else 0
+    model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
     mp = Path(cfg.model).expanduser()
     if mp.exists() and not (mp / "config.json").is_file():
         raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
@@ -93,9 +96,84 @@ def preflight(cfg, runs_root) -> dict:
         raise PreflightError(f"the first conversation ({records[0]['source']}) has no assistant tokens to learn from "
                              "after the chat template; check its roles.")
     kind, n_gpus = resolve_device(cfg)
+    cpus = check_cpu_slots(cfg, kind)
     disk = check_disk(cfg, runs_root)
     return {"device": kind, "gpu_count": n_gpus, "num_train_records": len(records), "num_eval_records": n_eval,
-            "sample_tokens": len(sample["input_ids"]), **disk}
+            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), **cpus, **disk}
+
+# %% ../nbs/07_session.ipynb #98e632b6
+import errno, tempfile
+from .launcher import cpu_slots
+
+_VIRTUAL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
+               "pstore", "efivarfs", "fusectl", "binfmt_misc", "mqueue", "autofs"}
+
+def mount_of(path) -> tuple:
+    "`(mount point, filesystem type)` of the filesystem that holds the existing `path`."
+    import psutil
+    p, best = os.path.realpath(path), ("/", "")
+    for part in psutil.disk_partitions(all=True):
+        m = part.mountpoint
+        if (p == m or p.startswith(m.rstrip("/") + "/")) and len(m) >= len(best[0]): best = (m, part.fstype)
+    return best
+
+# %% ../nbs/07_session.ipynb #f11bb66e
+def check_runs_root(root) -> Path:
+    "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
+    root = Path(root).expanduser().absolute(); p = root
+    while not os.path.lexists(p): p = p.parent
+    what = f"runs_root {root}" + (f": {p}" if p != root else "")
+    if p.is_symlink() and not p.exists():
+        raise PreflightError(f"{what} is a symbolic link to {os.readlink(p)}, which does not exist; choose another runs_root.")
+    if not p.is_dir():
+        raise PreflightError(f"{what} is a file, not a directory; choose a directory for the runs (runs_root= or $ILAB_NB_RUNS).")
+    mount, fs = mount_of(p)
+    if fs in _VIRTUAL_FS:
+        raise PreflightError(f"runs_root {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; "
+                             "choose a directory on a disk (runs_root= or $ILAB_NB_RUNS).")
+    try: fd, probe = tempfile.mkstemp(dir=p, prefix=".ilab_nb-probe-")
+    except OSError as e:
+        why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user (EACCES)",
+               errno.EPERM: "is not writable by this user (EPERM)"}.get(e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
+        raise PreflightError(f"{what} {why}; choose a writable directory (runs_root= or $ILAB_NB_RUNS).") from None
+    os.close(fd); os.unlink(probe)
+    return p
+
+# %% ../nbs/07_session.ipynb #25f0b299
+def check_cpu_slots(cfg, kind) -> dict:
+    "`{cpu_slots, oversubscribed}` of a CPU run, refusing more processes than slots without `oversubscribe_cpus`."
+    if kind != "cpu":
+        if cfg.oversubscribe_cpus: raise PreflightError("oversubscribe_cpus=True is for CPU runs, but this run is on CUDA; drop it.")
+        return {}
+    n, src = cpu_slots(), ("$ILAB_NB_CPU_SLOTS" if os.environ.get("ILAB_NB_CPU_SLOTS") else "its core count")
+    if cfg.num_processes > n and not cfg.oversubscribe_cpus:
+        raise PreflightError(f"num_processes={cfg.num_processes} asks for {cfg.num_processes} CPU processes, but this machine has {n} "
+                             f"CPU slot(s) ({src}); lower num_processes to {n}, or set oversubscribe_cpus=True to run "
+                             f"{cfg.num_processes} processes on {n} slot(s) anyway (slower; the run holds every slot).")
+    return {"cpu_slots": n, "oversubscribed": cfg.num_processes > n}
+
+# %% ../nbs/07_session.ipynb #e38c636c
+def resolve_hub_model(model, timeout=5.0) -> str:
+    "`model` if it is a local path; for a hub id its folder in the local HF cache, else the id once the hub knows it."
+    from ilab_nb.data import _HUB_ID
+    if Path(model).expanduser().exists() or not _HUB_ID.match(model): return model
+    import huggingface_hub as hf
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    try: return hf.snapshot_download(model, local_files_only=True)
+    except HFValidationError as e: raise PreflightError(f"model={model!r} is not a local directory (relative paths are taken from "
+                                                         f"{Path.cwd()}) nor a valid hub id ({e}).") from None
+    except Exception: pass      # not in the cache
+    where = (f"model={model!r} is not a local directory (relative paths are taken from {Path.cwd()}) and not in the "
+             f"Hugging Face cache ({hf.constants.HF_HUB_CACHE})")
+    fix = "download the model where there is network and pass its local directory."
+    if hf.is_offline_mode(): raise PreflightError(f"{where}, and HF_HUB_OFFLINE is set, so the hub was not asked: {fix}")
+    try: hf.model_info(model, timeout=timeout)
+    except RepositoryNotFoundError: raise PreflightError(f"{where}, and the hub ({hf.constants.ENDPOINT}) has no public model of that "
+                                                         "name: check the name, or pass a local directory.") from None
+    except HfHubHTTPError: pass  # the hub answered (gated, rate-limited, ...): loading the tokenizer says more
+    except Exception as e: raise PreflightError(f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: "
+                                                f"{type(e).__name__}: {e}): {fix}") from None
+    return model
 
 # %% ../nbs/07_session.ipynb #2bc3375b
 def _resolve_paths(cfg, config):
@@ -153,7 +231,8 @@ class FineTuneSession:
 class FineTuneSession(FineTuneSession):
     def _request(self):
         kind = (self.preflight or {}).get("device") or ("cpu" if self.config.device == "cpu" else "cuda")
-        return device_request(kind, self.config.num_processes, self.config.devices, (self.preflight or {}).get("gpu_count"))
+        return device_request(kind, self.config.num_processes, self.config.devices, (self.preflight or {}).get("gpu_count"),
+                              oversubscribe=self.config.oversubscribe_cpus)
 
     def start(self) -> "FineTuneSession":
         "Start the run in the background and return at once."
