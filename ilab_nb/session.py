@@ -81,9 +81,9 @@ def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
     from ilab_nb.data import load_chat_records, load_tokenizer, ensure_chat_template, tokenize_chat
     check_runs_root(runs_root)
+    model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
     records = load_chat_records(cfg.data)
     n_eval = len(load_chat_records(cfg.eval_data)) if cfg.eval_data else 0
-    model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
     mp = Path(cfg.model).expanduser()
     if mp.exists() and not (mp / "config.json").is_file():
         raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "

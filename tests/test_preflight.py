@@ -1,0 +1,139 @@
+"""Issue 7, items 4, 6 and 7: what FineTuneSession's preflight refuses before anything is written or launched —
+more CPU processes than CPU slots (unless oversubscribe_cpus), a runs_root that cannot hold runs, a hub id that
+neither the local cache nor the network can serve — and the over-subscribed run that is allowed, with real
+processes."""
+import os, shutil, subprocess, sys, textwrap
+from pathlib import Path
+
+import pytest
+
+from ilab_nb.launcher import free_port
+from ilab_nb.session import FineTuneSession, PreflightError
+from conftest import run_processes_under, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+FIELDS = dict(device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1, learning_rate=1e-3)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def listing(d): return sorted(p.name for p in Path(d).iterdir())
+
+
+# --- item 4: more ranks than CPU slots ---------------------------------------------------------------------------
+
+def test_more_cpu_processes_than_slots_is_refused_with_the_numbers(demo, small_train, runs_root, tmp_path, monkeypatch):
+    before = listing(tmp_path)
+    with pytest.raises(PreflightError) as e:       # the fixture sets ILAB_NB_CPU_SLOTS=2
+        FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=4, **FIELDS)
+    msg = str(e.value)
+    assert "asks for 4 CPU processes, but this machine has 2 CPU slot(s) ($ILAB_NB_CPU_SLOTS)" in msg, msg
+    assert "oversubscribe_cpus=True" in msg and "lower num_processes to 2" in msg, msg
+    monkeypatch.delenv("ILAB_NB_CPU_SLOTS")
+    n = os.cpu_count()
+    with pytest.raises(PreflightError) as e:
+        FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=n + 1, **FIELDS)
+    assert f"asks for {n + 1} CPU processes, but this machine has {n} CPU slot(s) (its core count)" in str(e.value), str(e.value)
+    assert listing(tmp_path) == before and not runs_root.exists()
+
+
+def test_start_never_launches_more_ranks_than_slots(demo, small_train, runs_root, monkeypatch):
+    s = FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=2, **FIELDS)
+    monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "1")     # the machine's slots shrank between construction and start()
+    with pytest.raises(ValueError, match="2 CPU processes need 2 CPU slots, but this machine has 1"):
+        s.start()
+    assert not runs_root.exists() and not run_processes_under(runs_root)
+
+
+def test_oversubscribed_run_holds_every_slot_and_launches_its_ranks(demo, small_train, runs_root):
+    """3 ranks on 2 CPU slots with oversubscribe_cpus: the supervisor holds both slots, the request in state.json says it
+    over-subscribes, and accelerate is launched with 3 processes. (Training it to the end, measured once: completed, world
+    size 3, in 107 s on this 2-core machine under a load of 13 — too slow for the suite, so the run is stopped once launched.)"""
+    s = FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=3, oversubscribe_cpus=True,
+                        max_steps=2, **FIELDS)
+    assert s.preflight["cpu_slots"] == 2 and s.preflight["oversubscribed"] is True and not runs_root.exists()
+    s.start()
+    st = wait_until(lambda: (lambda st: st if st.get("command") else None)(s.state), 120, what="the supervisor to launch the ranks")
+    assert st["request"] == {"kind": "cpu", "pool": ["cpu-0", "cpu-1"], "need": 2, "oversubscribed": True, "ranks": 3}
+    assert st["slots"] == ["cpu-0", "cpu-1"] and st["preflight"]["oversubscribed"] is True
+    cmd = st["command"]
+    assert cmd[cmd.index("--num_processes") + 1] == "3" and "--multi_gpu" in cmd
+    assert s.stop(grace_s=0, timeout=120) == "cancelled"
+    wait_until(lambda: not run_processes_under(runs_root), 30, what="every process of the run to end")
+
+
+# --- item 6: a runs_root that cannot hold runs --------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["a file", "below a file", "under /proc"])
+def test_unusable_runs_root_is_refused_at_construction(case, demo, small_train, tmp_path):
+    (tmp_path / "f").write_text("not a directory\n")
+    root, words = {"a file": (tmp_path / "f", [f"runs_root {tmp_path / 'f'} is a file, not a directory"]),
+                   "below a file": (tmp_path / "f" / "runs", [f"runs_root {tmp_path / 'f' / 'runs'}: {tmp_path / 'f'} is a file, not a directory"]),
+                   "under /proc": (Path("/proc/ilab-nb-runs"), ["runs_root /proc/ilab-nb-runs is under /proc, a virtual filesystem (proc)"]),
+                   }[case]
+    before = listing(tmp_path)
+    with pytest.raises(PreflightError) as e:
+        FineTuneSession(demo.model_dir, small_train, runs_root=root, num_processes=2, **FIELDS)
+    for w in words: assert w in str(e.value), str(e.value)
+    assert "choose" in str(e.value) and listing(tmp_path) == before
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    "A directory nobody may write: a read-only tmpfs mount as root (root ignores permission bits), else chmod 555."
+    d = tmp_path / "ro"; d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555); yield d, "is not writable by this user (EACCES)"; d.chmod(0o755); return
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0: pytest.skip(f"running as root, but cannot mount a read-only tmpfs to test with: {r.stderr.strip()}")
+    try: yield d, "is on a read-only filesystem (EROFS)"
+    finally: subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the root itself", "below it"])
+def test_read_only_runs_root_is_refused_at_construction(below, read_only_dir, demo, small_train):
+    d, why = read_only_dir
+    root = d / "runs" if below else d
+    with pytest.raises(PreflightError) as e:
+        FineTuneSession(demo.model_dir, small_train, runs_root=root, num_processes=2, **FIELDS)
+    assert f"runs_root {root}" + (f": {d}" if below else "") + f" {why}" in str(e.value), str(e.value)
+    assert listing(d) == []
+
+
+# --- item 7: a hub id with no network ------------------------------------------------------------------------------
+
+HUB_SCRIPT = """
+    import sys
+    from ilab_nb.session import FineTuneSession, PreflightError
+    data, runs = sys.argv[1:3]
+    try: FineTuneSession("gpt2", data, runs_root=runs, num_processes=1, strategy="single", device="cpu"); print("accepted")
+    except PreflightError as e: print(e)
+"""
+
+
+@pytest.mark.parametrize("how", ["hub unreachable", "HF_HUB_OFFLINE"])
+def test_hub_id_without_network_fails_fast_with_a_sentence(how, small_train, tmp_path):
+    hf = tmp_path / "hf"     # an empty Hugging Face cache, in a fresh process (the hub library reads HF_HOME at import)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path / "home"), HF_HOME=str(hf),
+               **{"hub unreachable": {"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}, "HF_HUB_OFFLINE": {"HF_HUB_OFFLINE": "1"}}[how])
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(HUB_SCRIPT), str(small_train), str(tmp_path / "runs")],
+                       env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    msg = r.stdout.strip().splitlines()[-1]
+    assert msg.startswith("model='gpt2' is not a local directory") and f"not in the Hugging Face cache ({hf / 'hub'})" in msg, msg
+    assert (("HF_HUB_OFFLINE is set" in msg) if how == "HF_HUB_OFFLINE" else ("no network to the hub" in msg)), msg
+    assert "pass its local directory" in msg, msg
+    assert "Retry" not in r.stderr and "thrown while requesting" not in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_hub_id_in_the_local_cache_runs_from_its_snapshot(demo, small_train, runs_root, tmp_path, monkeypatch):
+    import huggingface_hub
+    snap = tmp_path / "hub" / "models--someorg--tiny" / "snapshots" / "0123456789abcdef"
+    shutil.copytree(demo.model_dir, snap)
+    (snap.parents[1] / "refs").mkdir(); (snap.parents[1] / "refs" / "main").write_text(snap.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))   # as HF_HOME would at import
+    s = FineTuneSession("someorg/tiny", small_train, runs_root=runs_root, num_processes=2, **FIELDS)
+    assert s.config.model == str(snap) and s.preflight["model_id"] == "someorg/tiny"
+    assert s.preflight["weights_bytes"] > 0 and not runs_root.exists()
