@@ -166,7 +166,8 @@ def resolve_hub_model(model, timeout=5.0) -> str:
     where = (f"model={model!r} is not a local directory (relative paths are taken from {Path.cwd()}) and not in the "
              f"Hugging Face cache ({hf.constants.HF_HUB_CACHE})")
     fix = "download the model where there is network and pass its local directory."
-    if hf.is_offline_mode(): raise PreflightError(f"{where}, and HF_HUB_OFFLINE is set, so the hub was not asked: {fix}")
+    offline = hf.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")  # also set after import
+    if offline: raise PreflightError(f"{where}, and HF_HUB_OFFLINE is set, so the hub was not asked: {fix}")
     try: hf.model_info(model, timeout=timeout)
     except RepositoryNotFoundError: raise PreflightError(f"{where}, and the hub ({hf.constants.ENDPOINT}) has no public model of that "
                                                          "name: check the name, or pass a local directory.") from None
