@@ -10,15 +10,16 @@ import json
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # %% auto #0
-__all__ = ['ConfigError', 'TrainConfig', 'load_config']
+__all__ = ['DataSources', 'ConfigError', 'InMemoryData', 'data_sources', 'TrainConfig', 'load_config']
 
 # %% ../nbs/00_config.ipynb #d2fc62df
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -115,7 +116,8 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
 # %% ../nbs/00_config.ipynb #3431a32a
 _DESCRIPTIONS = dict(
     model="Model to fine-tune: a local Hugging Face model directory or a hub id.",
-    data="Training data: chat JSONL files or a directory saved with datasets.Dataset.save_to_disk (a single path is accepted).",
+    data=("Training data: chat files (JSONL, JSON array, Parquet), directories of them, glob patterns, a directory saved "
+          "with datasets.Dataset.save_to_disk, or in memory a datasets.Dataset, a pandas DataFrame or a list of dicts."),
     eval_data="Evaluation data in the same formats as `data`; None = no separate eval set.",
     eval_split="Fraction of `data` held out for evaluation when eval_data is None (0 = none).",
     eval_steps="Evaluate every N optimizer steps; None = at the end of each epoch (when there is eval data).",
@@ -154,14 +156,60 @@ _DESCRIPTIONS = dict(
 def _f(name: str, default: Any = ..., **kw) -> Any:
     return Field(default, description=_DESCRIPTIONS[name], **kw)
 
+# %% ../nbs/00_config.ipynb #faee1b31
+class InMemoryData:
+    "Chat data held by this process (a datasets.Dataset, a pandas DataFrame or a list of dicts), named for messages."
+    def __init__(self, obj, kind: str, name: str): self.obj, self.kind, self.name, self.records = obj, kind, name, None
+    def __len__(self): return len(self.obj)
+    def __repr__(self): return f"<{self.name}, {len(self):,} row{'s' if len(self) != 1 else ''} in memory>"
+    def __deepcopy__(self, memo): return self   # copies of a config share the data; it is never copied
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        from pydantic_core import core_schema
+        return core_schema.is_instance_schema(cls)
+
+def _memory_kind(v) -> str | None:
+    "'Dataset', 'DataFrame' or None; a DatasetDict or a streamed dataset is refused with what to do."
+    ds, pd = sys.modules.get("datasets"), sys.modules.get("pandas")
+    if pd is not None and isinstance(v, pd.DataFrame): return "DataFrame"
+    if ds is None: return None
+    if isinstance(v, ds.Dataset): return "Dataset"
+    if isinstance(v, ds.DatasetDict):
+        raise ValueError(f"a DatasetDict with splits {list(v)}; give one split, e.g. data=dd['train'], eval_data=dd['test']")
+    if isinstance(v, ds.IterableDataset):
+        raise ValueError("a streamed IterableDataset cannot be validated before the run; materialize it first, "
+                         "e.g. datasets.Dataset.from_list(list(it.take(n)))")
+    return None
+
+def data_sources(v, field: str = "data") -> list:
+    "What `data=`/`eval_data=` was given, as a list of paths (str) and `InMemoryData`."
+    label = "the " if field == "data" else f"the {field} "
+    if isinstance(v, (str, os.PathLike, InMemoryData)): v = [v]
+    elif (kind := _memory_kind(v)) is not None: return [InMemoryData(v, kind, label + kind)]
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"got {type(v).__name__}; give file paths, glob patterns, directories, a datasets.Dataset, "
+                         "a pandas DataFrame or a list of dicts")
+    if v and isinstance(v[0], dict): return [InMemoryData(list(v), "list", label + "list")]
+    out = []
+    for i, x in enumerate(v):
+        if isinstance(x, (str, InMemoryData)): out.append(x)
+        elif isinstance(x, os.PathLike): out.append(os.fspath(x))
+        elif (kind := _memory_kind(x)) is not None: out.append(InMemoryData(x, kind, f"{label}{kind} (item {i} of the list)"))
+        else: raise ValueError(f"item {i} of the list is {type(x).__name__}; give file paths, glob patterns, directories, "
+                               "a datasets.Dataset, a pandas DataFrame or a list of dicts")
+    return out
+
+DataSources = Annotated[list[str | InMemoryData], BeforeValidator(lambda v, info: data_sources(v, info.field_name))]
+
 # %% ../nbs/00_config.ipynb #06678648
 class TrainConfig(BaseModel):
     "Every setting of one fine-tuning run, validated."
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str = _f("model", min_length=1)
-    data: list[str] = _f("data", min_length=1)
-    eval_data: list[str] | None = _f("eval_data", None, min_length=1)
+    data: DataSources = _f("data", min_length=1)
+    eval_data: DataSources | None = _f("eval_data", None, min_length=1)
     eval_split: float = _f("eval_split", 0.0, ge=0, lt=1)
     eval_steps: int | None = _f("eval_steps", None, ge=1)
     num_processes: int = _f("num_processes", 2, ge=1)
@@ -303,6 +351,9 @@ class TrainConfig(BaseModel):
     def to_json(self, path: str | os.PathLike) -> Path:
         "Write `model_dump(mode='json')` to `path` (indent 2); returns the path."
         p = Path(path)
+        mem = [d for d in self.data + (self.eval_data or []) if isinstance(d, InMemoryData)]
+        if mem: raise ValueError(f"{mem[0].name} is held in memory and cannot be written to a config file; write it to a "
+                                 "file first (FineTuneSession.start() writes it into the run directory)")
         p.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8")
         return p
 
@@ -310,6 +361,7 @@ class TrainConfig(BaseModel):
         "A copy whose local paths (those that exist relative to `base_dir`) are absolute; hub ids are untouched."
         base = Path(base_dir).expanduser()
         def res(p: str) -> str:
+            if not isinstance(p, str): return p   # data held in memory
             q = Path(p).expanduser()
             if q.is_absolute(): return str(q)
             return str((base / q).resolve()) if (base / q).exists() else p
