@@ -15,80 +15,142 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+import glob
+
 import datasets
 from filelock import FileLock
 
-# %% auto #0
-__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'DEFAULT_CHAT_TEMPLATE', 'DataError', 'load_chat_records', 'ensure_chat_template',
-           'render_chat', 'tokenize_chat', 'build_dataset', 'split_records', 'load_tokenizer']
+from .config import InMemoryData, data_sources
 
-# %% ../nbs/01_data.ipynb #da977d75
-MAX_DATA_ERRORS = 10
+# %% auto #0
+__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'SHAREGPT_ROLES', 'SHAPES', 'DATA_SUFFIXES', 'DEFAULT_CHAT_TEMPLATE', 'DataError',
+           'load_chat_records', 'ensure_chat_template', 'render_chat', 'tokenize_chat', 'length_note', 'build_dataset',
+           'split_records', 'write_chat_jsonl', 'load_tokenizer']
+
+# %% ../nbs/01_data.ipynb #44c1ccad
+MAX_DATA_ERRORS = 5
 
 def _where(path, line, unit: str = "line") -> str:
     if path is None: return ""
-    return f"{path}, {unit} {line}: " if line is not None else f"{path}: "
+    if line is None: return f"{path}: "
+    if unit == "index": return f"row {line} of {path}: "   # data in memory: 0-based, as Python indexes it
+    return f"{path}, {unit} {line}: "
 
+def _problem(message: str, path=None, line=None, unit: str = "line", hint: str | None = None) -> dict:
+    path = None if path is None else str(path)
+    return dict(path=path, line=line, message=message, text=_where(path, line, unit) + message, hint=hint)
+
+# %% ../nbs/01_data.ipynb #da977d75
 class DataError(ValueError):
-    "Invalid training data; `path` and `line` locate the first problem, `.errors` lists all found."
+    "Invalid training data; `path` and `line` locate the first problem, `.errors` lists the first few, `.count` all."
     def __init__(self, message: str, path: str | os.PathLike | None = None, line: int | None = None,
-                 errors: list[dict] | None = None, unit: str = "line"):
+                 errors: list[dict] | None = None, unit: str = "line", count: int | None = None):
         self.message, self.path, self.line = message, None if path is None else str(path), line
-        self.errors = list(errors) if errors else [
-            dict(path=self.path, line=line, message=message, text=_where(self.path, line, unit) + message)]
-        text = self.errors[0]["text"]
-        if len(self.errors) > 1:
-            more = len(self.errors) - 1
-            text += f"\n... and {more} more problem{'s' if more > 1 else ''}"
-            if len(self.errors) >= MAX_DATA_ERRORS: text += f" (stopped after {MAX_DATA_ERRORS}; there may be more)"
-            text += ":\n" + "\n".join(f"  {e['text']}" for e in self.errors[1:])
+        self.errors = list(errors) if errors else [_problem(message, path, line, unit)]
+        self.count = max(count or 0, len(self.errors))
+        text, shown = self.errors[0]["text"], self.errors[1:]
+        if self.count > 1:
+            more = self.count - 1
+            text += f"\n... and {more:,} more problem{'s' if more > 1 else ''}" + (f" ({len(shown)} shown)" if len(shown) < more else "")
+            text += (":" if shown else "") + "".join(f"\n  {e['text']}" for e in shown)
+        for h in dict.fromkeys(e.get("hint") for e in self.errors if e.get("hint")): text += "\n" + h
         super().__init__(text)
 
-    def __reduce__(self): return (DataError, (self.message, self.path, self.line, self.errors))
+    def __reduce__(self): return (DataError, (self.message, self.path, self.line, self.errors, "line", self.count))
 
     @classmethod
-    def collected(cls, errors: list[dict]) -> "DataError":
-        "One error carrying several problems (dicts as in `.errors`); the first is the headline."
+    def collected(cls, errors: list[dict], count: int | None = None) -> "DataError":
+        "One error carrying several problems (dicts as in `.errors`, `count` in all); the first is the headline."
         e = errors[0]
-        return cls(e["message"], e["path"], e["line"], errors=errors)
+        return cls(e["message"], e["path"], e["line"], errors=errors, count=count)
 
-def _problem(message: str, path=None, line=None, unit: str = "line") -> dict:
-    return dict(path=None if path is None else str(path), line=line, message=message,
-                text=_where(None if path is None else str(path), line, unit) + message)
+# %% ../nbs/01_data.ipynb #21ddac19
+class _Problems(list):
+    "Problems found so far: the first `MAX_DATA_ERRORS` kept, all counted."
+    count = 0
+    def add(self, p: dict):
+        self.count += 1
+        if len(self) < MAX_DATA_ERRORS: self.append(p)
+    def merge(self, e: DataError):
+        for p in e.errors: self.add(p)
+        self.count += e.count - len(e.errors)
+    def raise_if_any(self):
+        if self.count: raise DataError.collected(list(self), self.count)
 
-# %% ../nbs/01_data.ipynb #29c2c2e2
+# %% ../nbs/01_data.ipynb #28de64db
 ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+SHAPES = ('Accepted rows: {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}; '
+          'ShareGPT {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}; '
+          'Alpaca {"instruction": ..., "input": ... (optional), "output": ...}; '
+          'or {"input": ..., "output": ..., "system": ... (optional)}.')
 
-class _Bad(Exception): pass
+class _Bad(Exception):
+    def __init__(self, message: str, hint: str | None = None): super().__init__(message); self.hint = hint
 
 def _json_type(v) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
             int: "a number", float: "a number"}.get(type(v), type(v).__name__)
 
-def _chat_messages(obj: Any) -> list[dict]:
-    "The validated `[{'role', 'content'}, ...]` of one record (a `messages` or an `input`/`output` row)."
+def _text(obj: dict, key: str, optional: bool = False) -> str | None:
+    "The non-empty string `obj[key]` (None when optional and absent)."
+    v = obj.get(key)
+    if v is None and optional: return None
+    if not isinstance(v, str) or not v.strip():
+        raise _Bad(f"'{key}' must be a non-empty string" + ("" if v is None else f", got {_json_type(v)}"))
+    return v
+
+# %% ../nbs/01_data.ipynb #a5f4f313
+def _sharegpt_messages(turns) -> list:
+    "The messages of a ShareGPT `conversations` list (`from`/`value` turns)."
+    if not isinstance(turns, list) or not turns:
+        raise _Bad(f"'conversations' must be a non-empty list of {{\"from\", \"value\"}} objects, got {_json_type(turns)}"
+                   + (" (empty)" if turns == [] else ""))
+    out = []
+    for i, t in enumerate(turns, 1):
+        if not isinstance(t, dict) or "from" not in t:
+            raise _Bad(f"conversation turn {i} must be an object with 'from' and 'value', got "
+                       + (f"keys {', '.join(map(repr, t))}" if isinstance(t, dict) else _json_type(t)))
+        role = SHAREGPT_ROLES.get(t["from"])
+        if role is None: raise _Bad(f"conversation turn {i} has unknown 'from' {t['from']!r} (expected human, gpt or system)")
+        out.append({"role": role, "content": t.get("value")})
+    return out
+
+# %% ../nbs/01_data.ipynb #4a29271a
+def _alpaca_messages(obj: dict) -> list:
+    "An Alpaca row (`instruction`, optional `input`, `output`) as a user and an assistant message."
+    instruction, extra = _text(obj, "instruction"), obj.get("input")
+    if extra is not None and not isinstance(extra, str): raise _Bad(f"'input' must be a string, got {_json_type(extra)}")
+    user = instruction + (f"\n\n{extra}" if extra and extra.strip() else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": _text(obj, "output")}]
+
+def _input_output_messages(obj: dict) -> list:
+    "An `input`/`output` row (optional `system`) as messages."
+    q, a = _text(obj, "input"), _text(obj, "output")
+    s = obj.get("system")
+    if s is not None and (not isinstance(s, str) or not s.strip()): raise _Bad("'system' must be a non-empty string when given")
+    return ([{"role": "system", "content": s}] if s is not None else []) + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+# %% ../nbs/01_data.ipynb #bca4da90
+def _row_messages(obj: Any) -> list:
+    "The messages of one row of any accepted shape, not yet checked."
     if not isinstance(obj, dict): raise _Bad(f"expected a JSON object, got {_json_type(obj)}")
     if obj.get("messages") is not None:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise _Bad(f"'messages' must be a non-empty list of {{\"role\", \"content\"}} objects, got {_json_type(msgs)}"
                        + (" (empty)" if msgs == [] else ""))
-    elif obj.get("input") is not None or obj.get("output") is not None:
-        for k in ("input", "output"):
-            v = obj.get(k)
-            if not isinstance(v, str) or not v.strip():
-                raise _Bad(f"'{k}' must be a non-empty string" + ("" if v is None else f", got {_json_type(v)}"))
-        sys_ = obj.get("system")
-        if sys_ is not None and (not isinstance(sys_, str) or not sys_.strip()):
-            raise _Bad("'system' must be a non-empty string when given")
-        msgs = ([{"role": "system", "content": sys_}] if sys_ is not None else []) + [
-            {"role": "user", "content": obj["input"]}, {"role": "assistant", "content": obj["output"]}]
-    else:
-        keys = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
-        raise _Bad(f"no 'messages' list (and no 'input'/'output' pair); keys found: {keys}. "
-                   'Expected {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}')
+        return msgs
+    if obj.get("conversations") is not None: return _sharegpt_messages(obj["conversations"])
+    if obj.get("instruction") is not None: return _alpaca_messages(obj)
+    if obj.get("input") is not None or obj.get("output") is not None: return _input_output_messages(obj)
+    keys = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
+    raise _Bad(f"a row of unknown shape (keys: {keys})", hint=SHAPES)
+
+def _chat_messages(obj: Any) -> list[dict]:
+    "The validated `[{'role', 'content'}, ...]` of one row of any accepted shape."
     out = []
-    for i, m in enumerate(msgs, 1):
+    for i, m in enumerate(_row_messages(obj), 1):
         if not isinstance(m, dict): raise _Bad(f"message {i} must be an object with 'role' and 'content', got {_json_type(m)}")
         role = m.get("role")
         if role is None: raise _Bad(f"message {i} has no 'role'")
@@ -105,19 +167,55 @@ def _chat_messages(obj: Any) -> list[dict]:
         raise _Bad("no assistant message: there is nothing to train on")
     return out
 
+# %% ../nbs/01_data.ipynb #638cbc6d
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+_SHAPE_COLUMNS = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"input", "output"})
+
+def _check_columns(columns, where) -> None:
+    "A table whose columns fit no accepted shape is one error."
+    if not any(s <= set(columns) for s in _SHAPE_COLUMNS):
+        raise DataError.collected([_problem(f"has columns {sorted(map(str, columns))}, which fit none of the accepted shapes",
+                                            where, hint=SHAPES)])
+
+def _is_saved_dataset(p: Path) -> bool:
+    return any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+def _files(path: str) -> list[Path]:
+    "The data files (or saved dataset directories) that one data path names."
+    p = Path(path).expanduser()
+    if p.is_dir() and not _is_saved_dataset(p):
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
+        if not files:
+            raise DataError("is a directory without .jsonl, .json or .parquet files, and not a dataset saved with "
+                            "datasets.Dataset.save_to_disk", path)
+        return files
+    if not p.exists() and re.search(r"[*?[]", path):
+        hits = sorted(glob.glob(os.path.expanduser(path), recursive=True))
+        if not hits: raise DataError(f"no file matches this pattern (relative patterns are taken from {Path.cwd()})", path)
+        return [f for h in hits for f in _files(h)]
+    if not p.exists(): raise DataError(f"file not found (relative paths are taken from {Path.cwd()})", path)
+    return [p]
+
 # %% ../nbs/01_data.ipynb #c92a9c14
 def _dataset_rows(path: Path):
     "Rows of a directory saved with `datasets.Dataset.save_to_disk`."
     try: ds = datasets.load_from_disk(str(path))
     except FileNotFoundError:
-        raise DataError("is a directory but not a dataset saved with datasets.Dataset.save_to_disk "
-                        "(give JSONL files or such a directory)", path) from None
+        raise DataError("is a directory but not a dataset saved with datasets.Dataset.save_to_disk", path) from None
     if isinstance(ds, datasets.DatasetDict):
         raise DataError(f"is a DatasetDict with splits {list(ds)}; save one split, e.g. dd['train'].save_to_disk(...)", path)
-    cols = set(ds.column_names)
-    if "messages" not in cols and not {"input", "output"} <= cols:
-        raise DataError(f"has columns {sorted(cols)}; expected a 'messages' column or 'input' and 'output' columns", path)
-    return ds
+    _check_columns(ds.column_names, path)
+    return enumerate(ds.with_format(None), 1)
+
+def _parquet_rows(path: Path):
+    "Rows of a Parquet file, a batch at a time."
+    import pyarrow.parquet as pq
+    try: f = pq.ParquetFile(path)
+    except Exception as e: raise DataError(f"is not a readable Parquet file ({type(e).__name__}: {e})", path) from None
+    _check_columns(f.schema_arrow.names, path)
+    n = 0
+    for batch in f.iter_batches(batch_size=1024):
+        for row in batch.to_pylist(): n += 1; yield n, row
 
 def _jsonl_rows(path: Path):
     "`(line_number, parsed object or _Bad)` for each non-blank line of a JSONL file."
@@ -130,36 +228,93 @@ def _jsonl_rows(path: Path):
             try: yield n, json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as e: yield n, _Bad(f"malformed JSON: {e.msg} (column {e.colno})")
 
-# %% ../nbs/01_data.ipynb #58552fb3
-def load_chat_records(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict]:
-    "Read and validate chat data files; `[{'messages': [...], 'source': 'file:line'}, ...]` or `DataError`."
-    if isinstance(paths, (str, os.PathLike)): paths = [paths]
-    paths = list(paths)
-    if not paths: raise DataError("no data files given")
-    records, problems = [], []
-    for path in paths:
-        if len(problems) >= MAX_DATA_ERRORS: break
-        p = Path(path).expanduser()
-        if not p.exists():
-            problems.append(_problem(f"file not found (relative paths are taken from {Path.cwd()})", path)); continue
-        n_before, unit = len(records), "line"
-        try:
-            if p.is_dir():
-                unit, rows = "row", enumerate(_dataset_rows(p), 1)
-            else:
-                rows = _jsonl_rows(p)
-            for n, obj in rows:
-                try:
-                    if isinstance(obj, _Bad): raise obj
-                    records.append({"messages": _chat_messages(obj), "source": f"{path}:{n}"})
-                except _Bad as e:
-                    problems.append(_problem(str(e), path, n, unit))
-                    if len(problems) >= MAX_DATA_ERRORS: break
-        except DataError as e: problems += e.errors; continue
-        except OSError as e: problems.append(_problem(f"cannot read: {e}", path)); continue
-        if len(records) == n_before and not any(q["path"] == str(path) for q in problems):
-            problems.append(_problem("no records (the file is empty or has only blank lines)", path))
-    if problems: raise DataError.collected(problems[:MAX_DATA_ERRORS])
+# %% ../nbs/01_data.ipynb #c48e1725
+_WS = re.compile(r"[ \t\r\n]*")
+
+def _json_array_rows(text: str):
+    "`(line, item)` of each item of the JSON array in `text`; `_Bad` where it stops parsing."
+    dec, i, line, at = json.JSONDecoder(), _WS.match(text, text.index("[") + 1).end(), 1, 0
+    while not text.startswith("]", i):
+        line, at = line + text.count("\n", at, i), i
+        try: obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e: yield e.lineno, _Bad(f"malformed JSON: {e.msg} (column {e.colno})"); return
+        yield line, obj
+        i = _WS.match(text, i).end()
+        if text.startswith(",", i): i = _WS.match(text, i + 1).end()
+        elif not text.startswith("]", i):
+            yield line + text.count("\n", at, i), _Bad("malformed JSON: expected ',' or ']' after an array item"); return
+
+def _json_rows(path: Path):
+    "Rows of a `.json` file: the items of a top-level array, else its JSON Lines."
+    raw = path.read_bytes()
+    try: text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError: text = ""
+    if text.lstrip().startswith("["): yield from _json_array_rows(text)
+    else: yield from _jsonl_rows(path)
+
+# %% ../nbs/01_data.ipynb #38e6a8d0
+def _plain(v):
+    "A pandas/NumPy value as plain Python: arrays as lists, NumPy scalars as numbers, NaN and NA as None."
+    if isinstance(v, dict): return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)): return [_plain(x) for x in v]
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)): return _plain(v.tolist())
+    if (isinstance(v, float) and v != v) or type(v).__name__ == "NAType": return None
+    return v
+
+def _memory_rows(data: InMemoryData):
+    "`(index, row)` of data held in memory."
+    if data.kind == "list": yield from enumerate(data.obj); return
+    if data.kind == "DataFrame":
+        _check_columns(list(data.obj.columns), data.name)
+        yield from ((i, _plain(r)) for i, r in enumerate(data.obj.to_dict("records"))); return
+    _check_columns(data.obj.column_names, data.name)
+    yield from enumerate(data.obj.with_format(None))
+
+# %% ../nbs/01_data.ipynb #f1b324f7
+def _rows(p: Path) -> tuple[str, Any]:
+    "(position unit, `(position, row)` pairs) of one data file or saved dataset."
+    if p.is_dir(): return "row", _dataset_rows(p)
+    with open(p, "rb") as f: magic = f.read(4)
+    if magic == b"PAR1": return "row", _parquet_rows(p)
+    return "line", (_json_rows(p) if p.suffix.lower() == ".json" else _jsonl_rows(p))
+
+def _collect(rows, where, unit, records: list, problems: _Problems, empty: str) -> None:
+    "Validate `(position, row)` pairs into `records`; each bad row is a problem."
+    n_before, bad_before = len(records), problems.count
+    try:
+        for n, obj in rows:
+            try:
+                if isinstance(obj, _Bad): raise obj
+                records.append({"messages": _chat_messages(obj), "source": f"{where}:{n}"})
+            except _Bad as e: problems.add(_problem(str(e), where, n, unit, e.hint))
+    except DataError as e: problems.merge(e); return
+    except OSError as e: problems.add(_problem(f"cannot read: {e}", where)); return
+    if len(records) == n_before and problems.count == bad_before: problems.add(_problem(empty, where))
+
+# %% ../nbs/01_data.ipynb #3a73b55e
+def load_chat_records(sources) -> list[dict]:
+    "Read and validate chat data (paths, globs, directories, or data in memory); `[{'messages', 'source'}, ...]` or `DataError`."
+    try: sources = data_sources(sources)
+    except ValueError as e: raise DataError(f"data {e}") from None
+    if not sources: raise DataError("no data files given")
+    records, problems = [], _Problems()
+    for src in sources:
+        if isinstance(src, InMemoryData):
+            if src.records is None:
+                mine = []
+                _collect(_memory_rows(src), src.name, "index", mine, problems, "no records (it is empty)")
+                if problems.count == 0: src.records = mine
+            records += src.records or []
+            continue
+        try: files = _files(src)
+        except DataError as e: problems.merge(e); continue
+        for f in files:
+            where = src if files == [Path(src).expanduser()] else str(f)   # a path as the user wrote it, else the file found
+            try: unit, rows = _rows(f)
+            except DataError as e: problems.merge(e); continue
+            except OSError as e: problems.add(_problem(f"cannot read: {e}", where)); continue
+            _collect(rows, where, unit, records, problems, "no records (the file is empty or has only blank lines)")
+    problems.raise_if_any()
     return records
 
 # %% ../nbs/01_data.ipynb #2cbc5ca1
@@ -210,7 +365,7 @@ def tokenize_chat(messages: list[dict], tokenizer) -> dict[str, list[int]]:
         raise DataError(f"{type(tokenizer).__name__} is not a fast tokenizer; assistant tokens are located with the "
                         "offset mapping, which needs one (a tokenizer.json, loaded with AutoTokenizer)")
     text, spans = render_chat(messages, tokenizer)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)   # lengths: see build_dataset
     labels, k = [], 0
     for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):   # token starts never decrease
         while k < len(spans) and spans[k][1] <= s: k += 1                 # skip spans that end before this token
@@ -219,7 +374,7 @@ def tokenize_chat(messages: list[dict], tokenizer) -> dict[str, list[int]]:
     return {"input_ids": list(enc["input_ids"]), "labels": labels}
 
 # %% ../nbs/01_data.ipynb #cc0128b0
-_TOKENIZE_VERSION = "ilab_nb.data/1"   # bump when the tokenization below changes, to invalidate caches
+_TOKENIZE_VERSION = "ilab_nb.data/2"   # bump when the tokenization below changes, to invalidate caches
 
 def _fingerprint(records, tokenizer, max_seq_len, policy) -> str:
     h = hashlib.sha256()
@@ -234,7 +389,7 @@ def _split_source(source: str):
     return (path, int(line)) if path and line.isdigit() else (source or None, None)
 
 def _tokenize_batch(batch, tokenizer, max_seq_len: int, policy: str):
-    out = {k: [] for k in ("input_ids", "labels", "length", "num_loss_tokens", "status", "source")}
+    out = {k: [] for k in ("input_ids", "labels", "length", "num_loss_tokens", "status", "source", "full_length")}
     for msgs, src in zip(batch["messages"], batch["source"]):
         try: t = tokenize_chat(msgs, tokenizer)
         except DataError as e: raise DataError(e.message, *_split_source(src)) from None
@@ -248,8 +403,27 @@ def _tokenize_batch(batch, tokenizer, max_seq_len: int, policy: str):
             status, ids, labels = ("too_long" if status == "truncated" else "no_loss"), [], []
         out["input_ids"].append(ids); out["labels"].append(labels)
         out["length"].append(len(ids) if ids else n); out["num_loss_tokens"].append(n_loss if ids else 0)
-        out["status"].append(status); out["source"].append(src)
+        out["status"].append(status); out["source"].append(src); out["full_length"].append(n)
     return out
+
+# %% ../nbs/01_data.ipynb #74c83b2f
+def _samples(n: int) -> str: return f"{n:,} sample{'s' if n != 1 else ''}"
+
+def length_note(stats: dict, model_max_length: int | None = None) -> str | None:
+    "One sentence on the samples dropped or truncated, and the longest length; None when all were kept whole."
+    parts, lim, of = [], f"max_seq_len={stats['max_seq_len']:,} tokens", f" of {stats['records']:,}" if stats.get("records") else ""
+    if stats["policy"] == "truncate" and (stats["truncated"] or stats["dropped_too_long"]):
+        parts.append(f"{_samples(stats['truncated'] + stats['dropped_too_long'])}{of} were longer than {lim} and were truncated "
+                     f"(the longest had {stats['longest']:,} tokens)" + (f"; {stats['dropped_too_long']:,} of them were then dropped, "
+                     "as no assistant token was left" if stats["dropped_too_long"] else ""))
+    elif stats["dropped_too_long"]:
+        parts.append(f"{_samples(stats['dropped_too_long'])}{of} were longer than {lim} and were dropped "
+                     f"(the longest has {stats['longest']:,} tokens); raise max_seq_len to keep them")
+    if stats["dropped_no_loss"]: parts.append(f"{_samples(stats['dropped_no_loss'])} without any assistant token to learn were dropped")
+    if model_max_length and model_max_length < 10**9 and stats["max_length"] > model_max_length:
+        parts.append(f"samples of up to {stats['max_length']:,} tokens are kept, more than the tokenizer's model_max_length="
+                     f"{model_max_length:,}: check that the model takes sequences this long")
+    return "; ".join(parts) or None
 
 # %% ../nbs/01_data.ipynb #4b96a1f5
 def build_dataset(records: list[dict], tokenizer, max_seq_len: int,
@@ -267,22 +441,25 @@ def build_dataset(records: list[dict], tokenizer, max_seq_len: int,
     if cache is not None: cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache / f"tokenized-{fp}.lock")) if cache else contextlib.nullcontext():   # one writer per cache file
         ds, counts = _tokenize_and_select(ds, kw, cache, fp, max_seq_len, policy)
-    ds = ds.remove_columns(["status", "source"])
+    ds = ds.remove_columns(["status", "source", "full_length"])
     lengths, n_loss = ds["length"], ds["num_loss_tokens"]
     stats = dict(samples=len(ds), dropped_too_long=counts["too_long"], truncated=counts["truncated"],
                  dropped_no_loss=counts["no_loss"], tokens=int(sum(lengths)), loss_tokens=int(sum(n_loss)),
-                 max_length=int(max(lengths)), mean_length=float(sum(lengths) / len(lengths)))
+                 max_length=int(max(lengths)), mean_length=float(sum(lengths) / len(lengths)),
+                 longest=counts["longest"], max_seq_len=max_seq_len, policy=policy, records=len(records))
+    stats["note"] = length_note(stats, getattr(tokenizer, "model_max_length", None))
     return ds, stats
 
 def _tokenize_and_select(ds, kw, cache, fp, max_seq_len, policy):
     ds = ds.map(_tokenize_batch, **kw, **({"cache_file_name": str(cache / f"tokenized-{fp}.arrow")} if cache else {}))
     counts = Counter(ds["status"])
+    counts["longest"] = max(ds["full_length"])
     if policy == "error" and counts["too_long"]:
         bad = [(s, n) for s, n, st in zip(ds["source"], ds["length"], ds["status"]) if st == "too_long"]
         raise DataError.collected([
             _problem(f"sample is {n} tokens long, more than max_seq_len={max_seq_len}; raise max_seq_len, shorten the "
                      "sample, or set long_sequence_policy to 'drop' or 'truncate'", *_split_source(s))
-            for s, n in bad[:MAX_DATA_ERRORS]])
+            for s, n in bad[:MAX_DATA_ERRORS]], count=len(bad))
     keep = [i for i, st in enumerate(ds["status"]) if st in ("ok", "truncated")]
     if not keep:
         raise DataError(f"no trainable sample left out of {len(ds)}: {counts['too_long']} longer than max_seq_len="
@@ -304,6 +481,19 @@ def split_records(records: list[dict], fraction: float, seed: int) -> tuple[list
     idx = list(range(n)); random.Random(seed).shuffle(idx)
     held = set(idx[:n_eval])
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+# %% ../nbs/01_data.ipynb #68553a54
+def write_chat_jsonl(records: list[dict], path: str | os.PathLike) -> Path:
+    "Write chat records to `path` as JSONL (`{'messages': [...]}` per line), atomically; returns the path."
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records: f.write(json.dumps({"messages": r["messages"]}, ensure_ascii=False) + "\n")
+            f.flush(); os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally: tmp.unlink(missing_ok=True)
+    return path
 
 # %% ../nbs/01_data.ipynb #7e6dd93e
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

@@ -88,7 +88,7 @@ def test_utf8_bom_is_accepted(tmp_path):
     ('{"messages": [', "malformed JSON: Expecting value"),
     ('[1, 2]', "expected a JSON object, got an array"),
     ('"text"', "expected a JSON object, got a string"),
-    ('{"text": "hi"}', "no 'messages' list (and no 'input'/'output' pair); keys found: 'text'"),
+    ('{"text": "hi"}', "a row of unknown shape (keys: 'text')"),
     ('{"messages": []}', "'messages' must be a non-empty list"),
     ('{"messages": "hi"}', "'messages' must be a non-empty list"),
     ('{"messages": ["hi"]}', "message 1 must be an object with 'role' and 'content', got a string"),
@@ -126,7 +126,8 @@ def test_problems_are_collected_up_to_a_limit(tmp_path):
     many = write_jsonl(tmp_path / "many.jsonl", [bad] * 50)
     with pytest.raises(DataError) as ei:
         load_chat_records(many)
-    assert len(ei.value.errors) == MAX_DATA_ERRORS and "there may be more" in str(ei.value)
+    assert len(ei.value.errors) == MAX_DATA_ERRORS and ei.value.count == 50
+    assert "... and 49 more problems (4 shown):" in str(ei.value) and len(str(ei.value).splitlines()) == 6
     e2 = pickle.loads(pickle.dumps(ei.value))
     assert str(e2) == str(ei.value) and e2.errors == ei.value.errors
 
@@ -157,7 +158,7 @@ def test_saved_dataset_directories(tmp_path):
         load_chat_records(tmp_path / "io")
     assert ei.value.line == 2
     datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "txt"))
-    with pytest.raises(DataError, match="expected a 'messages' column"):
+    with pytest.raises(DataError, match=r"has columns \['text'\], which fit none of the accepted shapes"):
         load_chat_records(tmp_path / "txt")
     datasets.DatasetDict(train=datasets.Dataset.from_list([{"input": "q", "output": "a"}])).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match="DatasetDict"):
@@ -243,7 +244,8 @@ def test_build_dataset_columns_and_stats():
         assert r["num_loss_tokens"] == sum(l != -100 for l in r["labels"][1:])
     assert stats == dict(samples=3, dropped_too_long=0, truncated=0, dropped_no_loss=0, tokens=sum(ds["length"]),
                          loss_tokens=sum(ds["num_loss_tokens"]), max_length=max(ds["length"]),
-                         mean_length=sum(ds["length"]) / 3)
+                         mean_length=sum(ds["length"]) / 3, longest=max(ds["length"]), max_seq_len=1000, policy="drop",
+                         records=3, note=None)
 
 
 def test_long_sequence_policies():
