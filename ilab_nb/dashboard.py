@@ -193,6 +193,9 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step", postfix=post)
     return f"{line}\n{meter}"
 
+# %% ../nbs/08_dashboard.ipynb #0bebd2e2
+from .monitor import data_notes
+
 # %% ../nbs/08_dashboard.ipynb #66346cd6
 def _in_kernel() -> bool:
     try:
@@ -334,6 +337,8 @@ class Dashboard(W.VBox):
         parts.append(f"{_fmt(p.get('tokens_per_s'), ',.0f')} tokens/s")
         parts.append(f"loss {_fmt(p.get('loss'), '.4f')}")
         text = '<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">' + " · ".join(parts) + "</span>"
+        text += "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
+                        for n in data_notes(self.monitor.header))   # samples dropped or truncated for their length
         return self._set(self.progress_text, text) | ch
 
     def _show_plot(self) -> bool:

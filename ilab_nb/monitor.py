@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['MetricsReader', 'tail_lines', 'RunMonitor']
+__all__ = ['MetricsReader', 'tail_lines', 'RunMonitor', 'data_notes']
 
 # %% ../nbs/04_monitor.ipynb #74aeae5a
 class MetricsReader:
@@ -137,3 +137,10 @@ class RunMonitor:
         if elapsed and total and step is not None and done > 0: eta = max(0.0, (total - step) * elapsed / done)
         return {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
                 "tokens_per_s": last.get("tokens_per_s"), "loss": last.get("loss")}
+
+# %% ../nbs/04_monitor.ipynb #6563c395
+def data_notes(header: dict | None) -> list[str]:
+    "Lines saying which samples were dropped or truncated, from a metrics header's `data_stats`."
+    stats = (header or {}).get("data_stats") or {}
+    return [f"{label} data: {s['note']}" for key, label in (("train", "training"), ("eval", "eval"))
+            if isinstance(s := stats.get(key), dict) and s.get("note")]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, socket, shutil, sys, time
 from pathlib import Path
 
-from .config import TrainConfig, ConfigError, load_config
+from .config import TrainConfig, ConfigError, InMemoryData, load_config
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
                               kill_run_processes)
 from .monitor import RunMonitor
@@ -15,7 +15,7 @@ from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_
 
 # %% auto #0
 __all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
-           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'FineTuneSession']
+           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'FineTuneSession', 'write_memory_data']
 
 # %% ../nbs/07_session.ipynb #13795b1f
 class PreflightError(ValueError):
@@ -228,6 +228,21 @@ class FineTuneSession:
                         "reason": st.get("reason")})
         return out
 
+# %% ../nbs/07_session.ipynb #7d36c0af
+def write_memory_data(cfg, run_dir) -> TrainConfig:
+    "`cfg` with its data held in memory written to `run_dir/data/*.jsonl` and named there by path."
+    from ilab_nb.data import load_chat_records, write_chat_jsonl
+    upd = {}
+    for field, stem in (("data", "train"), ("eval_data", "eval")):
+        srcs = getattr(cfg, field) or []
+        mem = [s for s in srcs if isinstance(s, InMemoryData)]
+        if not mem: continue
+        names = iter([f"{stem}.jsonl"] if len(mem) == 1 else [f"{stem}-{i}.jsonl" for i in range(1, len(mem) + 1)])
+        upd[field] = [str(write_chat_jsonl(s.records if s.records is not None else load_chat_records(s),
+                                           Path(run_dir) / "data" / next(names))) if isinstance(s, InMemoryData) else s
+                      for s in srcs]
+    return cfg.model_copy(update=upd) if upd else cfg
+
 # %% ../nbs/07_session.ipynb #d277b0a9
 class FineTuneSession(FineTuneSession):
     def _request(self):
@@ -244,6 +259,7 @@ class FineTuneSession(FineTuneSession):
             if busy: raise DevicesBusyError(f"The devices of run {self.run_id} ({', '.join(request['pool'])}) are busy: held by or "
                                             f"promised to run(s) {', '.join(map(str, busy))}. Wait for it, stop it, or start with queue=True.")
         d = self.store.create_run(self.run_id)
+        self.config = write_memory_data(self.config, d)   # data held in memory -> data/*.jsonl, named in config.json
         self.config.to_json(d / "config.json")
         self.store.write_state(self.run_id, status="queued", attempt=1, request=request, device=request["kind"],
                                num_processes=self.config.num_processes, devices=self.config.devices, preflight=self.preflight)

@@ -178,6 +178,9 @@ class MetricsWriter:
     def close(self):
         if self.f is not None: self.f.close()
 
+# %% ../nbs/05_worker.ipynb #c058eec9
+from .monitor import data_notes
+
 # %% ../nbs/05_worker.ipynb #f65122b1
 def log_line(rec: dict) -> str:
     "A one-line human summary of a metrics record, for the rank-0 log."
@@ -188,7 +191,7 @@ def log_line(rec: dict) -> str:
     if k == "eval": return f"eval at step {rec['step']}: loss {rec['eval_loss']:.4f} over {rec['eval_tokens']} tokens"
     if k == "header":
         return (f"{rec['world_size']} x {rec['device_type']} ({rec['backend'] or 'no process group'}, {rec['strategy']}, "
-                f"{rec['precision']}, {rec['layout']} batches), {rec['total_steps']} steps")
+                f"{rec['precision']}, {rec['layout']} batches), {rec['total_steps']} steps") + "".join(f"\n{n}" for n in data_notes(rec))
     return f"{rec.get('event', k)} at step {rec.get('step')}" + (f": {rec['path']}" if rec.get("path") else "") + (
         f": {rec['error']}" if rec.get("error") else "")
 
