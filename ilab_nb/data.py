@@ -407,19 +407,20 @@ def _tokenize_batch(batch, tokenizer, max_seq_len: int, policy: str):
     return out
 
 # %% ../nbs/01_data.ipynb #74c83b2f
-def _samples(n: int) -> str: return f"{n:,} sample{'s' if n != 1 else ''}"
+def _samples(n: int, of: str = "") -> str:
+    return f"{n:,} sample{'s' if n != 1 else ''}{of} {'was' if n == 1 else 'were'}"
 
 def length_note(stats: dict, model_max_length: int | None = None) -> str | None:
     "One sentence on the samples dropped or truncated, and the longest length; None when all were kept whole."
     parts, lim, of = [], f"max_seq_len={stats['max_seq_len']:,} tokens", f" of {stats['records']:,}" if stats.get("records") else ""
     if stats["policy"] == "truncate" and (stats["truncated"] or stats["dropped_too_long"]):
-        parts.append(f"{_samples(stats['truncated'] + stats['dropped_too_long'])}{of} were longer than {lim} and were truncated "
+        parts.append(f"{_samples(stats['truncated'] + stats['dropped_too_long'], of)} longer than {lim} and truncated "
                      f"(the longest had {stats['longest']:,} tokens)" + (f"; {stats['dropped_too_long']:,} of them were then dropped, "
                      "as no assistant token was left" if stats["dropped_too_long"] else ""))
     elif stats["dropped_too_long"]:
-        parts.append(f"{_samples(stats['dropped_too_long'])}{of} were longer than {lim} and were dropped "
+        parts.append(f"{_samples(stats['dropped_too_long'], of)} longer than {lim} and dropped "
                      f"(the longest has {stats['longest']:,} tokens); raise max_seq_len to keep them")
-    if stats["dropped_no_loss"]: parts.append(f"{_samples(stats['dropped_no_loss'])} without any assistant token to learn were dropped")
+    if stats["dropped_no_loss"]: parts.append(f"{_samples(stats['dropped_no_loss'])} dropped: no assistant token to learn")
     if model_max_length and model_max_length < 10**9 and stats["max_length"] > model_max_length:
         parts.append(f"samples of up to {stats['max_length']:,} tokens are kept, more than the tokenizer's model_max_length="
                      f"{model_max_length:,}: check that the model takes sequences this long")

@@ -1,14 +1,18 @@
 """Behaviour of ilab_nb.data: validation of chat files, assistant-only labels, dataset building, splits, tokenizers."""
 import json
+import logging
 import pickle
 
 import datasets
+import pandas as pd
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from ilab_nb.data import (DEFAULT_CHAT_TEMPLATE, MAX_DATA_ERRORS, DataError, build_dataset, ensure_chat_template,
                           load_chat_records, load_tokenizer, render_chat, split_records, tokenize_chat)
+from ilab_nb.data import SHAPES, length_note, write_chat_jsonl
+from ilab_nb.config import ConfigError, InMemoryData, TrainConfig
 
 SPECIAL = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
 _BACKEND = None
@@ -339,3 +343,174 @@ def test_load_tokenizer_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(OSError, match="hub ids need network access.*pass its local directory"):
         load_tokenizer("some-org/some-model")
+
+
+# ---------------------------------------------------------------- issue 7: data from memory and common formats
+
+QA = [{"messages": [msg("user", f"What is {i}+{i}?"), msg("assistant", str(2 * i))]} for i in range(30)]
+
+
+def test_data_in_memory_names_the_row_as_python_indexes_it():
+    df = pd.DataFrame([{"instruction": "Add.", "input": f"{i} {i}", "output": str(2 * i)} for i in range(30)])
+    df.loc[17, "output"] = None                                       # pandas: a missing value
+    with pytest.raises(DataError) as ei:
+        load_chat_records(df)
+    assert str(ei.value) == "row 17 of the DataFrame: 'output' must be a non-empty string"
+    rows = [dict(r) for r in QA]
+    rows[3] = {"messages": [msg("user", "hi"), msg("bot", "yo")]}
+    with pytest.raises(DataError, match=r"^row 3 of the list: message 2 has unknown role 'bot'"):
+        load_chat_records(rows)
+    ds = datasets.Dataset.from_list(QA)
+    recs = load_chat_records(ds)
+    assert len(recs) == 30 and recs[5]["messages"] == QA[5]["messages"] and recs[5]["source"] == "the Dataset:5"
+    with pytest.raises(DataError, match=r"^the Dataset: has columns \['text'\], which fit none of the accepted shapes"):
+        load_chat_records(datasets.Dataset.from_list([{"text": "x"}] * 2400))
+    with pytest.raises(DataError, match=r"^the DataFrame: no records \(it is empty\)"):
+        load_chat_records(pd.DataFrame({"messages": []}))
+
+
+def test_every_row_wrong_gives_a_handful_of_lines_and_a_count():
+    rows = [{"messages": [msg("user", "q")]} for _ in range(2400)]   # no assistant message anywhere
+    with pytest.raises(DataError) as ei:
+        load_chat_records(datasets.Dataset.from_list(rows))
+    e, lines = ei.value, str(ei.value).splitlines()
+    assert e.count == 2400 and len(e.errors) == MAX_DATA_ERRORS == 5 and len(lines) == 6
+    assert lines[1] == "... and 2,399 more problems (4 shown):" and lines[-1] == "  row 4 of the Dataset: no assistant message: there is nothing to train on"
+    with pytest.raises(DataError) as ei:                             # unknown shape, row by row: shapes named once
+        load_chat_records([{"prompt": "q", "completion": "a"}] * 2400)
+    assert str(ei.value).count("Accepted rows:") == 1 and str(ei.value).endswith(SHAPES) and len(str(ei.value)) < 900
+    with pytest.raises(ConfigError) as ei:                           # a wrong type is one line too
+        TrainConfig(model="m", data=list(range(2400)))
+    assert len(str(ei.value).splitlines()) == 2 and "item 0 of the list is int" in str(ei.value)
+    e2 = pickle.loads(pickle.dumps(e))
+    assert str(e2) == str(e) and e2.count == 2400
+
+
+def test_sharegpt_and_alpaca_rows_become_messages(tmp_path):
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                  {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Bye"},
+                                  {"from": "gpt", "value": "Bye!"}]}
+    alpaca = [{"instruction": "Translate.", "input": "chat", "output": "cat"}, {"instruction": "Say yes.", "output": "yes"},
+              {"instruction": "Say no.", "input": "", "output": "no"}]
+    f = write_jsonl(tmp_path / "mixed.jsonl", [sharegpt, *alpaca])
+    recs = load_chat_records(f)
+    assert recs[0]["messages"] == [msg("system", "Be brief."), msg("user", "Hi"), msg("assistant", "Hello"),
+                                   msg("user", "Bye"), msg("assistant", "Bye!")]
+    assert [r["messages"][0]["content"] for r in recs[1:]] == ["Translate.\n\nchat", "Say yes.", "Say no."]
+    assert all(r["messages"][1]["role"] == "assistant" for r in recs[1:])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"from": "human", "value": "q"}, {"from": "bing", "value": "a"}]},
+                                               {"instruction": "x"}])
+    with pytest.raises(DataError) as ei:
+        load_chat_records(bad)
+    assert str(ei.value).splitlines() == [
+        f"{bad}, line 1: conversation turn 2 has unknown 'from' 'bing' (expected human, gpt or system)",
+        "... and 1 more problem:", f"  {bad}, line 2: 'output' must be a non-empty string"]
+
+
+def test_json_arrays_parquet_directories_and_globs(tmp_path):
+    (tmp_path / "arr.json").write_text(json.dumps(QA[:3], indent=2))
+    recs = load_chat_records(tmp_path / "arr.json")
+    starts = [i + 1 for i, l in enumerate((tmp_path / "arr.json").read_text().splitlines()) if l == "  {"]
+    assert [r["source"] for r in recs] == [f"{tmp_path / 'arr.json'}:{n}" for n in starts]
+    (tmp_path / "bad.json").write_text('[\n {"input": "q", "output": "a"},\n {"input": "q"}\n]')
+    with pytest.raises(DataError, match=r"bad\.json, line 3: 'output' must be a non-empty string"):
+        load_chat_records(tmp_path / "bad.json")
+    pd.DataFrame([{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": str(i)}]} for i in range(7)]
+                 ).to_parquet(tmp_path / "sg.parquet")
+    assert [r["messages"][1]["content"] for r in load_chat_records(tmp_path / "sg.parquet")] == [str(i) for i in range(7)]
+    (tmp_path / "sg.parquet").rename(tmp_path / "parquet.jsonl")       # recognised by content, not by name
+    assert len(load_chat_records(tmp_path / "parquet.jsonl")) == 7
+    pd.DataFrame({"text": ["x"]}).to_parquet(tmp_path / "text.parquet")
+    with pytest.raises(DataError, match=r"text\.parquet: has columns \['text'\], which fit none"):
+        load_chat_records(tmp_path / "text.parquet")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"broken\.parquet: is not a readable Parquet file"):
+        load_chat_records(tmp_path / "broken.parquet")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(3):
+        write_jsonl(shards / f"part-{k}.jsonl", QA[10 * k:10 * k + 10])
+    (shards / "README.md").write_text("not data")
+    assert len(load_chat_records(shards)) == 30
+    assert [r["source"] for r in load_chat_records(str(shards / "part-[12].jsonl"))][::10] == [
+        f"{shards / 'part-1.jsonl'}:1", f"{shards / 'part-2.jsonl'}:1"]
+    assert len(load_chat_records(str(tmp_path / "**" / "*.jsonl"))) == 30 + 7
+    with pytest.raises(DataError, match=r"\*\.csv: no file matches this pattern"):
+        load_chat_records(str(tmp_path / "*.csv"))
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(DataError, match=r"nothing: is a directory without \.jsonl, \.json or \.parquet files"):
+        load_chat_records(tmp_path / "nothing")
+
+
+def test_config_keeps_data_in_memory_and_refuses_to_write_it(tmp_path):
+    df = pd.DataFrame(QA)
+    cfg = TrainConfig(model="m", data=df, eval_data=QA[:2])
+    assert isinstance(cfg.data[0], InMemoryData) and cfg.data[0].obj is df and cfg.eval_data[0].name == "the eval_data list"
+    assert cfg.resolved(tmp_path).data[0].obj is df
+    with pytest.raises(ValueError, match="the DataFrame is held in memory"):
+        cfg.to_json(tmp_path / "c.json")
+    with pytest.raises(ConfigError, match=r"DatasetDict with splits \['train'\]"):
+        TrainConfig(model="m", data=datasets.DatasetDict(train=datasets.Dataset.from_list(QA)))
+    out = write_chat_jsonl(load_chat_records(df), tmp_path / "data" / "train.jsonl")
+    assert [r["messages"] for r in load_chat_records(out)] == [r["messages"] for r in QA]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["train.jsonl"]
+
+
+def test_long_samples_are_said_once_and_the_tokenizer_warning_is_gone():
+    tok = make_tokenizer()
+    tok.model_max_length = 16
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append(r.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        tok(tok.apply_chat_template(CONV, tokenize=False, chat_template=DEFAULT_CHAT_TEMPLATE))   # the warning this replaces
+        assert any("Token indices sequence length" in m for m in seen), seen
+        seen.clear()
+        recs = [{"messages": CONV, "source": "f:1"}, {"messages": CONV[1:3], "source": "f:2"}]
+        full = len(tokenize_chat(CONV, tok)["input_ids"])
+        _, stats = build_dataset(recs, tok, max_seq_len=full - 1)
+    finally:
+        logger.removeHandler(handler)
+    assert not any("Token indices sequence length" in m for m in seen), seen
+    assert stats["longest"] == full and stats["dropped_too_long"] == 1
+    assert stats["note"].startswith(f"1 sample of 2 was longer than max_seq_len={full - 1} tokens and dropped "
+                                    f"(the longest has {full} tokens)")
+    assert "more than the tokenizer's model_max_length=16" in stats["note"]
+    assert length_note({**stats, "dropped_too_long": 0, "max_length": 10}) is None
+
+
+def test_construction_with_bad_rows_in_memory_writes_nothing(demo, runs_root):
+    from ilab_nb.session import FineTuneSession
+    df = pd.DataFrame(QA)
+    df.at[17, "messages"] = [msg("user", "only a question")]
+    with pytest.raises(DataError, match=r"^row 17 of the DataFrame: no assistant message"):
+        FineTuneSession(demo.model_dir, df, runs_root=runs_root, num_processes=1, strategy="single", device="cpu")
+    assert not runs_root.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_run_from_a_dataframe_end_to_end(demo, runs_root):
+    from conftest import wait_until
+    from ilab_nb.monitor import RunMonitor
+    from ilab_nb.session import FineTuneSession
+    rows = load_chat_records(demo.train_file)[:40]
+    long_row = {"messages": [msg("user", "Tell me everything."), msg("assistant", " ".join(["word"] * 700))]}
+    df = pd.DataFrame([{"messages": r["messages"]} for r in rows] + [long_row])
+    s = FineTuneSession(demo.model_dir, df, eval_data=[{"messages": r["messages"]} for r in rows[:4]], runs_root=runs_root,
+                        num_processes=1, strategy="single", device="cpu", max_steps=2, max_seq_len=100,
+                        max_tokens_per_batch=256, logging_steps=1)
+    s.start()
+    del df                                                           # the run does not need the object any more
+    assert s.wait(timeout=240) == "completed", s.logs()
+    cfg = json.loads((s.run_dir / "config.json").read_text())
+    assert cfg["data"] == [str(s.run_dir / "data" / "train.jsonl")] and cfg["eval_data"] == [str(s.run_dir / "data" / "eval.jsonl")]
+    assert len((s.run_dir / "data" / "train.jsonl").read_text().splitlines()) == 41
+    m = RunMonitor(s.run_dir)
+    m.poll()
+    note = m.header["data_stats"]["train"]["note"]
+    dropped = m.header["data_stats"]["train"]["dropped_too_long"]
+    assert dropped >= 1 and note.startswith(f"{dropped} samples of 41 were longer than max_seq_len=100 tokens and dropped")
+    log = (s.run_dir / "logs" / "rank-0.log").read_text()
+    assert f"training data: {note}" in log and "Token indices sequence length" not in log
