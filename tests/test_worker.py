@@ -159,6 +159,10 @@ def test_long_sequence_policy_and_token_budget(tmp_path, assets):
     sd, st = records(drop, "header")[0]["data_stats"]["train"], records(trunc, "header")[0]["data_stats"]["train"]
     assert sd["dropped_too_long"] > 0 and sd["truncated"] == 0
     assert st["truncated"] > 0 and st["max_length"] <= 48 and st["samples"] > sd["samples"]
+    assert sd["note"].startswith(f"{sd['dropped_too_long']:,} samples of {sd['records']:,} were longer than max_seq_len=48 tokens "
+                                 f"and dropped (the longest has {sd['longest']:,} tokens)") and sd["longest"] > 48
+    assert st["note"].startswith(f"{st['truncated'] + st['dropped_too_long']:,} samples of {st['records']:,} were longer than "
+                                 "max_seq_len=48 tokens and truncated")
     # a smaller per-rank token budget means more, smaller micro-batches
     big = make_run(tmp_path, assets, "big", **common, max_tokens_per_batch=1024)
     launch(big, 1, in_process=True)
