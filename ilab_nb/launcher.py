@@ -4,20 +4,21 @@
 
 # %% ../nbs/06_launcher.ipynb #7dce8219
 from __future__ import annotations
-import argparse, json, os, re, shlex, signal, socket, subprocess, sys, time
+import argparse, errno, json, os, re, shlex, signal, socket, subprocess, sys, time
 from pathlib import Path
 
 import psutil
 from filelock import FileLock, Timeout
 
-from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, RUN_ENV, RANKS_DIR,
+from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, RUN_ENV, RANKS_DIR, BEAT_FILE,
                               kill_run_processes, read_json, write_json_atomic)
 from .monitor import MetricsReader, tail_lines
 
 # %% auto #0
 __all__ = ['STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'DeviceSlots', 'free_port',
            'accelerate_command', 'launch_env', 'describe_exit', 'torchrun_failures', 'torchrun_root_cause',
-           'rank_records', 'failing_rank', 'classify_exit', 'Supervisor', 'spawn_supervisor', 'main']
+           'rank_records', 'failing_rank', 'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor',
+           'main']
 
 # %% ../nbs/06_launcher.ipynb #eb8fd883
 def locks_dir(path=None) -> Path:
@@ -224,7 +225,9 @@ def _die_with_parent():
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     except Exception: pass
 
-def _log(msg): print(f"[supervisor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+def _log(msg):
+    try: print(f"[supervisor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    except OSError: pass      # a full disk must not take the supervisor down with its log
 
 class Supervisor:
     "Owns one attempt of one run: queue, launch, heartbeat, stop, exit classification."
@@ -236,11 +239,18 @@ class Supervisor:
         self.slots = DeviceSlots(locks); self.me = ProcessRef.of()
         self.proc = self.stop_at = self.term_at = self.signum = None
         self.forced = False; self.last_hb = 0.0
+        self.pending, self.nospace, self.events = {}, None, []   # fields a full disk kept from state.json; what it hit
 
     def _on_signal(self, signum, frame): self.signum = signum
 
     def _write(self, **kw):
-        return self.store.write_state(self.run_id, **kw)
+        "Merge `kw` into the state; if the write fails (a full disk), keep the fields pending and touch `.heartbeat`."
+        kw = {**self.pending, **kw}
+        try: st = self.store.write_state(self.run_id, **kw)
+        except StateError: raise
+        except OSError as e:
+            self._write_failed(e, "state.json"); self.pending = kw; return None
+        self.pending = {}; return st
 
     def _beat(self, **kw):
         if kw or time.time() - self.last_hb >= HEARTBEAT_S:
@@ -251,15 +261,21 @@ class Supervisor:
             body = read_json(self.run_dir / "control" / "stop", {}) or {}
             if body.get("grace_s") is not None: self.grace_s = float(body["grace_s"])
             self.stop_at = time.time(); _log(f"stop requested by {body.get('by', '?')}; grace {self.grace_s:.0f} s")
-            self.store.append_event(self.run_id, "stop_requested", attempt=self.attempt, by=body.get("by"))
+            self._event("stop_requested", attempt=self.attempt, by=body.get("by"))
             self._beat(stop_requested_at=self.stop_at)
         return self.stop_at is not None
 
     def _finish(self, status, **kw):
-        try: st = self._write(status=status, **kw)
-        except StateError: st = self.store.read_state(self.run_id)
-        self.store.append_event(self.run_id, status, attempt=self.attempt,
-                                **{k: v for k, v in kw.items() if k in ("reason", "exit_code")})
+        "Write the final state, retrying while the disk is full for as long as this supervisor lives; then the event."
+        base, st = kw.get("reason"), {}
+        while self.run_dir.exists():       # a deleted run directory gets nothing written (nor re-created)
+            if status == "failed" and (what := self._nospace_what()): kw["reason"] = disk_full_reason(base, what, self.run_id)
+            left = {k: v for k, v in self.pending.items() if k != "status"}
+            try: st = self.store.write_state(self.run_id, status=status, **{**left, **kw}); break
+            except StateError: st = self.store.read_state(self.run_id); break
+            except OSError as e: self._write_failed(e, "state.json"); time.sleep(1.0)
+        self.pending = {}
+        self._event(status, attempt=self.attempt, **{k: v for k, v in kw.items() if k in ("reason", "exit_code")})
         _log(f"run {status}" + (f": {kw['reason']}" if kw.get("reason") else ""))
         return st
 
@@ -275,6 +291,8 @@ class Supervisor:
         ticket = self.slots.enqueue(self.run_id, request, owner=self.me)
         _log(f"queued for {request['need']} of {request['pool']}; waiting behind {self.slots.blockers(request, ticket)}")
         while True:
+            if not self.run_dir.exists():
+                _log("the run directory was deleted while queued"); Path(ticket).unlink(missing_ok=True); return None
             if self.signum is not None or self._stop_requested():
                 Path(ticket).unlink(missing_ok=True)
                 if self.signum is not None:
@@ -289,6 +307,7 @@ class Supervisor:
         "Supervise the attempt to its end; returns 0 unless the run failed."
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, self._on_signal)
         st = self.store.read_state(self.run_id)
+        (self.run_dir / BEAT_FILE).touch()     # while there is space: on a full disk the heartbeat becomes its mtime
         try: self._beat(supervisor=self.me.to_dict(), supervisor_log="logs/supervisor.log")
         except StateError: _log("run is already final; nothing to do"); return 0
         _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
@@ -303,7 +322,7 @@ class Supervisor:
         cmd = accelerate_command(self.run_dir, {**cfg, "device": request["kind"]}, self.attempt, self.resume,
                                  worker_module=self.worker_module)
         self._beat(status="starting", slots=slots, command=cmd)
-        self.store.append_event(self.run_id, "starting", attempt=self.attempt, slots=slots)
+        self._event("starting", attempt=self.attempt, slots=slots)
         _log("launching: " + shlex.join(cmd))
         log = open(self.run_dir / "logs" / "supervisor.log", "ab", buffering=0)
         launch_offset = log.tell()
@@ -313,13 +332,14 @@ class Supervisor:
         lref = ProcessRef.of(self.proc.pid)
         self._beat(launcher={**lref.to_dict(), "pgid": self.proc.pid})
         reader, running = MetricsReader(self.run_dir / "metrics.jsonl"), False
-        events = []
+        events = self.events
         while self.proc.poll() is None:
+            if not self.run_dir.exists(): return self._gone()
             for r in reader.read_new():
                 if r.get("attempt") != self.attempt: continue
                 if r.get("kind") == "header" and not running:
                     running = True; self._beat(status="running", world_size=r.get("world_size"))
-                    self.store.append_event(self.run_id, "running", attempt=self.attempt)
+                    self._event("running", attempt=self.attempt)
                 elif r.get("kind") == "event": events.append(r)
             if self.signum is not None and not self.forced:
                 _log(f"received {signal.Signals(self.signum).name}: terminating the run"); self._signal_group(signal.SIGTERM)
@@ -371,6 +391,52 @@ class Supervisor:
         if not log.exists(): log = self.run_dir / "logs" / "supervisor.log"
         return {"reason": f"Run {self.run_id} failed: " + "; ".join(why) + f". See {log}.", "failed_rank": rank,
                 "log_tail": tail_lines(log, 20), "log_file": str(log.relative_to(self.run_dir))}
+
+# %% ../nbs/06_launcher.ipynb #b9ab9164
+from .core import patch
+
+_NOSPACE = re.compile(r"No space left on device|Errno 28|StorageFull")
+
+def disk_full_reason(reason, what, run_id) -> str:
+    "`reason` rewritten to lead with `No space left on device while writing <what>`."
+    rest = (reason or "").split(" failed: ", 1)[-1] if reason else ""
+    return f"Run {run_id} failed: No space left on device while writing {what}" + (f"; {rest}" if rest else ".")
+
+@patch
+def _write_failed(self:Supervisor, e, what):
+    "Note a failed write (the first one that hit a full disk names `what`); keep the heartbeat by touching `.heartbeat`."
+    if getattr(e, "errno", None) == errno.ENOSPC and self.nospace is None:
+        self.nospace = what; _log(f"No space left on device while writing {what}; retrying")
+    try: os.utime(self.run_dir / BEAT_FILE)
+    except OSError: pass
+
+@patch
+def _event(self:Supervisor, event, **fields):
+    "Append a lifecycle event unless the disk (or the run directory) refuses; never raise."
+    try: return self.store.append_event(self.run_id, event, **fields)
+    except OSError as e: self._write_failed(e, "events.jsonl")
+
+@patch
+def _nospace_what(self:Supervisor) -> str | None:
+    "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
+    texts = [str(e.get("error") or "") for e in self.events if e.get("event") == "failed"]
+    for p in sorted((self.run_dir / "logs").glob("rank-*.log")): texts += tail_lines(p, 40)
+    for t in texts:
+        if _NOSPACE.search(t):
+            m = re.search(r"'(/[^']+)'", t)
+            if m:
+                try: return str(Path(m.group(1)).relative_to(self.run_dir))
+                except ValueError: return m.group(1)
+            return self.nospace or "the run directory (rank output)"
+    return self.nospace
+
+@patch
+def _gone(self:Supervisor) -> int:
+    "The run directory was deleted: kill the run's process group and tagged processes; write nothing."
+    _log("the run directory was deleted: killing the run")
+    self._signal_group(signal.SIGKILL); self.proc.wait()
+    kill_run_processes(self.run_dir)
+    return 1
 
 # %% ../nbs/06_launcher.ipynb #7385f4a8
 def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None, worker_module=None) -> ProcessRef:

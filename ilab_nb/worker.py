@@ -29,7 +29,7 @@ __all__ = ['SCHEMA_VERSION', 'CKPT_MARKER', 'redirect_output', 'resolve_device',
 def redirect_output(log_path):
     "Send this process's stdout and stderr (file descriptors 1 and 2) to `log_path`, appending."
     log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(exist_ok=True)     # never the run directory itself: a deleted run stays deleted
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush(); sys.stderr.flush()
     os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
@@ -225,7 +225,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, token
     root = run_dir / "checkpoints"; final = root / f"step-{step:08d}"; tmp = root / f".tmp-step-{step:08d}"
     if env["rank"] == 0:
         if tmp.exists(): shutil.rmtree(tmp)
-        (tmp / "extra").mkdir(parents=True)
+        tmp.mkdir(); (tmp / "extra").mkdir()      # no parents: a deleted run directory is not re-created
     _barrier(env)
     save_hf(model, tokenizer, tmp, env)
     msd, osd = get_state_dict(model, optimizer)
@@ -478,7 +478,9 @@ def data_seen_by_ranks(seen: set, env) -> dict:
 def write_final(run_dir: Path, model, tokenizer, env):
     "The finished model in Hugging Face format in `final/`, written to a temp dir and renamed."
     tmp, final = run_dir / ".tmp-final", run_dir / "final"
-    if env["rank"] == 0 and tmp.exists(): shutil.rmtree(tmp)
+    if env["rank"] == 0:
+        if tmp.exists(): shutil.rmtree(tmp)
+        tmp.mkdir()                               # fails, rather than re-creating a deleted run directory
     _barrier(env)
     save_hf(model, tokenizer, tmp, env)
     if env["rank"] == 0:
