@@ -40,14 +40,16 @@ def format_runs(runs) -> str:
     for r in runs:
         step = f"{r['step']}/{r['total_steps']}" if r.get("step") is not None else "-"
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "-"
-        rows.append((r["run_id"], r["status"] or "?", str(r.get("attempt") or "-"), step, loss, _fmt_time(r.get("created_at"))))
+        status = "state unreadable" if r["status"] == "unreadable" else r["status"] or "?"
+        rows.append((r["run_id"], status, str(r.get("attempt") or "-"), step, loss, _fmt_time(r.get("created_at"))))
     w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in rows)
 
 def format_status(s) -> str:
     "A few lines on where the run of session `s` stands."
-    st, pr = s.state, s.progress()
-    lines = [f"run:      {s.run_id}", f"status:   {st.get('status', 'created')}  (attempt {st.get('attempt', 1)})",
+    from ilab_nb.session import status_of
+    st, pr = s.state, s.progress(); status = status_of(st)
+    lines = [f"run:      {s.run_id}", f"status:   {'state unreadable' if status == 'unreadable' else status}  (attempt {st.get('attempt', 1)})",
              f"dir:      {s.run_dir}"]
     if pr["step"] is not None:
         lines.append(f"step:     {pr['step']}/{pr['total_steps'] or '?'}" +
@@ -56,6 +58,7 @@ def format_status(s) -> str:
                      (f"  eta {_fmt_s(pr['eta_s'])}" if pr["eta_s"] is not None and st.get("status") == "running" else ""))
     lines.append(f"created:  {_fmt_time(st.get('created_at'))}   ended: {_fmt_time(st.get('ended_at'))}")
     if st.get("reason"): lines.append(f"reason:   {st['reason']}")
+    if st.get("state_error"): lines.append(f"state:    {st['state_error']}")
     if st.get("status") == "failed" and st.get("log_tail"):
         lines += [f"last lines of {st.get('log_file', 'the log')}:"] + ["  " + l for l in st["log_tail"][-15:]]
     return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Issue 7, faults of the run directory itself, with real processes: a full disk mid-run (a real small tmpfs as the
+runs root), a corrupt `state.json`, a run directory deleted while its ranks train, a run id with a trailing
+newline, and the message of a forced `stop()`."""
+import errno, json, os, shutil, signal, subprocess, sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ilab_nb.launcher import DeviceSlots
+from ilab_nb.runstore import ProcessRef, RunStore, RUN_ENV, read_json, run_processes, validate_run_id
+from ilab_nb.session import FineTuneSession
+import ilab_nb.session as session_mod
+from conftest import wait_until, run_processes_under
+
+pytestmark = pytest.mark.timeout(400)
+
+FIELDS = dict(num_processes=2, device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1,
+              learning_rate=1e-3)
+START_UP = 150         # s allowed from start() to the first metric (a loaded 2-core machine)
+REPO = Path(__file__).resolve().parents[1]
+KEPT = ("supervisor", "launcher", "request", "preflight", "num_processes", "device")
+
+
+def make(demo, small_train, runs_root, **kw):
+    return FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, **{**FIELDS, **kw})
+
+
+def cli(*args, runs_root):
+    "The `ilab-nb` command line in its own process: (return code, stdout + stderr)."
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", *args,
+                        "--runs-root", str(runs_root)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+def row(out, run_id):
+    return next(l for l in out.splitlines() if l.startswith(run_id))
+
+
+def first_train_record(s):
+    s.monitor.poll()
+    return wait_until(lambda: (s.monitor.poll(), s.monitor.train_records)[1], START_UP, what=f"a train record of {s.run_id}")
+
+
+def rmtree_while_written(d):
+    "shutil.rmtree of a directory others write into (a file created meanwhile makes one pass fail: go again)."
+    def gone():
+        try: shutil.rmtree(d)
+        except FileNotFoundError: pass
+        except OSError: return False
+        return not d.exists()
+    wait_until(gone, 30, poll=0.05, what=f"{d} removed")
+
+
+def test_run_id_with_a_trailing_newline_is_refused(demo, small_train, runs_root):
+    for bad in ("x\n", "x\n\n"):
+        with pytest.raises(ValueError, match="Invalid run id"): validate_run_id(bad)
+        with pytest.raises(ValueError, match="Invalid run id"): make(demo, small_train, runs_root, run_id=bad)
+    assert not runs_root.exists() or list(runs_root.iterdir()) == []
+    (runs_root / "x\n").mkdir(parents=True)             # made by hand: not a run, never a broken `ls` row
+    assert RunStore(runs_root).list_runs() == []
+
+
+def test_stop_on_the_default_path_says_how_long_it_waited(runs_root, monkeypatch):
+    # A run whose supervisor (a live process of ours, tagged with the run) never answers the stop request.
+    store = RunStore(runs_root); rid = "deaf"; d = store.create_run(rid)
+    deaf = subprocess.Popen(["sleep", "120"], env={**os.environ, RUN_ENV: str(d)})
+    import time
+    store.write_state(rid, status="running", supervisor=ProcessRef.of(deaf.pid).to_dict(), heartbeat_at=time.time())
+    monkeypatch.setattr(session_mod, "TERM_GRACE_S", -28)    # the default wait: grace 0 + (-28) + 30 = 2 s
+    s = FineTuneSession.attach(rid, runs_root=runs_root)
+    assert s.stop(grace_s=0) == "cancelled"                  # timeout=None: the default path
+    assert "nothing had ended 2 s after the request" in s.reason and "None" not in s.reason, s.reason
+    assert deaf.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_unreadable_state_and_a_run_dir_without_state_are_listed(runs_root):
+    store = RunStore(runs_root); store.create_run("broken"); store.create_run("bare")
+    store.write_state("broken", status="queued", attempt=1)
+    for f in ("state.json", "state.json.prev"): (store.run_dir("broken") / f).write_text('{"status": "run')
+    rc, out = cli("ls", runs_root=runs_root)
+    assert rc == 0 and "state unreadable" in row(out, "broken") and "incomplete" in row(out, "bare"), out
+    rc, out = cli("status", "broken", runs_root=runs_root)
+    assert rc == 0 and "status:   state unreadable" in out, out
+    s = FineTuneSession.attach("broken", runs_root=runs_root)
+    assert s.status == "unreadable"
+    with pytest.raises(RuntimeError, match="unreadable"): s.wait(timeout=30)
+
+
+def test_deleted_run_dir_stops_the_run_then_a_corrupt_state_is_rebuilt(demo, small_train, runs_root):
+    # Item 3: a 2-rank run whose directory is deleted while it trains.
+    b = make(demo, small_train, runs_root, max_steps=100000).start()
+    first_train_record(b)
+    sup = ProcessRef.from_dict(b.state["supervisor"])
+    ranks = [p for p in run_processes(b.run_dir) if p.pid != sup.pid]
+    assert ranks
+    rmtree_while_written(b.run_dir)
+    wait_until(lambda: not run_processes(b.run_dir) and not sup.alive(), 60, what="every process of the deleted run to end")
+    assert not b.run_dir.exists()                          # nothing re-created it; nothing of it is left to do so
+    assert all(DeviceSlots().holder(f"cpu-{i}") is None for i in range(2))
+
+    # Its two CPU slots are free at once: a run that refuses to queue starts.
+    a = make(demo, small_train, runs_root, max_steps=100000, queue=False).start()
+    first_train_record(a)
+    good = read_json(a.run_dir / "state.json")
+    assert all(k in good for k in KEPT), sorted(good)
+
+    # Item 2: garbage appended to state.json while it trains.
+    with open(a.run_dir / "state.json", "a") as f: f.write("\x00garbage{")
+    assert a.status == "running"
+    st = a.state
+    assert {k: st[k] for k in KEPT} == {k: good[k] for k in KEPT}
+    rc, out = cli("ls", runs_root=runs_root)
+    assert rc == 0 and "running" in row(out, a.run_id), out
+    with pytest.raises(TimeoutError): a.wait(timeout=1)   # never returns a status that is not final
+    # The supervisor's next write repairs the file from the last good copy, every field kept.
+    wait_until(lambda: isinstance(read_json(a.run_dir / "state.json"), dict), 30, what="state.json repaired")
+    fixed = read_json(a.run_dir / "state.json")
+    assert fixed["status"] == "running" and {k: fixed[k] for k in KEPT} == {k: good[k] for k in KEPT}
+
+    # Corrupt again as the run ends: wait() returns the true final status.
+    assert a.stop(wait=False) in ("running", "cancelled")
+    with open(a.run_dir / "state.json", "a") as f: f.write("garbage")
+    assert a.wait(timeout=180) == "cancelled"
+    # And once more after the end, with no supervisor left to repair it.
+    wait_until(lambda: not run_processes(a.run_dir), 30, what="the run's processes to end")
+    with open(a.run_dir / "state.json", "a") as f: f.write("garbage")
+    assert a.wait(timeout=5) == "cancelled" and a.status == "cancelled" and "stopped on request" in a.reason
+    assert {k: a.state[k] for k in KEPT if k != "launcher"} == {k: good[k] for k in KEPT if k != "launcher"}
+    rc, out = cli("ls", runs_root=runs_root)
+    assert rc == 0 and "cancelled" in row(out, a.run_id), out
+
+
+@pytest.fixture
+def tmpfs_runs_root(runs_root):
+    "The runs root on a real 96 MiB tmpfs (needs root); every process of its runs is killed before it is unmounted."
+    if os.geteuid() != 0: pytest.skip("mounting a small tmpfs to fill up needs root")
+    runs_root.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(runs_root)], capture_output=True, text=True)
+    if r.returncode != 0: pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try: yield runs_root
+    finally:
+        left = run_processes_under(runs_root)
+        for p in left:
+            try: p.send_signal(signal.SIGKILL)
+            except psutil.Error: pass
+        psutil.wait_procs(left, timeout=10)
+        if subprocess.run(["umount", str(runs_root)]).returncode != 0: subprocess.run(["umount", "-l", str(runs_root)])
+
+
+def fill(path) -> int:
+    "Write `path` until the file system is full; returns the open descriptor (close and unlink it to free the space)."
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    for chunk in (1 << 20, 4096):
+        while True:
+            try: os.write(fd, b"\0" * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC; break
+    return fd
+
+
+def files_of(d): return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_disk_full_mid_run(demo, small_train, tmpfs_runs_root):
+    root = tmpfs_runs_root
+    s = make(demo, small_train, root, num_processes=1, strategy="single", max_steps=100000, save_steps=2).start()
+    ck = Path(wait_until(lambda: s.checkpoints, 2 * START_UP, what="a complete checkpoint")[0]["path"])
+    before = files_of(ck)
+    sup = ProcessRef.from_dict(s.state["supervisor"])
+    fd = fill(root / "filler")
+    try:
+        # The rank fails on the full disk; the supervisor lives on, retrying its final state.
+        wait_until(lambda: [p.pid for p in run_processes(s.run_dir)] == [sup.pid], 150,
+                   what="the rank to end on the full disk, the supervisor alive")
+        # Reading never needs to write: status, wait, ls and status on the command line all answer.
+        assert s.status == "running"
+        with pytest.raises(TimeoutError): s.wait(timeout=2)
+        rc, out = cli("ls", runs_root=root)
+        assert rc == 0 and s.run_id in out, out
+        rc, out = cli("status", s.run_id, runs_root=root)
+        assert rc == 0 and s.run_id in out, out
+        assert sup.alive() and not list(s.run_dir.glob(".*.tmp"))
+    finally:
+        os.close(fd); (root / "filler").unlink()
+    # Space is back: the supervisor writes the final state at its next try.
+    assert s.wait(timeout=60) == "failed"
+    assert "No space left on device while writing" in s.reason, s.reason
+    assert files_of(ck) == before and (ck / "COMPLETE").exists()      # the complete checkpoint is untouched
+    assert not list(s.run_dir.glob(".*.tmp")) and not list(s.run_dir.glob("*.tmp"))
+    wait_until(lambda: not sup.alive(), 30, what="the supervisor to exit")
