@@ -318,7 +318,8 @@ class FineTuneSession(FineTuneSession):
                         bar.set_postfix_str(f"{status} loss={pr['loss']:.4f}" if pr["loss"] is not None else status, refresh=False)
                         bar.refresh()
                 if status in TERMINAL: return status
-                if status == "created": raise RuntimeError(f"Run {self.run_id} was not started; call start() first.")
+                if status == "created": raise RuntimeError(f"Run {self.run_id} has no state in {self.run_dir}: it was not started "
+                                                       "(call start()), or its directory was deleted.")
                 if status == "unreadable" and not run_processes(self.run_dir):
                     raise RuntimeError(f"Run {self.run_id}: {st['state_error']} No process of the run is alive; "
                                        f"see its logs in {self.run_dir / 'logs'}.")
