@@ -210,3 +210,6 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as e:
         print(f"ilab-nb {a.cmd}: error: {e}", file=sys.stderr); return 2
     return 2
+
+# %% ../nbs/09_cli.ipynb #0eee40bf
+if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs
