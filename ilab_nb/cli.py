@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse, json, sys, time
 from pathlib import Path
 
+from .rundir import TERMINAL
+
 # %% auto #0
 __all__ = ['parse_overrides', 'format_runs', 'format_status', 'follow_log', 'demo_summary', 'run_demo', 'build_parser', 'main']
 
@@ -72,7 +74,7 @@ def follow_log(s, n=50, rank=None, poll_s=0.5, out=None):
     out.flush()
     pos = path.stat().st_size if path.exists() else 0
     while True:
-        done = s.status in ("completed", "failed", "cancelled")
+        done = s.status in TERMINAL
         if rank is None and not path.exists(): path, pos = s.monitor.log_path(None), 0
         if path.exists():
             with open(path, "rb") as f:

@@ -12,7 +12,8 @@ from filelock import FileLock, Timeout
 
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, RUN_ENV, RANKS_DIR, BEAT_FILE,
                               kill_run_processes, read_json, write_json_atomic)
-from .monitor import MetricsReader, tail_lines
+from .monitor import MetricsReader
+from .rundir import RunPaths, tail_lines
 
 # %% auto #0
 __all__ = ['STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'DeviceSlots', 'free_port',
@@ -181,7 +182,7 @@ def torchrun_root_cause(text) -> dict | None:
 def rank_records(run_dir, attempt=None) -> dict:
     "`{rank: record}` of the `ranks/rank-N.json` accounts the ranks wrote (of `attempt`, when given)."
     out = {}
-    for p in Path(run_dir, RANKS_DIR).glob("rank-*.json"):
+    for p in RunPaths(run_dir).ranks.glob("rank-*.json"):
         rec = read_json(p)
         if rec and (attempt is None or rec.get("attempt") == attempt): out[int(rec.get("rank", p.stem[5:]))] = rec
     return out
@@ -201,7 +202,7 @@ def failing_rank(run_dir, launcher_text="", attempt=None) -> tuple:
     for rule in (own, lambda r: recs[r].get("status") == "failed"):                  # no torchrun report
         hit = sorted(r for r in recs if rule(r))
         if hit: return hit[0], None
-    logs = sorted(Path(run_dir, "logs").glob("rank-*.log"))
+    logs = sorted(RunPaths(run_dir).logs.glob("rank-*.log"))
     for p in logs:
         if any("Traceback" in l or "Error" in l for l in tail_lines(p, 200)): return int(p.stem.split("-")[1]), None
     return (0 if logs else None), None
@@ -257,8 +258,8 @@ class Supervisor:
             self._write(heartbeat_at=time.time(), **kw); self.last_hb = time.time()
 
     def _stop_requested(self):
-        if self.stop_at is None and (self.run_dir / "control" / "stop").exists():
-            body = read_json(self.run_dir / "control" / "stop", {}) or {}
+        if self.stop_at is None and RunPaths(self.run_dir).stop.exists():
+            body = read_json(RunPaths(self.run_dir).stop, {}) or {}
             if body.get("grace_s") is not None: self.grace_s = float(body["grace_s"])
             self.stop_at = time.time(); _log(f"stop requested by {body.get('by', '?')}; grace {self.grace_s:.0f} s")
             self._event("stop_requested", attempt=self.attempt, by=body.get("by"))
@@ -311,7 +312,7 @@ class Supervisor:
         try: self._beat(supervisor=self.me.to_dict(), supervisor_log="logs/supervisor.log")
         except StateError: _log("run is already final; nothing to do"); return 0
         _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
-        cfg = read_json(self.run_dir / "config.json", {}) or {}
+        cfg = read_json(RunPaths(self.run_dir).config, {}) or {}
         request = st.get("request") or device_request("cpu", int(cfg.get("num_processes", 1)))
         slots = self.wait_for_devices(request)
         if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == "cancelled" else 1
@@ -324,14 +325,14 @@ class Supervisor:
         self._beat(status="starting", slots=slots, command=cmd)
         self._event("starting", attempt=self.attempt, slots=slots)
         _log("launching: " + shlex.join(cmd))
-        log = open(self.run_dir / "logs" / "supervisor.log", "ab", buffering=0)
+        log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0)
         launch_offset = log.tell()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
                                      env=launch_env(self.run_dir, request["kind"], slots), process_group=0,
                                      close_fds=True, preexec_fn=_die_with_parent)
         lref = ProcessRef.of(self.proc.pid)
         self._beat(launcher={**lref.to_dict(), "pgid": self.proc.pid})
-        reader, running = MetricsReader(self.run_dir / "metrics.jsonl"), False
+        reader, running = MetricsReader(RunPaths(self.run_dir).metrics), False
         events = self.events
         while self.proc.poll() is None:
             if not self.run_dir.exists(): return self._gone()
@@ -373,7 +374,7 @@ class Supervisor:
 
     def _failure(self, code, offset, events) -> dict:
         try:
-            with open(self.run_dir / "logs" / "supervisor.log", "rb") as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
+            with open(RunPaths(self.run_dir).supervisor_log, "rb") as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
         except OSError: text = ""
         rank, rank_code = failing_rank(self.run_dir, text, self.attempt)
         recs = rank_records(self.run_dir, self.attempt); rec = recs.get(rank) or {}
@@ -387,8 +388,8 @@ class Supervisor:
                            and (rank is None or e.get("rank") in (None, rank))), None)
         if err: why.append(str(err).strip().splitlines()[-1][:500])
         why.append(f"accelerate launch {describe_exit(code)}")
-        log = self.run_dir / "logs" / (f"rank-{rank}.log" if rank is not None else "supervisor.log")
-        if not log.exists(): log = self.run_dir / "logs" / "supervisor.log"
+        log = RunPaths(self.run_dir).rank_log("supervisor" if rank is None else rank)
+        if not log.exists(): log = RunPaths(self.run_dir).supervisor_log
         return {"reason": f"Run {self.run_id} failed: " + "; ".join(why) + f". See {log}.", "failed_rank": rank,
                 "log_tail": tail_lines(log, 20), "log_file": str(log.relative_to(self.run_dir))}
 
@@ -448,7 +449,7 @@ def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, 
     if not queue: args += ["--no-queue"]
     if grace_s is not None: args += ["--grace", str(grace_s)]
     if worker_module: args += ["--worker-module", worker_module]
-    log = run_dir / "logs" / "supervisor.log"
+    log = RunPaths(run_dir).supervisor_log
     sh = f"{shlex.join(args)} </dev/null >>{shlex.quote(str(log))} 2>&1 & echo $!"
     env = _env(run_dir)
     out = subprocess.run(["/bin/sh", "-c", sh], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, cwd=run_dir, env=env,
@@ -476,7 +477,7 @@ def main(argv=None):
         if sup.proc is not None and sup.proc.poll() is None: sup._signal_group(signal.SIGKILL)
         kill_run_processes(sup.run_dir)
         sup._finish("failed", reason=f"Run {sup.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",
-                    log_tail=tail_lines(sup.run_dir / "logs" / "supervisor.log", 20), log_file="logs/supervisor.log")
+                    log_tail=tail_lines(RunPaths(sup.run_dir).supervisor_log, 20), log_file="logs/supervisor.log")
         return 1
 
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs

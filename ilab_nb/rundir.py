@@ -87,7 +87,7 @@ def tail_lines(path, n=50) -> list:
 # %% ../nbs/00_rundir.ipynb #a0b8841b
 def complete_checkpoints(run_dir) -> list:
     "The complete checkpoint folders of the run in `run_dir` (with the `COMPLETE` marker), oldest first."
-    found = [c for c in RunPaths(run_dir).checkpoints.glob("step-*") if (c / CKPT_MARKER).exists()]
+    found = [c for c in RunPaths(run_dir).checkpoints.glob("step-*") if c.name[5:].isdigit() and (c / CKPT_MARKER).exists()]
     return sorted(found, key=checkpoint_step)
 
 def checkpoint_step(path) -> int:
@@ -174,7 +174,7 @@ import textwrap
 def schema_markdown() -> str:
     "The schema section of ARCHITECTURE.md, from `SCHEMA`."
     out = textwrap.wrap("Types: `int`, `float`, `str`, `bool`, `list`, `dict`, `any`; `?` = may be null. Metrics records carry "
-                        f"`schema: {SCHEMA_VERSION}`. Generated from `ilab_nb.rundir.SCHEMA` by `tools/schema_doc.py`; do not "
+                        f"`schema={SCHEMA_VERSION}`. Generated from `ilab_nb.rundir.SCHEMA` by `tools/schema_doc.py`; do not "
                         "edit it here.", 112) + [""]
     for kind, row in SCHEMA.items():
         out.append(f"- `{kind}` ({row['file']}): {row['doc']}.")

@@ -12,14 +12,14 @@ from pathlib import Path
 import psutil
 from filelock import FileLock
 
+from .rundir import STATES, TERMINAL, RunPaths, read_json, tail_lines
+
 # %% auto #0
-__all__ = ['STATES', 'TERMINAL', 'HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RANKS_DIR', 'RUN_ID_RE', 'RUN_ENV', 'BEAT_FILE',
-           'StateError', 'default_runs_root', 'validate_run_id', 'new_run_id', 'ProcessRef', 'write_json_atomic',
-           'read_json', 'append_jsonl', 'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore', 'rebuild_state']
+__all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RANKS_DIR', 'RUN_ID_RE', 'RUN_ENV', 'BEAT_FILE', 'StateError',
+           'default_runs_root', 'validate_run_id', 'new_run_id', 'ProcessRef', 'write_json_atomic', 'append_jsonl',
+           'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore', 'rebuild_state']
 
 # %% ../nbs/03_runstore.ipynb #0c46a957
-STATES = ("queued", "starting", "running", "completed", "failed", "cancelled")
-TERMINAL = frozenset({"completed", "failed", "cancelled"})
 HEARTBEAT_S = 2.0       # the supervisor writes a heartbeat this often
 STALE_S = 60.0          # a heartbeat older than this means a hung supervisor
 SPAWN_GRACE_S = 60.0    # a queued run with no supervisor yet is given this long to get one
@@ -100,11 +100,6 @@ def write_json_atomic(path, obj):
         finally: os.close(fd)
     except OSError: pass
 
-def read_json(path, default=None):
-    "Parse a JSON file; `default` if it is missing or unreadable."
-    try: return json.loads(Path(path).read_text())
-    except (OSError, ValueError): return default
-
 def append_jsonl(path, obj):
     "Append one JSON object as one line (one write call)."
     with open(path, "a") as f: f.write(json.dumps(obj, default=str) + "\n"); f.flush()
@@ -155,7 +150,7 @@ class RunStore:
         "The directory of `run_id` (validated; not created)."
         return self.root / validate_run_id(run_id)
 
-    def exists(self, run_id) -> bool: return (self.run_dir(run_id) / "state.json").exists()
+    def exists(self, run_id) -> bool: return RunPaths(self.run_dir(run_id)).state.exists()
 
     def create_run(self, run_id) -> Path:
         "Create the directory of a new run (and its logs/ and control/); refuses an existing one."
@@ -165,7 +160,7 @@ class RunStore:
         except FileExistsError: raise FileExistsError(
             f"Run {run_id!r} already exists in {self.root}; attach to it with FineTuneSession.attach({run_id!r}) "
             "or choose another run_id.") from None
-        for sub in ("logs", "control", "checkpoints"): (d / sub).mkdir()
+        for sub in ("logs", "control", "checkpoints"): getattr(RunPaths(d), sub).mkdir()
         return d
 
     def _lock(self, run_id): return dir_lock(self.run_dir(run_id) / ".state.lock")
@@ -200,28 +195,24 @@ class RunStore:
                 st[f"{fields['status']}_at"] = now
                 if fields["status"] in TERMINAL: st["ended_at"] = now
             write_json_atomic(self.run_dir(run_id) / "state.json.prev", st)   # the last good copy, should the other break
-            write_json_atomic(self.run_dir(run_id) / "state.json", st)
+            write_json_atomic(RunPaths(self.run_dir(run_id)).state, st)
         return st
 
     def append_event(self, run_id, event, **fields) -> dict:
         "Append a lifecycle event `{time, event, ...}` to the run's `events.jsonl`."
         rec = {"time": time.time(), "event": event, **fields}
-        append_jsonl(self.run_dir(run_id) / "events.jsonl", rec)
+        append_jsonl(RunPaths(self.run_dir(run_id)).events, rec)
         return rec
 
     def events(self, run_id) -> list:
         "Every lifecycle event of the run."
-        p = self.run_dir(run_id) / "events.jsonl"
+        p = RunPaths(self.run_dir(run_id)).events
         if not p.exists(): return []
         out = []
         for line in p.read_text().splitlines():
             try: out.append(json.loads(line))
             except ValueError: pass
         return out
-
-    def heartbeat(self, run_id, **fields) -> dict:
-        "Record that the supervisor is alive (and anything else it wants to say)."
-        return self.write_state(run_id, heartbeat_at=time.time(), **fields)
 
     def list_runs(self) -> list:
         "Run ids under the root, oldest first (every run directory, with a state or not)."
@@ -262,13 +253,6 @@ def rebuild_state(run_dir) -> dict:
     return st
 
 # %% ../nbs/03_runstore.ipynb #031979a9
-def _tail(path, n=20) -> list:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2); size = f.tell(); f.seek(max(0, size - 64 * 1024))
-            return f.read().decode("utf-8", "replace").splitlines()[-n:]
-    except OSError: return []
-
 def _why_dead(st, now, stale_s, spawn_grace_s):
     sup = ProcessRef.from_dict(st.get("supervisor"))
     if sup is None:
@@ -305,9 +289,9 @@ def _refresh(self, run_id, stale_s=None, spawn_grace_s=None) -> dict:
         try: sup.process().kill()
         except psutil.Error: pass
     killed = kill_run_processes(d, ProcessRef.from_dict(st.get("launcher")))
-    logs = sorted((d / "logs").glob("rank-*.log"))
-    log = logs[0] if logs else d / "logs" / "supervisor.log"
-    final = dict(status="failed", reason=f"Run {run_id} failed: {why}.", log_tail=_tail(log),
+    logs = sorted(RunPaths(d).logs.glob("rank-*.log"))
+    log = logs[0] if logs else RunPaths(d).supervisor_log
+    final = dict(status="failed", reason=f"Run {run_id} failed: {why}.", log_tail=tail_lines(log, 20),
                  log_file=str(log.relative_to(d)), exit_code=None)
     try: st = self.write_state(run_id, **final)
     except StateError:        # the supervisor finalized it meanwhile

@@ -11,6 +11,7 @@ from .config import TrainConfig, ConfigError, InMemoryData, load_config
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
                               kill_run_processes, run_processes)
 from .monitor import RunMonitor
+from .rundir import RunPaths
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 
 # %% auto #0
@@ -213,7 +214,7 @@ class FineTuneSession:
         self = cls.__new__(cls)
         self.store, self.run_id, self.queue, self.preflight = store, run_id, True, None
         self._init_common()
-        try: self.config = TrainConfig.read_json(self.run_dir / "config.json")
+        try: self.config = TrainConfig.read_json(RunPaths(self.run_dir).config)
         except (ConfigError, OSError): self.config = None
         self.monitor.poll()
         return self
@@ -263,7 +264,7 @@ class FineTuneSession(FineTuneSession):
                                             f"promised to run(s) {', '.join(map(str, busy))}. Wait for it, stop it, or start with queue=True.")
         d = self.store.create_run(self.run_id)
         self.config = write_memory_data(self.config, d)   # data held in memory -> data/*.jsonl, named in config.json
-        self.config.to_json(d / "config.json")
+        self.config.to_json(RunPaths(d).config)
         self.store.write_state(self.run_id, status="queued", attempt=1, request=request, device=request["kind"],
                                num_processes=self.config.num_processes, devices=self.config.devices, preflight=self.preflight)
         self.store.append_event(self.run_id, "created", by=f"pid {os.getpid()} on {socket.gethostname()}")
@@ -355,7 +356,7 @@ class FineTuneSession(FineTuneSession):
         "Ask the run to stop (graceful, then forced after `grace_s`); with `wait`, block until it has ended. Returns the status."
         st = self.state
         if not st or st.get("status") in TERMINAL: return st.get("status", "created")
-        stop = self.run_dir / "control" / "stop"; stop.parent.mkdir(exist_ok=True)
+        stop = RunPaths(self.run_dir).stop; stop.parent.mkdir(exist_ok=True)
         if not stop.exists():
             write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}", "grace_s": grace_s})
         if not wait: return self.status
@@ -385,7 +386,7 @@ class FineTuneSession(FineTuneSession):
         ckpts = self.checkpoints
         if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to resume from; start a new run instead.")
         attempt = int(st.get("attempt", 1)) + 1
-        stop = self.run_dir / "control" / "stop"
+        stop = RunPaths(self.run_dir).stop
         if stop.exists(): stop.rename(stop.with_name(f"stop.attempt-{attempt - 1}"))
         self.store.write_state(self.run_id, new_attempt=True, status="queued", attempt=attempt, resume_from=ckpts[-1]["path"],
                                resumed_from_step=ckpts[-1]["step"])
@@ -398,7 +399,7 @@ class FineTuneSession(FineTuneSession):
     def model_path(self, checkpoint=None) -> Path:
         "The directory `load_model(checkpoint)` would load."
         if checkpoint is None:
-            p = self.run_dir / "final"
+            p = RunPaths(self.run_dir).final
             if not (p / "config.json").exists():
                 steps = [c["step"] for c in self.checkpoints]
                 raise FileNotFoundError(f"Run {self.run_id} has no final model (status {self.status}); "

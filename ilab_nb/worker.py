@@ -14,16 +14,16 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .runstore import RANKS_DIR, write_json_atomic
+from .rundir import CKPT_MARKER, SCHEMA_VERSION, RunPaths, complete_checkpoints
 from . import data as D
 from . import batching as B
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'CKPT_MARKER', 'redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps',
-           'load_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'make_optimizer',
-           'make_scheduler', 'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'complete_checkpoints',
-           'prune_checkpoints', 'load_checkpoint', 'train_step', 'evaluate', 'all_reduce_sum', 'stop_requested',
-           'is_collective_error', 'record_rank', 'run', 'data_seen_by_ranks', 'write_final', 'quiet_progress_bars',
-           'main']
+__all__ = ['redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps', 'load_model',
+           'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'make_optimizer', 'make_scheduler',
+           'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint',
+           'train_step', 'evaluate', 'all_reduce_sum', 'stop_requested', 'is_collective_error', 'record_rank', 'run',
+           'data_seen_by_ranks', 'write_final', 'quiet_progress_bars', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -75,7 +75,7 @@ def load_data(cfg: TrainConfig, tokenizer, run_dir: Path, main_first):
     if cfg.eval_data: train_r, eval_r = records, D.load_chat_records(cfg.eval_data)
     elif cfg.eval_split > 0: train_r, eval_r = D.split_records(records, cfg.eval_split, cfg.seed)
     else: train_r, eval_r = records, []
-    cache = run_dir / "cache"
+    cache = RunPaths(run_dir).cache
     with main_first():
         train, train_stats = D.build_dataset(train_r, tokenizer, cfg.max_seq_len, cfg.long_sequence_policy, cache_dir=cache / "train")
         evals, eval_stats = (D.build_dataset(eval_r, tokenizer, cfg.max_seq_len, cfg.long_sequence_policy, cache_dir=cache / "eval")
@@ -163,8 +163,6 @@ def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 # %% ../nbs/05_worker.ipynb #a87a124d
-SCHEMA_VERSION = 1
-
 class MetricsWriter:
     "Append-only `metrics.jsonl` writer (rank 0 only; other ranks get a writer that writes nothing)."
     def __init__(self, path, run_id: str, attempt: int, enabled: bool = True):
@@ -196,8 +194,6 @@ def log_line(rec: dict) -> str:
         f": {rec['error']}" if rec.get("error") else "")
 
 # %% ../nbs/05_worker.ipynb #a06de83d
-CKPT_MARKER = "COMPLETE"
-
 def _barrier(env):
     if env["world_size"] > 1: dist.barrier()
 
@@ -222,7 +218,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, token
     "Write `checkpoints/step-N` atomically: HF model, sharded model+optimizer state, per-rank extras, marker."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    root = run_dir / "checkpoints"; final = root / f"step-{step:08d}"; tmp = root / f".tmp-step-{step:08d}"
+    root = RunPaths(run_dir).checkpoints; final, tmp = RunPaths(run_dir).checkpoint(step), RunPaths(run_dir).checkpoint_tmp(step)
     if env["rank"] == 0:
         if tmp.exists(): shutil.rmtree(tmp)
         tmp.mkdir(); (tmp / "extra").mkdir()      # no parents: a deleted run directory is not re-created
@@ -239,10 +235,6 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, token
         os.replace(tmp, final)
     _barrier(env)
     return final
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    "Complete checkpoint directories, oldest first."
-    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step-*") if (p / CKPT_MARKER).exists())
 
 def prune_checkpoints(run_dir: Path, limit: int | None):
     "Keep the newest `limit` complete checkpoints (`save_total_limit`); None keeps all."
@@ -328,7 +320,7 @@ def all_reduce_sum(t: torch.Tensor, env) -> torch.Tensor:
 # %% ../nbs/05_worker.ipynb #129897bc
 def stop_requested(run_dir: Path, env) -> bool:
     "True on every rank when rank 0 sees `control/stop`."
-    flag = torch.tensor([1.0 if env["rank"] == 0 and (run_dir / "control" / "stop").exists() else 0.0])
+    flag = torch.tensor([1.0 if env["rank"] == 0 and RunPaths(run_dir).stop.exists() else 0.0])
     return bool(all_reduce_sum(flag, env)[0] > 0)
 
 # %% ../nbs/05_worker.ipynb #5fd14136
@@ -356,18 +348,18 @@ def record_rank(run_dir, rank: int, attempt: int, status: str, **fields):
     rec = dict(rank=rank, attempt=attempt, status=status, pid=os.getpid(), host=socket.gethostname(),
                local_rank=int(os.environ.get("LOCAL_RANK", rank)), time=time.time(), **fields)
     try:
-        d = Path(run_dir) / RANKS_DIR
+        d = RunPaths(run_dir).ranks
         if not d.parent.is_dir(): return                 # the run directory is gone: never re-create it
-        d.mkdir(exist_ok=True); write_json_atomic(d / f"rank-{rank}.json", rec)
+        d.mkdir(exist_ok=True); write_json_atomic(RunPaths(run_dir).rank_account(rank), rec)
     except OSError as e: print(f"[ilab_nb.worker] could not record rank {rank} {status}: {e}", file=sys.stderr, flush=True)
 
 # %% ../nbs/05_worker.ipynb #946c1459
 def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     "Train the run in `run_dir` to completion or to a stop request; returns `completed` or `stopped`."
     run_dir = Path(run_dir).resolve()
-    cfg = TrainConfig.read_json(run_dir / "config.json")
+    cfg = TrainConfig.read_json(RunPaths(run_dir).config)
     rank = int(os.environ.get("RANK", "0"))            # known before the process group exists
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", run_dir.name, attempt, enabled=rank == 0)
+    metrics = MetricsWriter(RunPaths(run_dir).metrics, run_dir.name, attempt, enabled=rank == 0)
     record_rank(run_dir, rank, attempt, "running")
     try:
         env = init_distributed(cfg)
@@ -477,7 +469,7 @@ def data_seen_by_ranks(seen: set, env) -> dict:
 # %% ../nbs/05_worker.ipynb #ae75bc39
 def write_final(run_dir: Path, model, tokenizer, env):
     "The finished model in Hugging Face format in `final/`, written to a temp dir and renamed."
-    tmp, final = run_dir / ".tmp-final", run_dir / "final"
+    tmp, final = RunPaths(run_dir).final_tmp, RunPaths(run_dir).final
     if env["rank"] == 0:
         if tmp.exists(): shutil.rmtree(tmp)
         tmp.mkdir()                               # fails, rather than re-creating a deleted run directory
@@ -500,7 +492,7 @@ def main(argv=None):
     p.add_argument("run_dir"); p.add_argument("--resume", default=None); p.add_argument("--attempt", type=int, default=1)
     a = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    redirect_output(Path(a.run_dir) / "logs" / f"rank-{rank}.log")
+    redirect_output(RunPaths(a.run_dir).rank_log(rank))
     quiet_progress_bars()
     print(f"[ilab_nb.worker] rank {rank} pid {os.getpid()} attempt {a.attempt} run_dir {a.run_dir}", flush=True)
     code = 0
