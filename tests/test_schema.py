@@ -6,7 +6,7 @@ import pytest
 
 from ilab_nb.rundir import SCHEMA, RunPaths, schema_problems
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(900)   # a loaded machine is slow; no assertion is on time
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,9 +26,11 @@ def problems_in(run_dir) -> list:
     return out, kinds
 
 
-def test_every_record_of_a_real_run_matches_the_schema(demo, small_train, runs_root):
+def test_every_record_of_a_real_run_matches_the_schema(demo, small_train, runs_root, tmp_path):
     from ilab_nb import FineTuneSession
-    s = FineTuneSession(model=demo.model_dir, data=small_train, eval_data=demo.eval_file, num_processes=1,
+    evals = tmp_path / "eval.jsonl"                      # 20 conversations: three evaluations cost little
+    evals.write_text("".join(demo.eval_file.read_text().splitlines(keepends=True)[:20]))
+    s = FineTuneSession(model=demo.model_dir, data=small_train, eval_data=evals, num_processes=1,
                         strategy="single", device="cpu", max_steps=3, save_steps=2, eval_steps=2, logging_steps=1,
                         max_seq_len=256, max_tokens_per_batch=1024, runs_root=runs_root)
     s.start()
