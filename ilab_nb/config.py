@@ -151,6 +151,10 @@ _DESCRIPTIONS = dict(
     trust_remote_code="Allow model/tokenizer code from the model directory or hub repository to run.",
     accelerate_config="Path to your own `accelerate` config YAML passed to `accelerate launch --config_file`.",
     launcher_args="Extra arguments for `accelerate launch` (a list, or one string split like a shell).",
+    eval_prompts="Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), written as `samples` records.",
+    eval_max_new_tokens="Longest answer, in new tokens, generated for each of eval_prompts.",
+    report_to="Trackers that also get the train/eval records: none, tensorboard, mlflow, or a list (as in TrainingArguments).",
+    logging_dir="TensorBoard's event-file directory; None = `tensorboard/` in the run directory.",
 )
 
 def _f(name: str, default: Any = ..., **kw) -> Any:
@@ -202,6 +206,32 @@ def data_sources(v, field: str = "data") -> list:
 
 DataSources = Annotated[list[str | InMemoryData], BeforeValidator(lambda v, info: data_sources(v, info.field_name))]
 
+# %% ../nbs/00_config.ipynb #0c0b0fce
+_TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
+
+def _check_trackers_installed(names: list[str]) -> list[str]:
+    "`names` if every tracker's package is importable, else a ValueError saying which extra to install."
+    import importlib.util
+    missing = [n for n in names if importlib.util.find_spec(_TRACKER_MODULES[n][0]) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} asked for but not installed; install it with "
+                         f"pip install 'ilab_nb[{','.join(_TRACKER_MODULES[n][1] for n in missing)}]', or drop it from report_to")
+    if len(set(names)) != len(names): raise ValueError("a tracker is named twice")
+    return names
+
+def _check_eval_prompts(prompts):
+    "`prompts` if each is a non-empty string or a list of role/content messages ending with a user turn."
+    if prompts is None: return prompts
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p.strip(): raise ValueError(f"prompt {i} is empty")
+            continue
+        roles = [m.get("role") for m in p]
+        if not p or any(r not in ("system", "user", "assistant") for r in roles) or any("content" not in m for m in p):
+            raise ValueError(f"prompt {i} must be a string or a list of {{'role': system|user|assistant, 'content': ...}} messages")
+        if roles[-1] != "user": raise ValueError(f"prompt {i} must end with a user message (the model answers it)")
+    return prompts
+
 # %% ../nbs/00_config.ipynb #06678648
 class TrainConfig(BaseModel):
     "Every setting of one fine-tuning run, validated."
@@ -242,6 +272,10 @@ class TrainConfig(BaseModel):
     trust_remote_code: bool = _f("trust_remote_code", False)
     accelerate_config: str | None = _f("accelerate_config", None)
     launcher_args: list[str] = _f("launcher_args", [])
+    eval_prompts: list[str | list[dict[str, str]]] | None = _f("eval_prompts", None, min_length=1)
+    eval_max_new_tokens: int = _f("eval_max_new_tokens", 32, ge=1)
+    report_to: list[Literal["tensorboard", "mlflow"]] = _f("report_to", [])
+    logging_dir: str | None = _f("logging_dir", None)
 
     @field_validator("data", "eval_data", mode="before")
     @classmethod
@@ -259,6 +293,27 @@ class TrainConfig(BaseModel):
     @classmethod
     def _split_launcher_args(cls, v):
         return shlex.split(v) if isinstance(v, str) else v
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, v):
+        if v is None or v == "none" or v == ["none"]: return []
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, v):
+        return _check_trackers_installed(v)
+
+    @field_validator("eval_prompts")
+    @classmethod
+    def _eval_prompts(cls, v):
+        return _check_eval_prompts(v)
+
+    @field_validator("logging_dir", mode="before")
+    @classmethod
+    def _logging_dir_str(cls, v):
+        return os.fspath(v) if isinstance(v, os.PathLike) else v
 
     @field_validator("max_steps")
     @classmethod
@@ -286,8 +341,8 @@ class TrainConfig(BaseModel):
         p = []
         if self.eval_data is not None and self.eval_split > 0:
             p.append(("eval_split", "set either eval_data or eval_split, not both"))
-        if self.eval_steps is not None and self.eval_data is None and self.eval_split == 0:
-            p.append(("eval_steps", "there is no eval data to evaluate: set eval_data or eval_split, or leave eval_steps unset"))
+        if self.eval_steps is not None and self.eval_data is None and self.eval_split == 0 and not self.eval_prompts:
+            p.append(("eval_steps", "there is no eval data to evaluate: set eval_data, eval_split or eval_prompts, or leave eval_steps unset"))
         if self.strategy == "single" and self.num_processes != 1:
             p.append(("strategy", f"'single' runs one process but num_processes is {self.num_processes}; use fsdp or ddp, or num_processes=1"))
         if self.strategy == "ddp" and self.num_processes < 2:

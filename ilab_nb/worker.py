@@ -22,8 +22,9 @@ from . import batching as B
 __all__ = ['redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps', 'load_model',
            'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'make_optimizer', 'make_scheduler',
            'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint',
-           'train_step', 'evaluate', 'all_reduce_sum', 'stop_requested', 'is_collective_error', 'record_rank', 'run',
-           'data_seen_by_ranks', 'write_final', 'quiet_progress_bars', 'main']
+           'train_step', 'evaluate', 'all_reduce_sum', 'prompt_messages', 'reshard', 'generate_samples',
+           'write_samples', 'stop_requested', 'is_collective_error', 'record_rank', 'run', 'data_seen_by_ranks',
+           'write_final', 'quiet_progress_bars', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -317,6 +318,44 @@ def all_reduce_sum(t: torch.Tensor, env) -> torch.Tensor:
     if env["world_size"] == 1: return t
     x = t.to(env["device"]); dist.all_reduce(x); return x.cpu()
 
+# %% ../nbs/05_worker.ipynb #3541ebdd
+from .trackers import open_trackers      # used by `run` below (report_to)
+
+def prompt_messages(prompt) -> list[dict]:
+    "The chat messages of an eval prompt (a plain string is one user message)."
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+def reshard(model):
+    "Free the full parameters FSDP2 keeps gathered after a forward pass outside training (no-op without FSDP)."
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule): m.reshard()
+
+# %% ../nbs/05_worker.ipynb #73d75acb
+@torch.no_grad()
+def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autocast=nullcontext) -> list[dict]:
+    "Greedy answers to `prompts`, `[{prompt, answer}]`; every rank must call it with the same prompts."
+    hf, was, side = unwrap(model), unwrap(model).training, tokenizer.padding_side
+    msgs = [prompt_messages(p) for p in prompts]
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
+    hf.eval(); tokenizer.padding_side = "left"
+    try:
+        x = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(env["device"])
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        with autocast():
+            out = hf.generate(**x, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad,
+                              eos_token_id=tokenizer.eos_token_id, synced_gpus=env["world_size"] > 1)
+        answers = tokenizer.batch_decode(out[:, x["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side; hf.train(was); reshard(model)
+    return [dict(prompt=m[-1]["content"], answer=a.strip()) for m, a in zip(msgs, answers)]
+
+def write_samples(metrics, model, tokenizer, cfg, env, autocast, step: int, epoch: float):
+    "Answer `cfg.eval_prompts` and write one `samples` record (rank 0) with the seconds it took."
+    t0 = time.time()
+    samples = generate_samples(model, tokenizer, cfg.eval_prompts, cfg.eval_max_new_tokens, env, autocast)
+    metrics.write("samples", step=step, epoch=epoch, seconds=time.time() - t0, max_new_tokens=cfg.eval_max_new_tokens, samples=samples)
+
 # %% ../nbs/05_worker.ipynb #129897bc
 def stop_requested(run_dir: Path, env) -> bool:
     "True on every rank when rank 0 sees `control/stop`."
@@ -362,6 +401,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     metrics = MetricsWriter(RunPaths(run_dir).metrics, run_dir.name, attempt, enabled=rank == 0)
     record_rank(run_dir, rank, attempt, "running")
     try:
+        metrics = open_trackers(metrics, run_dir, cfg, rank)      # report_to: TensorBoard / MLflow get the same records
         env = init_distributed(cfg)
         if cfg.strategy == "single" and env["world_size"] != 1: raise RuntimeError("strategy='single' runs exactly one process.")
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
@@ -408,6 +448,7 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
                   plan=B.plan_stats(plan, lengths, layout), data_stats=data_stats, versions=_versions())
 
     def do_eval(step, epoch):
+        if cfg.eval_prompts: write_samples(metrics, model, tokenizer, cfg, env, autocast, step, epoch)
         if eval_ds is None: return None
         r = evaluate(model, eval_ds, cfg, env, autocast, pad_id)
         metrics.write("eval", step=step, epoch=epoch, **r)
