@@ -454,3 +454,18 @@ class FineTuneSession(FineTuneSession):
         "Overlay the loss curves of several runs (sessions, run dirs or monitors): see `ilab_nb.dashboard.compare`."
         from ilab_nb.dashboard import compare
         return compare(runs, labels=labels, **kwargs)
+
+# %% ../nbs/07_session.ipynb #6c09dd5c
+from .core import patch
+
+@patch(cls_method=True)
+def sweep(cls:FineTuneSession, model=None, data=None, *, grid=None, config=None, runs_root=None, name=None, **fields):
+    "Queue one run per combination of the fields given as lists (`learning_rate=[1e-4, 3e-4]`); returns a `Sweep`."
+    from ilab_nb.sweep import Sweep
+    return Sweep.create(model, data, grid=grid, config=config, runs_root=runs_root, name=name, **fields)
+
+@patch
+def chat(self:FineTuneSession, checkpoint=None, **kwargs):
+    "A chat box (ipywidgets) over the final model or `checkpoint` (step, 'latest' or path), streaming its answers."
+    from ilab_nb.chat import ChatBox
+    return ChatBox.from_session(self, checkpoint, **kwargs)

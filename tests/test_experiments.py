@@ -1,0 +1,82 @@
+"""Issue 11, with real processes: trackers (TensorBoard's and MLflow's own readers), sample answers at each
+evaluation under FSDP, sweeps through the device queue, and chatting with a run's model."""
+import json, os, subprocess, sys, textwrap
+from pathlib import Path
+
+import pytest
+
+from ilab_nb.monitor import RunMonitor
+from ilab_nb.session import FineTuneSession
+from conftest import wait_until
+
+pytestmark = pytest.mark.timeout(400)
+
+FIELDS = dict(num_processes=2, device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1,
+              learning_rate=1e-3)
+PROMPTS = ["What is the capital of Nutoland?", [{"role": "system", "content": "Answer in one word."},
+                                                 {"role": "user", "content": "What money do people use in Tarbristan?"}]]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tracked_run(demo, small_train, tmp_path_factory):
+    "One finished 2-rank FSDP run with eval prompts, TensorBoard and MLflow (shared by the tests below)."
+    root = tmp_path_factory.mktemp("tracked")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ILAB_NB_RUNS", str(root / "runs")); mp.setenv("ILAB_NB_LOCKS", str(root / "locks"))
+    mp.setenv("ILAB_NB_CPU_SLOTS", "2"); mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    s = FineTuneSession(demo.model_dir, small_train, runs_root=root / "runs", max_steps=4, eval_split=0.1, eval_steps=2,
+                        eval_prompts=PROMPTS, eval_max_new_tokens=6, report_to=["tensorboard", "mlflow"], **FIELDS)
+    s.start()
+    assert s.wait(timeout=300) == "completed", s.logs()
+    yield s
+    mp.undo()
+
+
+def _jsonl(s, kind):
+    m = RunMonitor(s.run_dir); m.poll()
+    return [r for r in m.records if r.get("kind") == kind]
+
+
+def test_tensorboard_scalars_equal_metrics_jsonl(tracked_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tracked_run.run_dir / "tensorboard")); acc.Reload()
+    for tag, kind, key in (("train/loss", "train", "loss"), ("eval/loss", "eval", "eval_loss")):
+        want = [(r["step"], r[key]) for r in _jsonl(tracked_run, kind)]
+        got = [(e.step, e.value) for e in acc.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in want] and len(want) >= 3
+        assert all(v == pytest.approx(w, rel=1e-6) for (_, v), (_, w) in zip(got, want))   # TensorBoard stores float32
+
+
+def test_mlflow_metric_history_equals_metrics_jsonl(tracked_run):
+    from mlflow.tracking import MlflowClient
+    from ilab_nb.trackers import mlflow_tracking_uri
+    ref = json.loads((tracked_run.run_dir / "mlflow.json").read_text())
+    c = MlflowClient(mlflow_tracking_uri(tracked_run.run_dir))
+    assert ref["tracking_uri"].endswith("/runs/mlruns")
+    for tag, kind, key in (("train/loss", "train", "loss"), ("eval/loss", "eval", "eval_loss")):
+        want = [(r["step"], r[key]) for r in _jsonl(tracked_run, kind)]
+        assert [(m.step, m.value) for m in c.get_metric_history(ref["run_id"], tag)] == want
+    run = c.get_run(ref["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["final_model_path"] == str(tracked_run.run_dir / "final")
+    assert run.data.params["learning_rate"] == "0.001" and run.data.params["num_processes"] == "2"
+
+
+def test_samples_at_each_evaluation(tracked_run):
+    samples, evals = _jsonl(tracked_run, "samples"), _jsonl(tracked_run, "eval")
+    assert [r["step"] for r in samples] == [r["step"] for r in evals] == [0, 2, 4]
+    for r in samples:
+        assert [x["prompt"] for x in r["samples"]] == [PROMPTS[0], PROMPTS[1][-1]["content"]]
+        assert all(isinstance(x["answer"], str) for x in r["samples"]) and r["seconds"] > 0 and r["max_new_tokens"] == 6
+
+
+def test_missing_tracker_is_an_error_at_construction(demo, small_train, runs_root):
+    code = textwrap.dedent(f"""
+        import sys; sys.modules["mlflow"] = None     # as if the extra were not installed
+        from ilab_nb.session import FineTuneSession
+        try: FineTuneSession({str(demo.model_dir)!r}, {str(small_train)!r}, runs_root={str(runs_root)!r}, report_to="mlflow", device="cpu")
+        except ValueError as e: print("ERR", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "ERR" in out.stdout and "report_to" in out.stdout and "pip install 'ilab_nb[mlflow]'" in out.stdout, out.stdout + out.stderr
+    assert not runs_root.exists() or not any(runs_root.iterdir())
