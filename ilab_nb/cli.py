@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--path", help="where to build the demo assets (default: a cache directory)")
     c.add_argument("--eval-limit", type=int, help="evaluate accuracy on at most this many held-out questions")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="config fields to override")
+    c = cmd("chat", "chat with a run's model in the terminal (one message per line; /reset, /quit)")
+    c.add_argument("--checkpoint", help="a checkpoint step, 'latest', or a model directory (default: the final model)")
+    c.add_argument("--max-new-tokens", type=int, default=128); c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--system", help="a system message for the conversation")
     return p
 
 def _rank(r): return None if r is None else (r if r == "supervisor" else int(r))
@@ -205,6 +209,11 @@ def main(argv=None) -> int:
             status = s.wait(progress=True); print(format_status(s)); return 0 if status == "completed" else 1
         if a.cmd == "stop":
             status = s.stop(wait=not a.no_wait, grace_s=a.grace); print(f"{s.run_id}: {status}"); return 0
+        if a.cmd == "chat":
+            from ilab_nb.chat import terminal_chat
+            ck = a.checkpoint if a.checkpoint is None or not a.checkpoint.isdigit() else int(a.checkpoint)
+            model, tok = s.load_model(ck)
+            return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
         if a.cmd == "resume":
             s.resume(); print(f"{s.run_id} resumed (attempt {s.state.get('attempt')})", flush=True)
             if not a.foreground: return 0
