@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['STATUS_COLOURS', 'run_status', 'run_curves', 'smooth_ema', 'LRFormatter', 'LossPlot', 'render_text', 'Dashboard',
-           'LossComparison', 'compare']
+           'LossComparison', 'compare', 'latest_samples', 'samples_html']
 
 # %% ../nbs/08_dashboard.ipynb #4d665a06
 import html
@@ -519,3 +519,58 @@ def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, heigh
         ax.spines[side].set_visible(False)
     ax.legend(fontsize=9, frameon=False, loc="upper right")
     return LossComparison(fig, summary)
+
+# %% ../nbs/08_dashboard.ipynb #0ade4ffe
+def latest_samples(records) -> tuple:
+    "The latest and the previous `samples` records of the current history (a resumed attempt drops later steps)."
+    found, cut = [], None
+    for r in reversed(records):
+        k = r.get("kind")
+        if k == "header" and r.get("resumed_from_step") is not None:
+            cut = r["resumed_from_step"] if cut is None else min(cut, r["resumed_from_step"])
+        elif k == "samples" and (cut is None or (r.get("step") or 0) <= cut):
+            found.append(r)
+            if len(found) == 2: break
+    return (found[0] if found else None), (found[1] if len(found) > 1 else None)
+
+# %% ../nbs/08_dashboard.ipynb #e78373ce
+def samples_html(latest: dict, previous: dict | None = None) -> str:
+    "A table: each prompt, its latest answer (with the step), and its answer at the previous evaluation."
+    prev = {s["prompt"]: s["answer"] for s in (previous or {}).get("samples", [])}
+    th = "style='text-align:left;padding:3px 8px;border-bottom:1px solid #dadce0'"
+    td = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap'"
+    head = f"<tr><th {th}>prompt</th><th {th}>step {latest.get('step')}</th>" + (
+        f"<th {th}>step {previous.get('step')}</th>" if previous else "") + "</tr>"
+    rows = []
+    for s in latest.get("samples", []):
+        a, b = s["answer"], prev.get(s["prompt"])
+        changed = previous is not None and a != b
+        rows.append(f"<tr><td {td}>{html.escape(s['prompt'])}</td><td {td}>{'<b>' if changed else ''}{html.escape(a)}"
+                    f"{'</b>' if changed else ''}</td>" + (f"<td {td} style='color:#5f6368'>{html.escape(b or '')}</td>" if previous else "") + "</tr>")
+    cost = f" · generated in {latest['seconds']:.2f} s" if isinstance(latest.get("seconds"), (int, float)) else ""
+    return (f"<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since the previous "
+            f"evaluation{cost})</span><table style='border-collapse:collapse;width:100%'>{head}{''.join(rows)}</table></div>")
+
+# %% ../nbs/08_dashboard.ipynb #ef205c3a
+from .core import patch
+
+@patch
+def _show_samples(self:Dashboard) -> bool:
+    n = len(self.monitor.records)
+    if getattr(self, "_samples_n", None) == n: return False
+    self._samples_n = n
+    latest, previous = latest_samples(self.monitor.records)
+    if latest is None: return False
+    if getattr(self, "samples_view", None) is None:
+        self.samples_view = W.HTML().add_class("ilab-samples")
+        self.children = self.children[:-1] + (self.samples_view, self.children[-1])
+    return self._set(self.samples_view, samples_html(latest, previous))
+
+_update_runs = getattr(Dashboard.update, "_runs", Dashboard.update)     # the refresh above, once (re-running this cell is safe)
+
+@patch
+def update(self:Dashboard) -> bool:
+    "One synchronous refresh (status, progress, plot, log, checkpoints, sample answers); returns whether anything changed."
+    with self._lock:
+        return _update_runs(self) | self._show_samples()
+update._runs = _update_runs
