@@ -58,6 +58,7 @@ def dashboard_refresh(run_dir, n=20):
 
 def main():
     ap = argparse.ArgumentParser(); ap.add_argument("--baseline", action="store_true"); ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--max-steps", type=int, default=240, help="the demo's 240 by default")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ilab-bench-exp-"))
     os.environ.setdefault("ILAB_NB_LOCKS", str(root / "locks"))
@@ -65,13 +66,13 @@ def main():
     items = answer_prompts(read_chat_jsonl(demo.eval_file))
     held = [it for it in items if len(it["context"]) == 2][:5]           # system + first question of a conversation
     prompts, chat_item = [it["context"] for it in held[:4]], held[4]
-    s = demo_run(demo, root / "runs", eval_prompts=prompts, eval_max_new_tokens=16)
+    s = demo_run(demo, root / "runs", eval_prompts=prompts, eval_max_new_tokens=16, max_steps=a.max_steps)
     wall, recs = wall_s(s.run_dir)
     samples = [r for r in recs if r["kind"] == "samples"]
     gen = sum(r["seconds"] for r in samples)
     base = None
     if a.baseline:
-        b = demo_run(demo, root / "runs")
+        b = demo_run(demo, root / "runs", max_steps=a.max_steps)
         base, _ = wall_s(b.run_dir)
     first, last = samples[0], samples[-1]
     right = lambda r: sum(x["answer"] == it["expected"] for x, it in zip(r["samples"], held))
@@ -83,6 +84,7 @@ def main():
     answer = "".join(pieces).strip()
 
     import torch, transformers
+    per_eval = ", ".join(f"{r['seconds']:.2f}" for r in samples)
     lines = [
         "# Experiment features benchmark (measured by `bench/bench_experiments.py`)", "",
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -91,7 +93,7 @@ def main():
         f"4 eval prompts, eval_max_new_tokens=16.", "",
         "| measure | value |", "|---|---:|",
         f"| run wall time (header to completed) | {wall:.1f} s |",
-        f"| sample generation, all evaluations | {gen:.2f} s ({', '.join(f'{r['seconds']:.2f}' for r in samples)}) |",
+        f"| sample generation, all evaluations | {gen:.2f} s ({per_eval}) |",
         f"| sample generation overhead (generation / rest of the run) | {100 * gen / (wall - gen):.1f} % |",
     ]
     if base is not None:

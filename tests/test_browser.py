@@ -247,3 +247,65 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, runs_root, tmp
             s = FineTuneSession.attach(run_id)
             if s.status not in ("completed", "failed", "cancelled"):
                 s.stop(wait=True, timeout=60)
+
+
+CHAT_NOTEBOOK = """\
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from ilab_nb.chat import ChatBox
+box = ChatBox(AutoModelForCausalLM.from_pretrained({model!r}), AutoTokenizer.from_pretrained({model!r}), max_new_tokens=400)
+box
+"""
+
+
+def chat_state(page) -> dict:
+    return page.evaluate("""() => {
+        const q = s => document.querySelector(s);
+        const a = document.querySelectorAll('.ilab-chat-assistant');
+        return {answer: a.length ? a[a.length - 1].innerText : '', n: a.length,
+                status: q('.ilab-chat-status') ? q('.ilab-chat-status').innerText : ''};
+    }""")
+
+
+def test_chat_box_in_jupyterlab_with_chromium(demo, tmp_path, monkeypatch):
+    "Type a message in the chat box, see the answer streamed in, press Stop (the untrained demo model's answer is long)."
+    if chromium_path() is None:
+        pytest.skip("Debian chromium is not installed (no /usr/bin/chromium): `make browser-deps` installs it.")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Playwright for Python is not importable ({e}): `pip install playwright` (dev requirement).")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ARTIFACTS.mkdir(exist_ok=True)
+    nbdir = tmp_path / "notebooks"; nbdir.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CHAT_NOTEBOOK.format(model=str(demo.model_dir)))])
+    nb.metadata = {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}}
+    nbformat.write(nb, nbdir / "chat.ipynb")
+
+    def until(pred, timeout, what):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            st = chat_state(page)
+            if pred(st): return st
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; the chat box shows {chat_state(page)}")
+
+    with jupyter_lab(nbdir, tmp_path) as lab, chromium_page() as page:
+        page.goto(lab.notebook_url("chat.ipynb"))
+        try:
+            run_all_cells(page)
+            page.wait_for_selector(".ilab-chat-input input", timeout=120_000)
+            page.fill(".ilab-chat-input input", "Tell me everything.")
+            page.press(".ilab-chat-input input", "Enter")
+            first = until(lambda st: len(st["answer"].strip("▌ ")) > 0, 120, "the first streamed piece")
+            later = until(lambda st: len(st["answer"]) > len(first["answer"]) + 5, 120, "more streamed text")
+            assert later["answer"].startswith(first["answer"].rstrip("▌ ").rstrip()[:10])
+            page.locator(".ilab-chat").first.screenshot(path=str(ARTIFACTS / "browser-chat-streaming.png"))
+            page.click(".ilab-chat-stop")
+            done = until(lambda st: "stopped" in st["status"], 120, "the answer to stop")
+            assert "▌" not in done["answer"] and done["n"] == 1
+            page.locator(".ilab-chat").first.screenshot(path=str(ARTIFACTS / "browser-chat-stopped.png"))
+        except Exception:
+            with contextlib.suppress(Exception):
+                page.screenshot(path=str(ARTIFACTS / "browser-chat-failure-page.png"))
+            print("JupyterLab log (tail):\n" + lab.log()[-4000:])
+            raise

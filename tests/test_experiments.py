@@ -80,3 +80,59 @@ def test_missing_tracker_is_an_error_at_construction(demo, small_train, runs_roo
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "ERR" in out.stdout and "report_to" in out.stdout and "pip install 'ilab_nb[mlflow]'" in out.stdout, out.stdout + out.stderr
     assert not runs_root.exists() or not any(runs_root.iterdir())
+
+
+def test_chat_box_streams_and_stops(tracked_run, demo):
+    "The chat box answers over the run's final model; over the untrained demo model it streams a long answer and Stop ends it."
+    from ilab_nb.chat import ChatBox
+    box = tracked_run.chat(temperature=0.0, max_new_tokens=8)
+    box.input.value = "What is the capital of Nutoland?"           # what Enter does
+    assert box.wait(120) and box.error is None and "done" in box.status.value
+    assert [m["role"] for m in box.chat.messages] == ["user", "assistant"] and "ilab-chat-user" in box.transcript.value
+    box.send("And its currency?"); assert box.wait(120)
+    assert [m["role"] for m in box.chat.messages] == ["user", "assistant"] * 2      # multi-turn
+    # streaming and Stop: the untrained model's greedy answer to this prompt runs the full 400 tokens if not stopped
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(demo.model_dir)
+    long = ChatBox(AutoModelForCausalLM.from_pretrained(demo.model_dir), tok, max_new_tokens=400)
+    partial = []
+    long.transcript.observe(lambda ch: partial.append(ch["new"]) if "▌" in ch["new"] else None, names="value")
+    long.send("Tell me everything.")
+    wait_until(lambda: len(partial) >= 3, 120, poll=0.01, what="three streamed pieces")
+    long.stop_button.click()
+    assert long.wait(120) and "stopped" in long.status.value
+    assert len(partial[0]) < len(partial[2])                        # the answer grew piece by piece
+    assert len(tok(long.chat.messages[-1]["content"])["input_ids"]) < 400
+
+
+def test_cli_chat(tracked_run):
+    out = subprocess.run([sys.executable, "-m", "ilab_nb.cli", "chat", tracked_run.run_id, "--runs-root", str(tracked_run.store.root),
+                          "--max-new-tokens", "4", "--checkpoint", "latest"],
+                         input="What is the capital of Nutoland?\n/reset\nHi\n/quit\n", capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("model> ") == 2 and "(conversation reset)" in out.stdout
+
+
+def test_sweep_2x2_through_the_queue(demo, small_train, runs_root):
+    from ilab_nb.sweep import Sweep
+    sw = FineTuneSession.sweep(demo.model_dir, small_train, runs_root=runs_root, name="lr", learning_rate=[1e-3, 3e-3],
+                               max_steps=[2, 3], num_processes=1, strategy="single", device="cpu", max_seq_len=256,
+                               max_tokens_per_batch=1024, eval_split=0.1)
+    assert len(sw.sessions) == 4 and sw.axes == {"learning_rate": [1e-3, 3e-3], "max_steps": [2, 3]}
+    assert sw.wait(timeout=360) == ["completed"] * 4, [s.reason for s in sw.sessions]
+    df = sw.results()
+    assert len(df) == 4 and list(zip(df.learning_rate, df.max_steps)) == [(1e-3, 2), (1e-3, 3), (3e-3, 2), (3e-3, 3)]
+    assert (df.step == df.max_steps).all() and (df.status == "completed").all() and df.final_loss.notna().all()
+    assert df.best_eval_loss.notna().all() and (df.tokens_per_s > 0).all()
+    # never more ranks than CPU slots (2) at once: the runs' slot-holding intervals
+    spans = [(s.state["starting_at"], s.state["ended_at"]) for s in sw.sessions]
+    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 2
+    # the sweep directory is not a run, and a new process attaching sees the same table
+    assert set(FineTuneSession.list_runs(runs_root) and [r["run_id"] for r in FineTuneSession.list_runs(runs_root)]) == set(sw.run_ids)
+    code = f"from ilab_nb.sweep import Sweep; print(Sweep.attach({sw.sweep_id!r}, {str(runs_root)!r}).results().to_json())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    import pandas as pd, io
+    other = pd.read_json(io.StringIO(out.stdout.strip().splitlines()[-1]))
+    assert other.run_id.tolist() == df.run_id.tolist() and other.final_loss.tolist() == pytest.approx(df.final_loss.tolist())
+    assert Sweep.list_sweeps(runs_root) == [sw.sweep_id]
