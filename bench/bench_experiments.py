@@ -89,7 +89,7 @@ def main():
         "# Experiment features benchmark (measured by `bench/bench_experiments.py`)", "",
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"load average {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} cores, shared with other work).",
-        f"Demo run: 2 gloo ranks, FSDP, {samples[-1]['step']} steps, eval every 60 steps ({len(samples)} evaluations incl. step 0), "
+        f"Demo run: 2 gloo ranks, FSDP, {samples[-1]['step']} steps, evaluation every 60 steps and at each epoch's end ({len(samples)} evaluations incl. step 0), "
         f"4 eval prompts, eval_max_new_tokens=16.", "",
         "| measure | value |", "|---|---:|",
         f"| run wall time (header to completed) | {wall:.1f} s |",

@@ -106,7 +106,7 @@ def test_chat_box_streams_and_stops(tracked_run, demo):
 
 
 def test_cli_chat(tracked_run):
-    out = subprocess.run([sys.executable, "-m", "ilab_nb.cli", "chat", tracked_run.run_id, "--runs-root", str(tracked_run.store.root),
+    out = subprocess.run([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", "chat", tracked_run.run_id, "--runs-root", str(tracked_run.store.root),
                           "--max-new-tokens", "4", "--checkpoint", "latest"],
                          input="What is the capital of Nutoland?\n/reset\nHi\n/quit\n", capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -114,15 +114,16 @@ def test_cli_chat(tracked_run):
     assert out.stdout.count("model> ") == 2 and "(conversation reset)" in out.stdout
 
 
+@pytest.mark.timeout(1200)
 def test_sweep_2x2_through_the_queue(demo, small_train, runs_root):
     from ilab_nb.sweep import Sweep
     sw = FineTuneSession.sweep(demo.model_dir, small_train, runs_root=runs_root, name="lr", learning_rate=[1e-3, 3e-3],
-                               max_steps=[2, 3], num_processes=1, strategy="single", device="cpu", max_seq_len=256,
+                               max_steps=[1, 2], num_processes=1, strategy="single", device="cpu", max_seq_len=256,
                                max_tokens_per_batch=1024, eval_split=0.1)
-    assert len(sw.sessions) == 4 and sw.axes == {"learning_rate": [1e-3, 3e-3], "max_steps": [2, 3]}
-    assert sw.wait(timeout=360) == ["completed"] * 4, [s.reason for s in sw.sessions]
+    assert len(sw.sessions) == 4 and sw.axes == {"learning_rate": [1e-3, 3e-3], "max_steps": [1, 2]}
+    assert sw.wait(timeout=1000) == ["completed"] * 4, [s.reason for s in sw.sessions]   # 2 at a time; start-up dominates
     df = sw.results()
-    assert len(df) == 4 and list(zip(df.learning_rate, df.max_steps)) == [(1e-3, 2), (1e-3, 3), (3e-3, 2), (3e-3, 3)]
+    assert len(df) == 4 and list(zip(df.learning_rate, df.max_steps)) == [(1e-3, 1), (1e-3, 2), (3e-3, 1), (3e-3, 2)]
     assert (df.step == df.max_steps).all() and (df.status == "completed").all() and df.final_loss.notna().all()
     assert df.best_eval_loss.notna().all() and (df.tokens_per_s > 0).all()
     # never more ranks than CPU slots (2) at once: the runs' slot-holding intervals
