@@ -63,11 +63,11 @@ class TensorBoardTracker:
 
 # %% ../nbs/14_trackers.ipynb #16c28419
 def mlflow_tracking_uri(run_dir) -> str:
-    "`$MLFLOW_TRACKING_URI`, else a file store in `mlruns/` of the runs root."
+    "`$MLFLOW_TRACKING_URI`, else a file store in `.mlruns/` of the runs root."
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri: return uri
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    return (Path(run_dir).resolve().parent / "mlruns").as_uri()
+    return (Path(run_dir).resolve().parent / ".mlruns").as_uri()
 
 # %% ../nbs/14_trackers.ipynb #9cfb72df
 _MLFLOW_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}

@@ -53,7 +53,8 @@ def test_mlflow_metric_history_equals_metrics_jsonl(tracked_run):
     from ilab_nb.trackers import mlflow_tracking_uri
     ref = json.loads((tracked_run.run_dir / "mlflow.json").read_text())
     c = MlflowClient(mlflow_tracking_uri(tracked_run.run_dir))
-    assert ref["tracking_uri"].endswith("/runs/mlruns")
+    assert ref["tracking_uri"].endswith("/runs/.mlruns")
+    assert [r["run_id"] for r in FineTuneSession.list_runs(tracked_run.store.root)] == [tracked_run.run_id]   # the store is no run
     for tag, kind, key in (("train/loss", "train", "loss"), ("eval/loss", "eval", "eval_loss")):
         want = [(r["step"], r[key]) for r in _jsonl(tracked_run, kind)]
         assert [(m.step, m.value) for m in c.get_metric_history(ref["run_id"], tag)] == want
