@@ -110,7 +110,7 @@ METRICS_EVENTS = ("checkpoint", "stopped", "completed", "failed")
 LIFECYCLE_EVENTS = ("created", "starting", "running", "stop_requested", "resumed", "completed", "failed", "cancelled")
 
 SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: type}, values: {field: allowed}}
-    "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, event",
+    "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, samples, event",
                    required=dict(schema="int", kind="str", run_id="str", attempt="int", time="float")),
     "header": dict(file="metrics.jsonl", doc="first record of every attempt, written by rank 0 before step 1",
                    required=dict(world_size="int", backend="str?", strategy="str", distributed_type="str", device="str",
@@ -124,6 +124,8 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 efficiency="float", elapsed_s="float", peak_mem_mb="float?")),
     "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step",
                  required=dict(step="int", epoch="float", eval_loss="float", eval_tokens="int")),
+    "samples": dict(file="metrics.jsonl", doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds they took",
+                    required=dict(step="int", epoch="float", seconds="float", max_new_tokens="int", samples="list")),
     "event": dict(file="metrics.jsonl", doc="`event` in " + " | ".join(METRICS_EVENTS),
                   required=dict(event="str"), values=dict(event=METRICS_EVENTS),
                   optional=dict(step="int", epoch="float", path="str", rank="int", error="str", data_seen="dict")),

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from ilab_nb.monitor import RunMonitor
+from ilab_nb.rundir import schema_problems
 from ilab_nb.session import FineTuneSession
 from conftest import wait_until
 
@@ -69,6 +70,7 @@ def test_samples_at_each_evaluation(tracked_run):
     for r in samples:
         assert [x["prompt"] for x in r["samples"]] == [PROMPTS[0], PROMPTS[1][-1]["content"]]
         assert all(isinstance(x["answer"], str) for x in r["samples"]) and r["seconds"] > 0 and r["max_new_tokens"] == 6
+        assert schema_problems(r, "samples") == []
 
 
 def test_missing_tracker_is_an_error_at_construction(demo, small_train, runs_root):
