@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['LAYOUTS', 'batch_cost', 'plan_epoch', 'plan_stats', 'collate', 'token_loss_sum', 'choose_layout',
-           'attn_implementation_for']
+__all__ = ['LAYOUTS', 'LOSS_CHUNK_BYTES', 'PACKED_ATTENTION', 'batch_cost', 'plan_epoch', 'plan_stats', 'collate',
+           'token_loss_sum', 'linear_token_loss_sum', 'packed_seq_info', 'varlen_available', 'packed_attention',
+           'register_packed_attention', 'choose_layout', 'attn_implementation_for']
 
 # %% ../nbs/02_batching.ipynb #076206e3
 LAYOUTS = ("packed", "bucketed")
@@ -194,19 +195,84 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum")
 
-# %% ../nbs/02_batching.ipynb #3feb8731
+# %% ../nbs/02_batching.ipynb #e5b35b58
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+LOSS_CHUNK_BYTES = 256 * 2**20          # float32 logits of one chunk: 256 MiB (about 450 tokens of a 150k vocabulary)
+
+def _chunk_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    "Summed float32 cross-entropy of one chunk of hidden states through the output embedding."
+    return F.cross_entropy((h @ weight.t()).float(), y, reduction="sum")
+
+def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+    "`token_loss_sum(hidden @ weight.T, labels)` a chunk of loss-bearing tokens at a time, never all logits at once."
+    h, y = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1).to(hidden.device)
+    keep = (y != -100).nonzero().squeeze(1)
+    h, y = h.index_select(0, keep), y.index_select(0, keep)
+    n = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    total = hidden.sum().float() * 0                   # keeps the graph connected when no token bears a loss
+    for i in range(0, len(y), n):
+        total = total + _checkpoint(_chunk_ce_sum, h[i:i + n], weight, y[i:i + n], use_reentrant=False)
+    return total
+
+# %% ../nbs/02_batching.ipynb #c2f878a4
+PACKED_ATTENTION = "ilab_packed"
+
+def packed_seq_info(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    "Cumulative sequence starts (int32, with the total at the end) and the longest length of a packed `[1, T]` row."
+    pos = position_ids.reshape(-1)
+    starts = (pos == 0).nonzero().reshape(-1)
+    cu = torch.cat([starts, torch.tensor([len(pos)], device=pos.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+def varlen_available(device_type: str) -> bool:
+    "Whether torch's built-in variable-length attention can run on `device_type` (CUDA builds of torch >= 2.9)."
+    if device_type != "cuda": return False
+    try: from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError: return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)   # flash kernels: Ampere on
+
+# %% ../nbs/02_batching.ipynb #6583e2c9
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    "Causal attention within each packed sequence of a `[1, H, T, D]` row (the `AttentionInterface` signature)."
+    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None: cu, longest = packed_seq_info(kwargs["position_ids"])
+    if query.shape[0] != 1: raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}.")
+    groups = query.shape[1] // key.shape[1]            # grouped-query attention: repeat the key/value heads
+    if groups > 1: key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
+    if q.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+        out = varlen_attn(q, k.contiguous(), v.contiguous(), cu.to(q.device), cu.to(q.device), longest, longest,
+                          scale=scaling, window_size=(-1, 0))          # (-1, 0): causal
+    else:
+        bounds = cu.tolist()
+        out = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                                        is_causal=True, scale=scaling).transpose(0, 1)
+                         for a, b in zip(bounds, bounds[1:])])
+    return out[None], None                                             # [1, T, H, D], no attention weights
+
+def register_packed_attention() -> str:
+    "Register `packed_attention` with transformers under `PACKED_ATTENTION` (idempotent); returns the name."
+    from transformers import AttentionInterface
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    return PACKED_ATTENTION
+
+# %% ../nbs/02_batching.ipynb #d5303abb
 def _flash_attn_2_available() -> bool:
     "Whether transformers can use FlashAttention 2 (the `flash_attn` package on a CUDA build)."
     from transformers.utils import is_flash_attn_2_available
     return bool(is_flash_attn_2_available())
 
 def choose_layout(requested: str, device_type: str) -> str:
-    "`packed` or `bucketed` as requested; `auto`: packed on CUDA with FlashAttention 2, else bucketed."
+    "`packed` or `bucketed` as requested; `auto`: packed on CUDA with a variable-length kernel, else bucketed."
     _check_layout(requested, ("auto",) + LAYOUTS)
     if requested != "auto": return requested
-    return "packed" if device_type == "cuda" and _flash_attn_2_available() else "bucketed"
+    return "packed" if device_type == "cuda" and (varlen_available(device_type) or _flash_attn_2_available()) else "bucketed"
 
 def attn_implementation_for(layout: str, device_type: str) -> str:
     "The attention implementation to load the model with for `layout` on `device_type`."
     _check_layout(layout)
-    return "flash_attention_2" if layout == "packed" and device_type == "cuda" and _flash_attn_2_available() else "sdpa"
+    if layout != "packed" or device_type != "cuda": return "sdpa"
+    if varlen_available(device_type): return register_packed_attention()
+    return "flash_attention_2" if _flash_attn_2_available() else "sdpa"

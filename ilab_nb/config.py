@@ -113,7 +113,7 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
         raise _file_error(path, f"{path}: the top level must be a mapping of field: value, not {type(d).__name__}")
     return d, lines
 
-# %% ../nbs/00_config.ipynb #3431a32a
+# %% ../nbs/00_config.ipynb #227ef302
 _DESCRIPTIONS = dict(
     model="Model to fine-tune: a local Hugging Face model directory or a hub id.",
     data=("Training data: chat files (JSONL, JSON array, Parquet), directories of them, glob patterns, a directory saved "
@@ -148,6 +148,9 @@ _DESCRIPTIONS = dict(
     save_steps="Save a checkpoint every N optimizer steps; None = only at the end.",
     save_total_limit="Keep at most this many checkpoints (oldest deleted first); None = keep all.",
     gradient_checkpointing="Recompute activations in the backward pass to save memory.",
+    cpu_offload="Keep FSDP's parameter, gradient and optimizer-state shards in host memory (FSDP2 CPUOffloadPolicy); fsdp on CUDA only.",
+    torch_compile="Compile each transformer block with torch.compile (faster steps after a compile at start-up).",
+    ignore_memory_estimate="Start even when the per-rank memory estimate exceeds a device's memory.",
     trust_remote_code="Allow model/tokenizer code from the model directory or hub repository to run.",
     accelerate_config="Path to your own `accelerate` config YAML passed to `accelerate launch --config_file`.",
     launcher_args="Extra arguments for `accelerate launch` (a list, or one string split like a shell).",
@@ -232,7 +235,7 @@ def _check_eval_prompts(prompts):
         if roles[-1] != "user": raise ValueError(f"prompt {i} must end with a user message (the model answers it)")
     return prompts
 
-# %% ../nbs/00_config.ipynb #06678648
+# %% ../nbs/00_config.ipynb #86b2f06e
 class TrainConfig(BaseModel):
     "Every setting of one fine-tuning run, validated."
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -269,6 +272,9 @@ class TrainConfig(BaseModel):
     save_steps: int | None = _f("save_steps", None, ge=1)
     save_total_limit: int | None = _f("save_total_limit", None, ge=1)
     gradient_checkpointing: bool = _f("gradient_checkpointing", False)
+    cpu_offload: bool = _f("cpu_offload", False)
+    torch_compile: bool = _f("torch_compile", False)
+    ignore_memory_estimate: bool = _f("ignore_memory_estimate", False)
     trust_remote_code: bool = _f("trust_remote_code", False)
     accelerate_config: str | None = _f("accelerate_config", None)
     launcher_args: list[str] = _f("launcher_args", [])
@@ -359,6 +365,10 @@ class TrainConfig(BaseModel):
         if self.max_seq_len > self.max_tokens_per_batch:
             p.append(("max_seq_len", f"max_seq_len ({self.max_seq_len}) must be <= max_tokens_per_batch ({self.max_tokens_per_batch}): "
                       "a micro-batch must hold the longest sample; raise max_tokens_per_batch or lower max_seq_len"))
+        if self.cpu_offload and self.strategy != "fsdp":
+            p.append(("cpu_offload", f"offloading moves FSDP's shards to host memory; strategy is {self.strategy!r}: use strategy='fsdp' or drop cpu_offload"))
+        if self.cpu_offload and self.device == "cpu":
+            p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
         if p:
             raise PydanticCustomError("config_conflict", "; ".join(f"{f}: {m}" for f, m in p), {"problems": p})
         return self

@@ -16,10 +16,10 @@ from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_
 
 # %% auto #0
 __all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
-           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'FineTuneSession', 'write_memory_data',
-           'status_of']
+           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'query_gpus', 'count_params', 'memory_estimate',
+           'check_memory', 'FineTuneSession', 'write_memory_data', 'status_of']
 
-# %% ../nbs/07_session.ipynb #13795b1f
+# %% ../nbs/07_session.ipynb #d0db2517
 class PreflightError(ValueError):
     "A problem found before the run was started (devices, disk, model)."
 
@@ -37,8 +37,8 @@ def _free_bytes(path) -> int:
 
 def resolve_device(cfg) -> tuple:
     "(`'cpu'`|`'cuda'`, number of visible GPUs) for `cfg`, checking that asked-for GPUs exist."
-    import torch
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = [] if cfg.device == "cpu" else query_gpus()   # in a subprocess: the kernel never initialises CUDA
+    n = len(gpus)
     kind = cfg.device
     if kind == "auto": kind = "cuda" if (cfg.devices or n > 0) else "cpu"
     if kind == "cuda":
@@ -50,8 +50,10 @@ def resolve_device(cfg) -> tuple:
                                      f"{n} GPU(s), numbered 0..{n - 1}.")
         if not cfg.devices and cfg.num_processes > n:
             raise PreflightError(f"num_processes={cfg.num_processes} on CUDA needs that many GPUs, but there are {n}; lower num_processes.")
-    if cfg.precision == "bf16" and (kind == "cpu" or not torch.cuda.is_bf16_supported()):
-        where = "on CPU" if kind == "cpu" else f"on {torch.cuda.get_device_name(0)}, which lacks bf16"
+    slow = [g for g in gpus if g["capability"] < [8, 0]] if kind == "cuda" else []   # bf16 would only be emulated there
+    if cfg.precision == "bf16" and (kind == "cpu" or slow):
+        where = "on CPU" if kind == "cpu" else (f"on {slow[0]['name']} (compute capability {'.'.join(map(str, slow[0]['capability']))}), "
+                                                "which only emulates bf16 (it needs 8.0, Ampere or later)")
         raise PreflightError(f"precision='bf16' (mixed) is not supported {where}; use precision='fp32'.")
     return kind, n
 
@@ -99,9 +101,10 @@ def preflight(cfg, runs_root) -> dict:
                              "after the chat template; check its roles.")
     kind, n_gpus = resolve_device(cfg)
     cpus = check_cpu_slots(cfg, kind)
+    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" else [])
     disk = check_disk(cfg, runs_root)
     return {"device": kind, "gpu_count": n_gpus, "num_train_records": len(records), "num_eval_records": n_eval,
-            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), **cpus, **disk}
+            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory, **cpus, **disk}
 
 # %% ../nbs/07_session.ipynb #98e632b6
 import errno, tempfile
@@ -177,6 +180,68 @@ def resolve_hub_model(model, timeout=5.0) -> str:
     except Exception as e: raise PreflightError(f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: "
                                                 f"{type(e).__name__}: {e}): {fix}") from None
     return model
+
+# %% ../nbs/07_session.ipynb #bfcdca07
+import functools, json, subprocess
+
+_GPU_QUERY = ("import json, torch\n"
+              "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+              "print(json.dumps([dict(index=i, name=torch.cuda.get_device_name(i), total_bytes=torch.cuda.get_device_properties(i).total_memory,"
+              " capability=list(torch.cuda.get_device_capability(i))) for i in range(n)]))")
+
+@functools.lru_cache(maxsize=1)
+def query_gpus(force: bool = False) -> list:
+    "Visible CUDA devices (index, name, total_bytes, capability), asked of a subprocess so this process never initialises CUDA."
+    if not force and not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")): return []   # no driver: no GPU
+    r = subprocess.run([sys.executable, "-c", _GPU_QUERY], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0: raise PreflightError(f"could not query the CUDA devices (a subprocess running torch failed): {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+# %% ../nbs/07_session.ipynb #5bb493e3
+def count_params(model_dir) -> dict:
+    "Parameters in the model's safetensors files, read from their headers only: total, largest block, and outside the blocks."
+    import re, struct
+    sizes = {}
+    for f in sorted(Path(model_dir).expanduser().glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for k, v in header.items():
+            if k != "__metadata__": sizes[k] = functools.reduce(lambda a, b: a * b, v["shape"], 1)
+    blocks, root = {}, 0
+    for k, n in sizes.items():
+        m = re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", k)
+        if m: blocks[m.group(1)] = blocks.get(m.group(1), 0) + n
+        else: root += n
+    return dict(total=sum(sizes.values()), block=max(blocks.values(), default=0), root=root)
+
+def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False) -> dict:
+    "Bytes per rank on the device and in host memory for training `params` (from `count_params`), before activations."
+    n, w = params["total"], (world_size if strategy == "fsdp" else 1)
+    state = 16 * n // w                                          # fp32 weights 4 + grads 4 + AdamW moments 8, sharded by fsdp
+    compute = 2 if precision == "bf16" else 4
+    gathered = (params["root"] + 2 * params["block"]) * compute if strategy == "fsdp" else 0
+    extra = (4 * n if strategy == "ddp" else 0) + (2 * n if precision == "bf16" and strategy != "fsdp" else 0)
+    device = gathered + extra + (0 if cpu_offload else state)
+    return dict(params=n, per_rank_state=state, gathered=gathered, extra=extra, device_bytes=device, host_bytes=state if cpu_offload else 0)
+
+# %% ../nbs/07_session.ipynb #26c07d35
+def check_memory(cfg, kind: str, gpus: list = ()) -> dict | None:
+    "Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless `ignore_memory_estimate`."
+    mp = Path(cfg.model).expanduser()
+    if not (mp.is_dir() and any(mp.glob("*.safetensors"))): return None       # a hub id or .bin weights: nothing to read cheaply
+    est = memory_estimate(count_params(mp), cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload)
+    if kind != "cuda" or not gpus: return est
+    used = [g for g in gpus if cfg.devices is None or g["index"] in cfg.devices][:cfg.num_processes] or gpus
+    est["device_total_bytes"] = cap = min(g["total_bytes"] for g in used)
+    if est["device_bytes"] > 0.9 * cap and not cfg.ignore_memory_estimate:
+        G = 2**30
+        raise PreflightError(
+            f"The model ({est['params'] / 1e9:.2f}B parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU before activations "
+            f"(strategy={cfg.strategy!r}, {cfg.num_processes} processes, precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: "
+            f"{est['per_rank_state'] / G:.1f} GiB of weights, gradients and AdamW state, {est['gathered'] / G:.1f} GiB gathered, "
+            f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
+            "cpu_offload=True, or precision='bf16'; or set ignore_memory_estimate=True to start anyway.")
+    return est
 
 # %% ../nbs/07_session.ipynb #2bc3375b
 def _resolve_paths(cfg, config):

@@ -19,12 +19,14 @@ from . import data as D
 from . import batching as B
 
 # %% auto #0
-__all__ = ['redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps', 'load_model',
-           'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'make_optimizer', 'make_scheduler',
+__all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps',
+           'load_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'build_empty_model',
+           'enable_checkpointing', 'tied_duplicates', 'materialize', 'shard_model', 'checkpoint_dir',
+           'fill_from_checkpoint', 'fill_from_rank0', 'setup_model', 'make_optimizer', 'make_scheduler',
            'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint',
-           'train_step', 'evaluate', 'all_reduce_sum', 'prompt_messages', 'reshard', 'generate_samples',
-           'write_samples', 'stop_requested', 'is_collective_error', 'record_rank', 'run', 'data_seen_by_ranks',
-           'write_final', 'quiet_progress_bars', 'main']
+           'chunked_loss_head', 'hidden_states_out', 'train_step', 'evaluate', 'all_reduce_sum', 'prompt_messages',
+           'reshard', 'generate_samples', 'write_samples', 'stop_requested', 'is_collective_error', 'record_rank',
+           'run', 'data_seen_by_ranks', 'write_final', 'quiet_progress_bars', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -45,7 +47,7 @@ def resolve_device(cfg: TrainConfig) -> str:
     if cfg.device == "auto": return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.device
 
-# %% ../nbs/05_worker.ipynb #a087c228
+# %% ../nbs/05_worker.ipynb #f173c78f
 def init_distributed(cfg: TrainConfig) -> dict:
     "Initialise the process group and return what is in effect; raise if it is not what `cfg` asked for."
     from accelerate import PartialState
@@ -62,8 +64,9 @@ def init_distributed(cfg: TrainConfig) -> dict:
     if cfg.precision == "bf16":
         if device_type != "cuda":
             raise RuntimeError("precision='bf16' (mixed) is supported here on CUDA devices with bf16; on CPU use precision='fp32'.")
-        if not torch.cuda.is_bf16_supported():
-            raise RuntimeError(f"precision='bf16' was asked for, but {torch.cuda.get_device_name()} does not support bf16; use 'fp32'.")
+        if torch.cuda.get_device_capability() < (8, 0):   # is_bf16_supported() also says yes where bf16 is only emulated
+            raise RuntimeError(f"precision='bf16' was asked for, but {torch.cuda.get_device_name()} (compute capability "
+                               f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) has no bf16 units; use 'fp32'.")
     device = torch.device("cuda", state.local_process_index) if device_type == "cuda" else torch.device("cpu")
     return dict(rank=state.process_index, local_rank=state.local_process_index, world_size=world,
                 backend=backend, device=device, device_type=device_type,
@@ -148,6 +151,118 @@ def local_param_count(model) -> int:
     "Parameters this rank holds (its shard under FSDP)."
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
+# %% ../nbs/05_worker.ipynb #db9821e8
+def build_empty_model(cfg: TrainConfig, attn_implementation: str):
+    "The model with float32 parameters on the meta device (no memory), real buffers, and its weights tied."
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    with init_empty_weights(include_buffers=False):       # buffers (rotary inv_freq) are computed, parameters are not
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                                                 attn_implementation=attn_implementation)
+    model.tie_weights()
+    model.config.use_cache = False
+    return model
+
+def enable_checkpointing(model):
+    "Recompute each block's activations in the backward pass (non-reentrant)."
+    if hasattr(model, "activation_checkpointing_enable"):     # the newer transformers 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+# %% ../nbs/05_worker.ipynb #489f31d6
+def tied_duplicates(model) -> dict[str, str]:
+    "Parameter names that are another parameter (tied embeddings): `{duplicate: original}`."
+    seen, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen: out[name] = seen[id(p)]
+        else: seen[id(p)] = name
+    return out
+
+def materialize(model, device):
+    "Allocate the parameters (each rank's shards, uninitialised) on `device`, keeping the buffers computed at build time."
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in model.named_buffers(): b.copy_(buffers[n])
+    return model
+
+# %% ../nbs/05_worker.ipynb #c64d3218
+def shard_model(model, cfg: TrainConfig, env: dict) -> dict:
+    "FSDP2 on each block then the root, with the mixed-precision and offload policies `cfg` asks for; returns them."
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks: raise RuntimeError(f"strategy='fsdp' needs the model's transformer blocks, but {type(model).__name__} names none in _no_split_modules.")
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16"
+          else MixedPrecisionPolicy())                    # bf16: gather and compute in bf16, keep fp32 master weights, reduce in fp32
+    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    for m in blocks:
+        if cfg.torch_compile: m.compile()                  # per block, before sharding (as torchtitan does)
+        fully_shard(m, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)   # the root is needed at once in backward
+    return dict(mixed_precision=dict(param_dtype="bfloat16", reduce_dtype="float32", master="float32") if cfg.precision == "bf16" else None,
+                cpu_offload=cfg.cpu_offload, torch_compile="per block" if cfg.torch_compile else None, blocks=len(blocks))
+
+# %% ../nbs/05_worker.ipynb #87c97079
+def checkpoint_dir(model: str) -> Path | None:
+    "The local directory of the model's safetensors files (from the hub cache for a hub id), or None if it has none."
+    p = Path(model).expanduser()
+    if not p.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+            p = Path(snapshot_download(model, allow_patterns=["*.safetensors", "*.json"]))
+        except Exception: return None
+    return p if any(p.glob("*.safetensors")) else None
+
+def fill_from_checkpoint(model, model_dir: Path) -> list[str]:
+    "Read each rank's slices of the safetensors files into its shards; returns the names the files lack (none if loaded)."
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    sd = get_model_state_dict(model)
+    on_disk = set(HuggingFaceStorageReader(str(model_dir)).read_metadata().state_dict_metadata)
+    dup = tied_duplicates(unwrap(model))
+    missing = [k for k in sd if k not in on_disk and k not in dup]
+    if missing: return missing
+    dcp.load({k: v for k, v in sd.items() if k in on_disk}, storage_reader=HuggingFaceStorageReader(str(model_dir)))
+    return []
+
+def fill_from_rank0(model, cfg: TrainConfig, env: dict):
+    "Rank 0 loads the whole model with `from_pretrained` and broadcasts each tensor to the shards (the fallback)."
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
+    full = {}
+    if env["rank"] == 0:
+        from transformers import AutoModelForCausalLM
+        full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code).state_dict()
+        for k in tied_duplicates(unwrap(model)): full.pop(k, None)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+
+# %% ../nbs/05_worker.ipynb #820d62ab
+def setup_model(cfg: TrainConfig, env: dict, layout: str) -> tuple:
+    "The model to train, and how it was loaded, sharded and computed (for the header)."
+    attn = B.attn_implementation_for(layout, env["device_type"])
+    if cfg.strategy != "fsdp":
+        model = load_model(cfg, layout, env["device_type"])
+        if cfg.torch_compile:
+            for m in model.modules():
+                if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or []): m.compile()
+        info = dict(load="from_pretrained on every rank", cpu_offload=False, torch_compile="per block" if cfg.torch_compile else None,
+                    mixed_precision=dict(autocast="bfloat16", master="float32") if cfg.precision == "bf16" else None)
+        return wrap_model(model, cfg.strategy, env), info
+    model = build_empty_model(cfg, attn)
+    if cfg.gradient_checkpointing: enable_checkpointing(model)
+    info = shard_model(model, cfg, env)
+    materialize(model, "cpu" if cfg.cpu_offload else env["device"])
+    files = checkpoint_dir(cfg.model)
+    missing = fill_from_checkpoint(model, files) if files is not None else ["(no safetensors files)"]
+    if missing: fill_from_rank0(model, cfg, env)
+    info["load"] = "sharded read (DCP HuggingFaceStorageReader)" if not missing else f"rank 0 broadcast (checkpoint lacks {missing[:3]})"
+    total, local = sum(p.numel() for p in model.parameters()), local_param_count(model)
+    if env["world_size"] > 1 and local >= total:
+        raise RuntimeError(f"strategy='fsdp' is not in effect: this rank holds all {total} parameters after fully_shard.")
+    return model, info
+
 # %% ../nbs/05_worker.ipynb #a6bc87bf
 def make_optimizer(model, cfg: TrainConfig):
     "AdamW with weight decay on matrices only (biases and norm weights are not decayed, as in `Trainer`)."
@@ -194,23 +309,38 @@ def log_line(rec: dict) -> str:
     return f"{rec.get('event', k)} at step {rec.get('step')}" + (f": {rec['path']}" if rec.get("path") else "") + (
         f": {rec['error']}" if rec.get("error") else "")
 
-# %% ../nbs/05_worker.ipynb #a06de83d
+# %% ../nbs/05_worker.ipynb #bf75ca86
 def _barrier(env):
     if env["world_size"] > 1: dist.barrier()
 
-def _full_state_dict(model, env):
-    "The whole model's state dict on rank 0 (gathered from shards), on CPU."
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
-    if env["world_size"] == 1: return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+SAFETENSORS_FILE_BYTES = 4 * 2**30        # split the Hugging Face folder's weights into files of about this size
+
+def _file_index(sd: dict) -> dict[str, int]:
+    "Which safetensors file (1..N) each tensor goes to: in order, a new file every `SAFETENSORS_FILE_BYTES`."
+    out, size, idx = {}, 0, 1
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()                   # a DTensor's numel is the whole tensor's
+        if size and size + n > SAFETENSORS_FILE_BYTES: idx, size = idx + 1, 0
+        out[k], size = idx, size + n
+    return out
 
 def save_hf(model, tokenizer, out_dir: Path, env, state_dict=None):
-    "Write the model and tokenizer in Hugging Face format (rank 0 writes; every rank must call)."
-    sd = state_dict if state_dict is not None else _full_state_dict(model, env)
+    "Write the model in Hugging Face format from the shards (each rank writes its slices, rank 0 joins them), config and tokenizer; every rank must call."
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    out_dir, hf = Path(out_dir), unwrap(model)
+    sd = dict(state_dict if state_dict is not None else get_model_state_dict(model))
+    for k in tied_duplicates(hf): sd.pop(k, None)          # as save_pretrained: a tied weight is written once
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(out_dir), fqn_to_index_mapping=_file_index(sd),
+                                                         save_distributed=True, enable_consolidation=True))
+    _barrier(env)
     if env["rank"] == 0:
-        hf = unwrap(model)
+        shutil.rmtree(out_dir / "sharded", ignore_errors=True)     # the per-rank files, now joined
         hf.config.use_cache = True          # off for training (packing needs it off); on for whoever generates
-        try: hf.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+        try:
+            hf.config.save_pretrained(out_dir)
+            if getattr(hf, "generation_config", None) is not None: hf.generation_config.save_pretrained(out_dir)
         finally: hf.config.use_cache = False
         tokenizer.save_pretrained(out_dir)
 
@@ -269,7 +399,26 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     scheduler.load_state_dict(extra["scheduler"]); _set_rng_state(extra["rng"])
     return int(extra["step"])
 
-# %% ../nbs/05_worker.ipynb #eba9e017
+# %% ../nbs/05_worker.ipynb #48c29cfd
+from contextlib import contextmanager
+
+def chunked_loss_head(hf):
+    "The output embedding when the loss can be computed from hidden states through it (plain linear), else None."
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None: return None
+    if getattr(hf.config, "final_logit_softcapping", None) or getattr(hf.config, "logit_scale", None): return None
+    return head
+
+def _identity(x): return x
+
+@contextmanager
+def hidden_states_out(head):
+    "While inside, `head` passes its input through, so the model's `logits` are its final hidden states."
+    head.forward = _identity                  # an instance attribute shadows the class's forward
+    try: yield head
+    finally: del head.forward
+
+# %% ../nbs/05_worker.ipynb #5510ae01
 def _set_grad_sync(model, on: bool):
     if hasattr(model, "set_requires_gradient_sync"): model.set_requires_gradient_sync(on)   # FSDP2
     elif hasattr(model, "require_backward_grad_sync"): model.require_backward_grad_sync = on  # DDP
@@ -278,9 +427,15 @@ def _forward_loss_sum(model, batch, env, autocast):
     dev = env["device"]
     kw = dict(input_ids=batch["input_ids"].to(dev), position_ids=batch["position_ids"].to(dev), use_cache=False)
     if batch.get("attention_mask") is not None: kw["attention_mask"] = batch["attention_mask"].to(dev)
+    elif unwrap(model).config._attn_implementation == B.PACKED_ATTENTION:   # sequence bounds, computed once per batch
+        cu, longest = B.packed_seq_info(batch["position_ids"])
+        kw.update(cu_seq_lens_q=cu.to(dev), cu_seq_lens_k=cu.to(dev), max_length_q=longest, max_length_k=longest)
+    head = chunked_loss_head(unwrap(model))
     with autocast():
-        logits = model(**kw).logits
-    return B.token_loss_sum(logits.float(), batch["labels"].to(dev))
+        if head is None: return B.token_loss_sum(model(**kw).logits.float(), batch["labels"].to(dev))
+        with hidden_states_out(head):
+            hidden = model(**kw).logits                   # the final hidden states: the head is bypassed
+        return B.linear_token_loss_sum(hidden, head.weight, batch["labels"].to(dev))
 
 def train_step(model, optimizer, scheduler, step_plan, dataset, loss_tokens, cfg, env, autocast, pad_id) -> dict:
     "One optimizer step over the step's micro-steps; returns this rank's loss sum and the global grad norm."
@@ -415,7 +570,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     finally:
         metrics.close()
 
-# %% ../nbs/05_worker.ipynb #f9ff2760
+# %% ../nbs/05_worker.ipynb #e13af2e4
 def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, resume) -> str:
     from accelerate import PartialState
     rank, world, layout = env["rank"], env["world_size"], env["layout"]
@@ -427,11 +582,12 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
     steps = plan_steps(lengths, cfg, world, layout)
     total = len(steps)
 
-    model = wrap_model(load_model(cfg, layout, env["device_type"]), cfg.strategy, env)
+    model, model_info = setup_model(cfg, env, layout)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, total)
     start = load_checkpoint(Path(resume), model, optimizer, scheduler, env) if resume else 0
-    autocast = ((lambda: torch.autocast(env["device_type"], dtype=torch.bfloat16)) if cfg.precision == "bf16" else nullcontext)
+    autocast = ((lambda: torch.autocast(env["device_type"], dtype=torch.bfloat16))    # FSDP2 casts by its policy instead
+                if cfg.precision == "bf16" and cfg.strategy != "fsdp" else nullcontext)
     pad_id = tokenizer.pad_token_id
 
     mine = torch.tensor([float(local_param_count(model))], dtype=torch.float64, device=env["device"])
@@ -445,7 +601,9 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
                   total_steps=total, num_train_samples=len(train_ds), num_eval_samples=len(eval_ds) if eval_ds is not None else 0,
                   resumed_from_step=start if resume else None, params_total=sum(p.numel() for p in model.parameters()),
                   params_per_rank=[int(t.item()) for t in per_rank], gradient_checkpointing=checkpointing_in_effect(model),
-                  plan=B.plan_stats(plan, lengths, layout), data_stats=data_stats, versions=_versions())
+                  plan=B.plan_stats(plan, lengths, layout), data_stats=data_stats, versions=_versions(),
+                  loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
+                  **model_info)
 
     def do_eval(step, epoch):
         if cfg.eval_prompts: write_samples(metrics, model, tokenizer, cfg, env, autocast, step, epoch)
