@@ -31,6 +31,12 @@ class AnonPeak:
     def reset(self): self.peak = status("RssAnon")
 
 
+def trim():
+    "Hand freed heap memory back to the system (glibc malloc_trim), so the resident set shows what is still held."
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def reset_hwm():
     "Reset VmHWM to the current RSS (Linux: write 5 to clear_refs)."
     with open("/proc/self/clear_refs", "w") as f: f.write("5")
@@ -51,7 +57,7 @@ if a.path == "before":
     model = W.wrap_model(W.load_model(cfg, "bucketed", "cpu"), "fsdp", env)
 else:
     model, _ = W.setup_model(cfg, env, "bucketed")
-dist.barrier()
+dist.barrier(); trim()
 load = dict(hwm=status("VmHWM") - base_rss, anon_peak=anon.peak - base_anon, rss_after=status("VmRSS") - base_rss, s=time.time() - t0)
 
 opt = W.make_optimizer(model, cfg)
@@ -65,7 +71,7 @@ if a.path == "before":
 else:
     loss = W._forward_loss_sum(model, batch, env, nullcontext)
 loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-dist.barrier()
+dist.barrier(); trim()
 step = dict(hwm=status("VmHWM") - base_rss, anon_peak=anon.peak - base_anon, rss_after=status("VmRSS") - base_rss, s=time.time() - t0)
 anon.stop = True
 res = [None] * world

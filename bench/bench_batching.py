@@ -14,7 +14,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repository's ilab_nb, installed or not
-from ilab_nb.batching import batch_cost, collate, plan_epoch, plan_stats, token_loss_sum
+from ilab_nb.batching import batch_cost, collate, linear_token_loss_sum, plan_epoch, plan_stats, token_loss_sum
 
 
 def long_tail_lengths(n, seed, lo=16, hi=1024):
@@ -42,17 +42,19 @@ def naive_plan(lengths, max_tokens, seed):
     return plan + [[batch]] if batch else plan
 
 
-def train_epoch(model, opt, samples, plan, layout):
+def train_epoch(model, opt, samples, plan, layout, loss_kind="logits"):
     "One training step (forward, backward, optimizer step) per micro-batch; returns (seconds, loss tokens, mean loss)."
     loss_tokens, losses = 0, []
     t0 = time.perf_counter()
     for step in plan:
         (batch_idx,) = step                      # world_size 1
         b = collate([samples[i] for i in batch_idx], layout, pad_id=0)
-        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
-                       use_cache=False).logits
         n = int(b["num_loss_tokens"])
-        loss = token_loss_sum(logits, b["labels"]) / max(n, 1)
+        kw = dict(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=b["attention_mask"], use_cache=False)
+        if loss_kind == "chunked":          # the worker's loss: from the final hidden states, never all float32 logits
+            loss = linear_token_loss_sum(model.model(**kw).last_hidden_state, model.lm_head.weight, b["labels"]) / max(n, 1)
+        else:
+            loss = token_loss_sum(model(**kw).logits, b["labels"]) / max(n, 1)
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
         loss_tokens += n; losses.append(loss.item())
     return time.perf_counter() - t0, loss_tokens, float(np.mean(losses))
@@ -83,20 +85,24 @@ def main():
         "length-bucketed plan": ("bucketed", plan_epoch(lengths, args.max_tokens, 1, "bucketed", args.seed, 0)),
         "packed rows (sdpa)": ("packed", plan_epoch(lengths, args.max_tokens, 1, "packed", args.seed, 0)),
     }
+    # the worker's loss since issue 8 (chunked, from hidden states) beside the full-logits loss, same plans, same run
+    plans["length-bucketed, chunked loss"] = plans["length-bucketed plan"]
+    plans["packed rows (sdpa), chunked loss"] = plans["packed rows (sdpa)"]
+    loss_of = lambda name: "chunked" if name.endswith("chunked loss") else "logits"
     runs = {}
     for name, (layout, plan) in plans.items():
         torch.manual_seed(args.seed)
         model = LlamaForCausalLM(cfg).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        train_epoch(model, opt, samples, plan[:2], layout)                 # warm-up, not timed
+        train_epoch(model, opt, samples, plan[:2], layout, loss_of(name))  # warm-up, not timed
         runs[name] = dict(model=model, opt=opt, secs=[])
     # the machine is shared: run the epochs in the order a b c c b a and keep each one's faster epoch
     order = list(plans) + list(plans)[::-1]
     for rep, name in enumerate(order):
         layout, plan = plans[name]
-        secs, loss_tokens, _ = train_epoch(runs[name]["model"], runs[name]["opt"], samples, plan, layout)
+        secs, loss_tokens, _ = train_epoch(runs[name]["model"], runs[name]["opt"], samples, plan, layout, loss_of(name))
         runs[name]["secs"].append(secs); runs[name]["loss_tokens"] = loss_tokens
-        print(f"epoch {rep + 1}/{len(order)}  {name:22s} {secs:6.1f} s  {loss_tokens / secs:8.0f} loss tokens/s", flush=True)
+        print(f"epoch {rep + 1}/{len(order)}  {name:34s} {secs:6.1f} s  {loss_tokens / secs:8.0f} loss tokens/s", flush=True)
     rows = []
     for name, (layout, plan) in plans.items():
         st, r = plan_stats(plan, lengths, layout), runs[name]
@@ -116,9 +122,10 @@ def main():
              f"{transformers.__version__}, load average {os.getloadavg()[0]:.2f} at the end (2 cores shared).\n"
              f"Model: random Llama, hidden 128, 4 layers, 4 heads, vocab 1000 ({n_params / 1e6:.2f}M parameters), "
              f"sdpa attention. One training step (forward, backward, AdamW) per micro-batch; two epochs per "
-             f"batching, run in the order a b c c b a after 2 warm-up micro-batches each; the faster epoch counts.\nData: {args.samples} samples, lognormal lengths (median ~150) clipped to "
+             f"batching, run in the order a b c d e e d c b a after 2 warm-up micro-batches each; the faster epoch counts.\nData: {args.samples} samples, lognormal lengths (median ~150) clipped to "
              f"16..1024, mean {np.mean(lengths):.0f}, max {max(lengths)}; the first third of each sample carries no "
-             f"loss. Token budget per micro-batch: {args.max_tokens} (naive: random order, a batch grows until "
+             f"loss. 'chunked loss': the worker's loss (batching.linear_token_loss_sum, from the final hidden states) instead of "
+             f"cross-entropy over the full float32 logits, on the same plan. Token budget per micro-batch: {args.max_tokens} (naive: random order, a batch grows until "
              f"rows x longest would exceed the budget).")
     print("\n" + table + "\n\n" + setup)
     if not args.no_write:

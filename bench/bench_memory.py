@@ -10,6 +10,7 @@ Figures per rank, in MiB above the rank's resident memory just before loading (l
   hwm   peak resident set (VmHWM): includes pages of the safetensors files mapped while reading them, which are
         page cache shared between ranks and reclaimable, not memory the rank owns;
   anon  peak anonymous memory (RssAnon, sampled every 2 ms): what the rank itself allocated.
+"after step RSS" is the resident set after the step once freed heap memory is handed back (malloc_trim).
 The sharded arithmetic for the first step (ilab_nb.session.memory_estimate): float32 weights, gradients and AdamW's
 two moments, 16 bytes per parameter / world size, plus the gathered root (embeddings, head) and two blocks.
 """

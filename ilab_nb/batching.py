@@ -211,6 +211,7 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     h, y = h.index_select(0, keep), y.index_select(0, keep)
     n = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
     total = hidden.sum().float() * 0                   # keeps the graph connected when no token bears a loss
+    if len(y) <= n: return total + _chunk_ce_sum(h, weight, y)      # one chunk: nothing to recompute
     for i in range(0, len(y), n):
         total = total + _checkpoint(_chunk_ce_sum, h[i:i + n], weight, y[i:i + n], use_reentrant=False)
     return total

@@ -337,6 +337,9 @@ def save_hf(model, tokenizer, out_dir: Path, env, state_dict=None):
     _barrier(env)
     if env["rank"] == 0:
         shutil.rmtree(out_dir / "sharded", ignore_errors=True)     # the per-rank files, now joined
+        files = sorted(out_dir.glob("model-*.safetensors"))
+        if len(files) == 1:                                         # one file: the name save_pretrained gives it
+            os.replace(files[0], out_dir / "model.safetensors"); (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
         hf.config.use_cache = True          # off for training (packing needs it off); on for whoever generates
         try:
             hf.config.save_pretrained(out_dir)
@@ -400,6 +403,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     return int(extra["step"])
 
 # %% ../nbs/05_worker.ipynb #48c29cfd
+import warnings
 from contextlib import contextmanager
 
 def chunked_loss_head(hf):
@@ -415,7 +419,10 @@ def _identity(x): return x
 def hidden_states_out(head):
     "While inside, `head` passes its input through, so the model's `logits` are its final hidden states."
     head.forward = _identity                  # an instance attribute shadows the class's forward
-    try: yield head
+    try:
+        with warnings.catch_warnings():       # FSDP2 warns that the root returns a view (the sliced hidden states); we never modify it
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            yield head
     finally: del head.forward
 
 # %% ../nbs/05_worker.ipynb #5510ae01

@@ -95,3 +95,59 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     text = (tmp_path / "r.md").read_text()
     assert "MFU" in text and "tokens/s" in text and "packed" in text and "bucketed" in text
+
+
+PREFLIGHT_PROBE = r'''
+import inspect, json, sys, torch
+from ilab_nb.session import preflight, PreflightError
+from ilab_nb.config import TrainConfig
+calls = []
+def trap(name, real):
+    def f(*a, **k):
+        mods = [fr.frame.f_globals.get("__name__", "") for fr in inspect.stack()[1:]]
+        if any(m.startswith("ilab_nb") for m in mods): calls.append(name)
+        return real(*a, **k)
+    return f
+for n in ("is_available", "device_count", "is_bf16_supported", "get_device_name", "get_device_properties",
+          "get_device_capability", "mem_get_info", "_lazy_init", "init", "current_device", "set_device"):
+    setattr(torch.cuda, n, trap(n, getattr(torch.cuda, n)))
+model, data, runs = sys.argv[1:4]
+out = {}
+for device, precision in (("auto", "fp32"), ("auto", "bf16"), ("cuda", "bf16")):
+    try: out[f"{device}/{precision}"] = preflight(TrainConfig(model=model, data=[data], device=device, precision=precision,
+                                                              num_processes=1, strategy="single"), runs)["device"]
+    except PreflightError as e: out[f"{device}/{precision}"] = "refused: " + str(e)[:80]
+print(json.dumps(dict(calls=calls, initialized=torch.cuda.is_initialized(), out=out)))
+'''
+
+
+def test_preflight_never_asks_torch_cuda_in_the_calling_process(tmp_path, demo, small_train):
+    r = subprocess.run([sys.executable, "-c", PREFLIGHT_PROBE, str(demo.model_dir), str(small_train), str(tmp_path / "runs")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["calls"] == [] and res["initialized"] is False, res           # ilab_nb asked torch.cuda nothing here
+    if not CUDA:
+        assert res["out"]["auto/fp32"] == "cpu" and "bf16" in res["out"]["auto/bf16"] and "refused" in res["out"]["cuda/bf16"], res
+
+
+def test_memory_estimate_arithmetic_and_refusal(tmp_path):
+    from ilab_nb.session import check_memory, count_params, memory_estimate, PreflightError
+    from ilab_nb.config import TrainConfig
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, tie_word_embeddings=True))
+    m.save_pretrained(tmp_path / "m")
+    c = count_params(tmp_path / "m")
+    assert c["total"] == sum(p.numel() for p in m.parameters())          # tied embedding counted once
+    block = sum(p.numel() for p in m.model.layers[0].parameters())
+    assert c["block"] == block and c["root"] == c["total"] - 3 * block
+    e = memory_estimate(c, "fsdp", 4, "fp32")
+    assert e["per_rank_state"] == 16 * c["total"] // 4 and e["gathered"] == 4 * (c["root"] + 2 * block)
+    assert e["device_bytes"] == e["per_rank_state"] + e["gathered"]
+    assert memory_estimate(c, "fsdp", 4, "bf16", cpu_offload=True)["device_bytes"] == 2 * (c["root"] + 2 * block)
+    small = [dict(index=0, name="tiny GPU", total_bytes=e["device_bytes"], capability=[9, 0])]
+    cfg = TrainConfig(model=str(tmp_path / "m"), data=["x"], num_processes=4, device="cuda")
+    with pytest.raises(PreflightError, match=r"needs about .* GiB per GPU .* ignore_memory_estimate"):
+        check_memory(cfg, "cuda", small)
+    assert check_memory(cfg.model_copy(update=dict(ignore_memory_estimate=True)), "cuda", small)["device_bytes"] == e["device_bytes"]
