@@ -242,7 +242,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     groups = query.shape[1] // key.shape[1]            # grouped-query attention: repeat the key/value heads
     if groups > 1: key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):      # the flash kernel's dtypes
         from torch.nn.attention.varlen import varlen_attn
         out = varlen_attn(q, k.contiguous(), v.contiguous(), cu.to(q.device), cu.to(q.device), longest, longest,
                           scale=scaling, window_size=(-1, 0))          # (-1, 0): causal
@@ -265,15 +265,16 @@ def _flash_attn_2_available() -> bool:
     from transformers.utils import is_flash_attn_2_available
     return bool(is_flash_attn_2_available())
 
-def choose_layout(requested: str, device_type: str) -> str:
-    "`packed` or `bucketed` as requested; `auto`: packed on CUDA with a variable-length kernel, else bucketed."
+def choose_layout(requested: str, device_type: str, precision: str = "bf16") -> str:
+    "`packed` or `bucketed` as requested; `auto`: packed on CUDA with a variable-length kernel (bf16 compute), else bucketed."
     _check_layout(requested, ("auto",) + LAYOUTS)
     if requested != "auto": return requested
-    return "packed" if device_type == "cuda" and (varlen_available(device_type) or _flash_attn_2_available()) else "bucketed"
+    fast = device_type == "cuda" and precision == "bf16" and (varlen_available(device_type) or _flash_attn_2_available())
+    return "packed" if fast else "bucketed"
 
 def attn_implementation_for(layout: str, device_type: str) -> str:
     "The attention implementation to load the model with for `layout` on `device_type`."
     _check_layout(layout)
     if layout != "packed" or device_type != "cuda": return "sdpa"
-    if varlen_available(device_type): return register_packed_attention()
+    if varlen_available(device_type): return register_packed_attention()   # float32 falls back to sdpa per sequence
     return "flash_attention_2" if _flash_attn_2_available() else "sdpa"

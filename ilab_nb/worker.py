@@ -567,7 +567,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
         env = init_distributed(cfg)
         if cfg.strategy == "single" and env["world_size"] != 1: raise RuntimeError("strategy='single' runs exactly one process.")
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
-        env["layout"] = B.choose_layout(cfg.batching, env["device_type"])
+        env["layout"] = B.choose_layout(cfg.batching, env["device_type"], cfg.precision)
         return _train(run_dir, cfg, env, metrics, resume)
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ilab_nb.batching import (LAYOUTS, attn_implementation_for, batch_cost, choose_layout, collate, plan_epoch,
+from ilab_nb.batching import (LAYOUTS, attn_implementation_for, batch_cost, choose_layout, collate, plan_epoch, varlen_available,
                               plan_stats, token_loss_sum)
 
 torch.set_num_threads(1)
@@ -259,10 +259,10 @@ def test_choose_layout_and_attention():
     from transformers.utils import is_flash_attn_2_available
     fa2 = is_flash_attn_2_available()
     assert choose_layout("auto", "cpu") == "bucketed"
-    assert choose_layout("auto", "cuda") == ("packed" if fa2 else "bucketed")
+    assert choose_layout("auto", "cuda") == ("packed" if fa2 or varlen_available("cuda") else "bucketed")
     assert choose_layout("packed", "cpu") == "packed" and choose_layout("bucketed", "cuda") == "bucketed"
     assert attn_implementation_for("packed", "cpu") == "sdpa"
     assert attn_implementation_for("bucketed", "cuda") == "sdpa"
-    assert attn_implementation_for("packed", "cuda") == ("flash_attention_2" if fa2 else "sdpa")
+    assert attn_implementation_for("packed", "cuda") == ("ilab_packed" if varlen_available("cuda") else "flash_attention_2" if fa2 else "sdpa")
     with pytest.raises(ValueError, match="'auto', 'packed', 'bucketed'"):
         choose_layout("pad", "cpu")
