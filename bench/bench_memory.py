@@ -51,9 +51,11 @@ def run(model_dir, path, tmp):
 
 def main():
     ap = argparse.ArgumentParser(); ap.add_argument("--sizes", default="50M,200M,600M"); ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--from-log", help="write the table from the JSON rows a run printed (an interrupted run's log)")
     a = ap.parse_args()
-    rows = []
-    for size in a.sizes.split(","):
+    rows = [json.loads(l) for l in open(a.from_log) if l.startswith("{")] if a.from_log else []
+    if a.from_log: a.sizes = ",".join(dict.fromkeys(r["size"] for r in rows))
+    for size in ([] if a.from_log else a.sizes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             params = build(size, Path(tmp) / "model")
             full = 4 * params["total"]
