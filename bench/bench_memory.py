@@ -67,11 +67,11 @@ def main():
                                step_hwm=r["step"]["hwm"] / MiB, step_anon=r["step"]["anon_peak"] / MiB,
                                after_step=r["step"]["rss_after"] / MiB, estimate=est["device_bytes"] / MiB)
                     rows.append(row); print(json.dumps(row), flush=True)
-    head = ("| model | params | full fp32 MiB | path | rank | load: peak RSS | load: peak anon | load s | step: peak RSS | "
-            "step: peak anon | after step RSS | sharded estimate | after step / estimate |\n|" + "---|" * 13)
+    head = ("| model | params | full fp32 MiB | path | rank | load: peak RSS | load: peak anon | load anon / full fp32 | load s | "
+            "step: peak RSS | step: peak anon | sharded estimate | step peak anon / estimate | held after step |\n|" + "---|" * 14)
     lines = [f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['full_fp32_mib']:.0f} | {r['path']} | {r['rank']} | {r['load_hwm']:.0f} | "
-             f"{r['load_anon']:.0f} | {r['load_s']:.1f} | {r['step_hwm']:.0f} | {r['step_anon']:.0f} | {r['after_step']:.0f} | "
-             f"{r['estimate']:.0f} | {r['after_step'] / r['estimate']:.2f} |" for r in rows]
+             f"{r['load_anon']:.0f} | {r['load_anon'] / r['full_fp32_mib']:.2f} | {r['load_s']:.1f} | {r['step_hwm']:.0f} | {r['step_anon']:.0f} | "
+             f"{r['estimate']:.0f} | {r['step_anon'] / r['estimate']:.2f} | {r['after_step']:.0f} |" for r in rows]
     text = (f"# Host memory per rank: loading and first step, before/after sharded loading\n\n"
             f"`python bench/bench_memory.py --sizes {a.sizes}` on {platform.node()} ({os.cpu_count()} CPUs), "
             f"torch {torch.__version__}, {datetime.date.today()}; 2 ranks, gloo, FSDP2, fp32 training, 256-token batch.\n"
