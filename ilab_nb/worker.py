@@ -355,7 +355,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, token
     root = RunPaths(run_dir).checkpoints; final, tmp = RunPaths(run_dir).checkpoint(step), RunPaths(run_dir).checkpoint_tmp(step)
     if env["rank"] == 0:
         if tmp.exists(): shutil.rmtree(tmp)
-        tmp.mkdir(); (tmp / "extra").mkdir()      # no parents: a deleted run directory is not re-created
+        root.mkdir(exist_ok=True)                 # no parents: a deleted run directory is not re-created
+        tmp.mkdir(); (tmp / "extra").mkdir()
     _barrier(env)
     save_hf(model, tokenizer, tmp, env)
     msd, osd = get_state_dict(model, optimizer)
