@@ -16,8 +16,8 @@ from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_
 
 # %% auto #0
 __all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
-           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'FineTuneSession', 'write_memory_data',
-           'status_of']
+           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'cluster_device', 'backend_preflight',
+           'FineTuneSession', 'write_memory_data', 'status_of']
 
 # %% ../nbs/07_session.ipynb #13795b1f
 class PreflightError(ValueError):
@@ -97,11 +97,11 @@ def preflight(cfg, runs_root) -> dict:
     if not any(l != -100 for l in sample["labels"]):
         raise PreflightError(f"the first conversation ({records[0]['source']}) has no assistant tokens to learn from "
                              "after the chat template; check its roles.")
-    kind, n_gpus = resolve_device(cfg)
-    cpus = check_cpu_slots(cfg, kind)
+    kind, n_gpus = resolve_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
+    cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     disk = check_disk(cfg, runs_root)
     return {"device": kind, "gpu_count": n_gpus, "num_train_records": len(records), "num_eval_records": n_eval,
-            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), **cpus, **disk}
+            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), **cpus, **disk, **backend_preflight(cfg, runs_root)}
 
 # %% ../nbs/07_session.ipynb #98e632b6
 import errno, tempfile
@@ -177,6 +177,25 @@ def resolve_hub_model(model, timeout=5.0) -> str:
     except Exception as e: raise PreflightError(f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: "
                                                 f"{type(e).__name__}: {e}): {fix}") from None
     return model
+
+# %% ../nbs/07_session.ipynb #0d288339
+def cluster_device(cfg) -> tuple:
+    "(`'cpu'`|`'cuda'`, GPUs per node) that the nodes of a cluster run of `cfg` train on."
+    g = cfg.slurm.gpus_per_node if cfg.slurm else None
+    if g: return "cuda", g
+    if cfg.device == "cuda": raise PreflightError("device='cuda' on SLURM needs slurm.gpus_per_node (GPUs per node, one process each).")
+    return "cpu", 0
+
+def backend_preflight(cfg, runs_root) -> dict:
+    "Checks of the backend that will run `cfg` (SLURM: sbatch, partition, nodes, shared runs root)."
+    if cfg.backend == "local":
+        if cfg.num_machines > 1:
+            raise PreflightError(f"num_machines={cfg.num_machines} with backend='local': a FineTuneSession starts one machine. Use "
+                                 "backend='slurm', or start each machine yourself with ilab_nb.launcher.accelerate_command.")
+        return {}
+    from ilab_nb.slurm import preflight_slurm, SlurmError
+    try: return {"slurm": preflight_slurm(cfg, runs_root)}
+    except SlurmError as e: raise PreflightError(str(e)) from None
 
 # %% ../nbs/07_session.ipynb #2bc3375b
 def _resolve_paths(cfg, config):
@@ -280,6 +299,17 @@ class FineTuneSession(FineTuneSession):
 def status_of(st, default="created") -> str:
     "The status a state dict says: its `status`, `unreadable` for a state that could not be read, else `default`."
     return st.get("status") or ("unreadable" if st.get("state_error") else default)
+
+# %% ../nbs/07_session.ipynb #9e08c4d9
+from .core import patch
+_spawn_supervisor = FineTuneSession._spawn
+
+@patch
+def _spawn(self:FineTuneSession, attempt, resume=None):
+    "Start one attempt of the run: a detached supervisor here, or a SLURM job."
+    if self.config is None or self.config.backend == "local": return _spawn_supervisor(self, attempt, resume)
+    from ilab_nb.slurm import submit_attempt
+    submit_attempt(self.store, self.run_id, self.config, attempt, resume)
 
 # %% ../nbs/07_session.ipynb #c570fc2f
 class FineTuneSession(FineTuneSession):
