@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os, re, shlex, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
 from .monitor import tail_lines
 from .launcher import accelerate_command, describe_exit, torchrun_root_cause, STOP_GRACE_S
@@ -99,7 +99,7 @@ def _sh(tok: str) -> str:
 
 def sbatch_lines(cfg: TrainConfig, run_dir, attempt) -> list:
     "The `#SBATCH` options of one attempt of the run in `run_dir`."
-    o, rd = cfg.slurm or TrainConfig.model_fields["slurm"].annotation.__args__[0](), Path(run_dir)
+    o, rd = cfg.slurm or SlurmOptions(), Path(run_dir)
     lines = [f"--job-name=ilab_nb-{rd.name}", f"--nodes={cfg.num_machines}", "--ntasks-per-node=1",
              f"--output={rd}/logs/slurm-%j.out", "--open-mode=append", f"--chdir={rd}",
              "--requeue" if o.requeue else "--no-requeue"]
@@ -139,7 +139,8 @@ def sbatch_script(cfg: TrainConfig, run_dir, attempt=1, resume=None) -> str:
          *[f"#SBATCH {l}" for l in sbatch_lines(cfg, rd, attempt)], "",
          "set -uo pipefail", *(o.setup if o else []),
          f"export {RUN_ENV}={shlex.quote(str(rd))}   # every process of the run carries it",
-         f"export PYTHONPATH={shlex.quote(pkg)}${{PYTHONPATH:+:$PYTHONPATH}} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}",
+         ("" if "-packages" in pkg else f"export PYTHONPATH={shlex.quote(pkg)}${{PYTHONPATH:+:$PYTHONPATH}}   # this ilab_nb: a source checkout\n")
+         + "export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
          f"export RUN_DIR={shlex.quote(str(rd))} ATTEMPT={attempt}" + (f" RESUME={shlex.quote(str(resume))}" if resume else ' RESUME=""' if requeue else ""),
          "",
          "# The machine of rank 0 is the first node of the allocation: the address SLURM uses for it, a port free there now.",
