@@ -183,6 +183,7 @@ def parse_scontrol(line: str) -> dict:
 
 def job_info(job_id) -> dict | None:
     "`scontrol show job` of `job_id` as a dict (JobState, Reason, NodeList, ExitCode, ...); None once SLURM forgot it."
+    if shutil.which("scontrol") is None: raise SlurmError("`scontrol` is not on PATH: this machine cannot ask SLURM about jobs.")
     r = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         if "Invalid job id" in r.stderr or "Invalid job id" in r.stdout: return None
@@ -228,8 +229,7 @@ def classify_job(job, info, events, header_seen, stop_requested, forced=False) -
     if state == "CANCELLED":
         if stop_requested:
             return "cancelled", "stopped on request" + (" (SLURM job cancelled after the grace period)" if forced else "")
-        return "cancelled", (f"SLURM job {job} was cancelled outside ilab_nb (scancel or an administrator)"
-                             + (f"; SLURM's reason: {info['Reason']}" if info.get("Reason") not in (None, "None") else ""))
+        return "cancelled", f"SLURM job {job} was cancelled outside ilab_nb (scancel or an administrator)"
     if state in _WHY: return "failed", f"SLURM job {job} " + _WHY[state].format(**{"TimeLimit": "?", "NodeList": "?", **info})
     if state is None:
         return "failed", f"SLURM job {job} is no longer known to SLURM and the run recorded no outcome"
@@ -264,7 +264,8 @@ def refresh_run(store: RunStore, run_id) -> dict:
     if job is None or int(st.get("job_attempt", 0)) != attempt:          # being submitted right now
         if time.time() - (st.get("queued_at") or st.get("created_at") or 0) < SPAWN_GRACE_S: return st
         return _finish(store, run_id, "failed", f"Run {run_id} failed: no SLURM job was recorded for attempt {attempt}.")
-    info = job_info(job)
+    try: info = job_info(job)
+    except (SlurmError, OSError, subprocess.TimeoutExpired): return st     # SLURM cannot be asked from here: nothing to conclude
     stop, forced = _stop_request(rd), bool(st.get("forced"))
     state = (info or {}).get("JobState")
     if stop and state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):

@@ -95,7 +95,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     assert a.wait(timeout=400) == "completed", a.reason
     model, tok = a.load_model()
     assert model.num_parameters() == head["params_total"]
-    header2 = [r for r in a.monitor.records if r.get("kind") == "header"][-1]
+    a.monitor.poll(); header2 = [r for r in a.monitor.records if r.get("kind") == "header"][-1]
     assert header2["attempt"] == 2 and header2["resumed_from_step"] == stopped_at
     out = subprocess.run([sys.executable, "-c", f"from ilab_nb import FineTuneSession as S; s = S.attach({a.run_id!r}); "
                           "print(s.status, sorted({r['step'] for r in s.metrics() if r['kind'] == 'train'}))"],
