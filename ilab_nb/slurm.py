@@ -10,7 +10,7 @@ from pathlib import Path
 from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
 from .monitor import tail_lines
-from .launcher import accelerate_command, describe_exit, torchrun_root_cause, STOP_GRACE_S
+from .launcher import accelerate_command, describe_exit, torchrun_failures, rank_records, STOP_GRACE_S
 
 # %% auto #0
 __all__ = ['SHARED_FS', 'ENDED', 'SlurmError', 'slurm', 'fs_type', 'partition_hosts', 'check_shared', 'partitions',
@@ -193,22 +193,23 @@ def job_info(job_id) -> dict | None:
 
 # %% ../nbs/12_slurm.ipynb #2bdbbe2d
 def node_reports(run_dir, attempt) -> list:
-    "`[{node, rank, exitcode}]` from torchrun's failure report in each node's log, this attempt only."
+    "`[{node, rank, exitcode, root}]`: every failed rank in the torchrun report of each node's log, this attempt only."
     out = []
     for p in sorted(Path(run_dir, "logs").glob("node-*.log")):
         text = p.read_text(errors="replace")
         i = text.rfind(f"== ilab_nb attempt {attempt}:")
-        rc = torchrun_root_cause(text[i:] if i >= 0 else "")
-        if rc: out.append({"node": p.stem.removeprefix("node-"), **rc})
+        out += [{"node": p.stem.removeprefix("node-"), **f} for f in torchrun_failures(text[i:] if i >= 0 else "")]
     return out
 
-def failure_cause(reports, events=()) -> dict | None:
-    "The report of the rank that failed first in cause: killed by a signal, else the worker's own failure, else the first."
-    if not reports: return None
-    killed = [r for r in reports if (r["exitcode"] or 0) < 0 or (r["exitcode"] or 0) > 128]
-    if killed: return killed[0]
-    failed = {e.get("rank") for e in events if e.get("event") == "failed"}
-    return next((r for r in reports if r["rank"] in failed), reports[0])
+def failure_cause(reports, records=None) -> dict | None:
+    "The report of the rank that caused the failure (`records`: the ranks' own accounts, `{rank: record}`)."
+    recs = records or {}
+    gone = lambda r: (recs.get(r) or {}).get("status", "running") == "running"
+    own = lambda r: (recs.get(r) or {}).get("status") == "failed" and not recs[r].get("collective")
+    for group in ([f for f in reports if f["exitcode"] < 0 or f["exitcode"] > 128], [f for f in reports if recs and gone(f["rank"])],
+                  [f for f in reports if own(f["rank"])], [f for f in reports if f.get("root")], reports):
+        if group: return min(group, key=lambda f: (not f.get("root"), f["rank"]))
+    return None
 
 # %% ../nbs/12_slurm.ipynb #00cbdf33
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -292,7 +293,7 @@ def _finish(store, run_id, status, why, job_id=None, job_state=None, events=(), 
     rd, fields = store.run_dir(run_id), {}
     if status == "failed":
         parts = [why] if why else []
-        cause = failure_cause(node_reports(rd, attempt), events) if attempt else None
+        cause = failure_cause(node_reports(rd, attempt), rank_records(rd, attempt)) if attempt else None
         if cause:
             parts.insert(0, f"rank {cause['rank']} on node {cause['node']} " +
                          (describe_exit(cause["exitcode"]) if cause["exitcode"] is not None else "failed"))
