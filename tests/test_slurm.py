@@ -7,6 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from ilab_nb import FineTuneSession
 from ilab_nb.session import PreflightError
@@ -47,11 +48,17 @@ def rank_process(run_dir, rank):
     return None
 
 
-def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small_train):
+def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small_train, tmp_path):
     with pytest.raises(PreflightError, match="not a partition of this cluster; sinfo lists debug"):
         FineTuneSession(**{**run_cfg(demo, small_train), "slurm": {"partition": "gpu"}})
     with pytest.raises(PreflightError, match="partition 'debug' has 2"):
         FineTuneSession(**{**run_cfg(demo, small_train), "num_machines": 3, "num_processes": 3})
+    # `ilab-nb run` honours backend: slurm and a slurm: mapping of a YAML config, and refuses the same way.
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({**run_cfg(demo, small_train), "slurm": {"partition": "gpu"}}))
+    r = subprocess.run([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", "run", str(cfg)],
+                       capture_output=True, text=True, timeout=300, env=os.environ)
+    assert r.returncode != 0 and "slurm.partition='gpu' is not a partition of this cluster" in r.stdout + r.stderr, r.stdout + r.stderr
     assert not runs_root.exists()
 
 
