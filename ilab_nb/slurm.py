@@ -306,9 +306,10 @@ def _finish(store, run_id, status, why, job_id=None, job_state=None, events=(), 
         fields = dict(failed_rank=cause["rank"] if cause else None, failed_node=cause["node"] if cause else None,
                       log_tail=tail_lines(log, 20), log_file=str(log.relative_to(rd)))
         why = f"Run {run_id} failed: " + "; ".join(parts) + f". See {log}."
-    try: st = store.write_state(run_id, status=status, reason=why, job_state=job_state, pending_reason=None, **fields)
+    if why: fields["reason"] = why
+    try: st = store.write_state(run_id, status=status, job_state=job_state, pending_reason=None, **fields)
     except StateError: return store.read_state(run_id)
-    store.append_event(run_id, status, job_id=job_id, reason=why, by=f"observer pid {os.getpid()}")
+    store.append_event(run_id, status, job_id=job_id, by=f"observer pid {os.getpid()}", **({"reason": why} if why else {}))
     return st
 
 # %% ../nbs/12_slurm.ipynb #8b02c0d2

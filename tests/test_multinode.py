@@ -7,7 +7,8 @@ from ilab_nb.launcher import accelerate_command, free_port
 
 
 def test_two_machines_one_process_each_shard_one_fsdp_run(tmp_path, demo, small_train):
-    rd = tmp_path / "run"; (rd / "logs").mkdir(parents=True)
+    rd = tmp_path / "run"
+    for sub in ("logs", "checkpoints"): (rd / sub).mkdir(parents=True)      # as RunStore.create_run makes them
     cfg = TrainConfig(model=str(demo.model_dir), data=[str(small_train)], device="cpu", num_processes=2, num_machines=2,
                       main_process_ip="127.0.0.1", main_process_port=free_port(), rdzv_backend="c10d", strategy="fsdp",
                       max_steps=4, max_tokens_per_batch=1024, max_seq_len=256, learning_rate=3e-3, save_steps=2)

@@ -112,3 +112,10 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     # No process of any run survives it, on either node.
     wait_until(lambda: not run_processes_under(runs_root), 60, what="every process of the runs gone")
     assert {r["status"] for r in FineTuneSession.list_runs()} == {"completed", "failed", "cancelled"}
+    # Everything the SLURM backend wrote is in the run-directory schema.
+    from ilab_nb.rundir import schema_problems
+    for s in (a, b, c):
+        probs = schema_problems(s.store.read_state(s.run_id), "state")
+        probs += [p for e in s.store.events(s.run_id) for p in schema_problems(e, "lifecycle")]
+        probs += [p for r in s.monitor.records if r.get("kind") in ("header", "train", "eval", "event") for p in schema_problems(r, r["kind"])]
+        assert not probs, (s.run_id, probs)
