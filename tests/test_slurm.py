@@ -24,8 +24,9 @@ def cluster(tmp_path_factory):
     old = {k: os.environ.get(k) for k in c.env}
     os.environ.update(c.env)
     yield c
-    subprocess.run(["scancel", "--user", "root"], capture_output=True)
-    c.stop()
+    subprocess.run(["scancel", "--user", "root"], capture_output=True)   # jobs end before their nodes stop: no slurmstepd is left
+    try: wait_until(lambda: not subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip(), 60, what="no job left")
+    finally: c.stop()
     for k, v in old.items():
         if v is None: os.environ.pop(k, None)
         else: os.environ[k] = v
