@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test setup sync-check nbtest pytest browser-deps clean-venv
+.PHONY: demo test setup sync-check nbtest pytest browser-deps slurm-deps clean-venv
 
 setup: $(VENV)/.installed
 
@@ -38,7 +38,15 @@ browser-deps:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "chromium could not be installed: the browser test will skip"; }
 
-pytest: setup browser-deps
+# Debian's SLURM and munge for the two-node SLURM tests (tests/slurm_cluster.py starts the daemons; skipped with
+# the reason where they cannot be had).
+slurm-deps:
+	@command -v sbatch >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || \
+	  { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || \
+	  echo "slurm-wlm and munge could not be installed: the SLURM tests will skip"; }
+
+pytest: setup browser-deps slurm-deps
 	$(BIN)/python -m pytest tests -q -ra
 
 test: sync-check nbtest pytest

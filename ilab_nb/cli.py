@@ -61,6 +61,8 @@ def format_status(s) -> str:
     lines.append(f"created:  {_fmt_time(st.get('created_at'))}   ended: {_fmt_time(st.get('ended_at'))}")
     if st.get("reason"): lines.append(f"reason:   {st['reason']}")
     if st.get("state_error"): lines.append(f"state:    {st['state_error']}")
+    if st.get("job_id"): lines.append(f"slurm:    job {st['job_id']} {st.get('job_state') or ''}" +
+                                      (f"  pending: {st['pending_reason']}" if st.get("pending_reason") else ""))
     if st.get("status") == "failed" and st.get("log_tail"):
         lines += [f"last lines of {st.get('log_file', 'the log')}:"] + ["  " + l for l in st["log_tail"][-15:]]
     return "\n".join(lines)

@@ -19,9 +19,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticCustomError
 
 # %% auto #0
-__all__ = ['DataSources', 'ConfigError', 'InMemoryData', 'data_sources', 'TrainConfig', 'load_config']
+__all__ = ['DataSources', 'ConfigError', 'InMemoryData', 'data_sources', 'SlurmOptions', 'TrainConfig', 'load_config']
 
-# %% ../nbs/00_config.ipynb #d2fc62df
+# %% ../nbs/00_config.ipynb #5cd73d1b
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f" — did you mean '{close[0]}'?" if close else f" (valid fields: {', '.join(valid)})"
@@ -55,7 +55,8 @@ class ConfigError(ValueError):
         for e in err.errors():
             field = ".".join(str(p) for p in e["loc"])
             if e["type"] == "extra_forbidden":
-                out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, valid), input=e.get("input")))
+                names = [f"slurm.{k}" for k in SlurmOptions.model_fields] if field.startswith("slurm.") else valid
+                out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, names), input=e.get("input")))
             elif e["type"] == "config_conflict":   # raised by TrainConfig._check_combinations: one entry per problem
                 out += [dict(field=f, type="conflict", msg=m, input=None) for f, m in e["ctx"]["problems"]]
             elif e["type"] == "missing":
@@ -235,7 +236,67 @@ def _check_eval_prompts(prompts):
         if roles[-1] != "user": raise ValueError(f"prompt {i} must end with a user message (the model answers it)")
     return prompts
 
-# %% ../nbs/00_config.ipynb #86b2f06e
+# %% ../nbs/00_config.ipynb #24b4f8b6
+_DESCRIPTIONS.update(
+    num_machines="Number of machines (nodes) the run spans; num_processes is the total over all of them.",
+    machine_rank="Rank of the machine this launch is for (0 = the main machine at main_process_ip); SLURM sets it per node.",
+    main_process_ip="Address of the machine of rank 0 (multi-machine runs); SLURM takes it from the allocation.",
+    main_process_port="Rendezvous port on the main machine; None = a free port chosen at launch.",
+    rdzv_backend="torchrun rendezvous across machines: static (accelerate's default) or c10d.",
+    backend="Who runs the processes: local (this machine, ilab_nb's FIFO queue) or slurm (sbatch on a SLURM cluster).",
+    slurm="SLURM job options (partition, account, time, nodes, gpus_per_node, ...); only with backend='slurm'.",
+)
+
+# %% ../nbs/00_config.ipynb #70a73efb
+class SlurmOptions(BaseModel):
+    "The SLURM job of a run: what goes into its `#SBATCH` lines and its set-up."
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    partition: str | None = Field(None, description="Partition (-p); None = the cluster's default.")
+    account: str | None = Field(None, description="Account to charge (-A).")
+    time: str | None = Field(None, description="Time limit (-t), in SLURM's form: minutes, MM:SS, HH:MM:SS, D-HH:MM.")
+    nodes: int | None = Field(None, ge=1, description="Nodes (-N); None = num_machines.")
+    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node (--gpus-per-node); then num_processes = nodes x GPUs.")
+    cpus_per_task: int | None = Field(None, ge=1, description="CPUs for each node's task (--cpus-per-task).")
+    mem: str | None = Field(None, description="Memory per node (--mem), e.g. '64G'.")
+    qos: str | None = Field(None, description="Quality of service (--qos).")
+    sbatch_lines: list[str] = Field([], description="Extra #SBATCH options, e.g. ['--exclusive', '--constraint=a100'].")
+    setup: list[str] = Field([], description="Shell lines run before training on the head node and on every node (module load, venv activate).")
+    requeue: bool = Field(False, description="Let SLURM requeue the job on preemption or node failure; it resumes from the latest complete checkpoint.")
+    python: str | None = Field(None, description="Python on the nodes; None = the interpreter that submits the job.")
+
+    @field_validator("sbatch_lines", "setup", mode="before")
+    @classmethod
+    def _one_line_is_a_list(cls, v): return [v] if isinstance(v, str) else v
+
+    @field_validator("sbatch_lines")
+    @classmethod
+    def _sbatch_options(cls, v):
+        bad = [l for l in v if not l.strip().lstrip("#").strip().removeprefix("SBATCH").strip().startswith("-")]
+        if bad: raise ValueError(f"each extra line must be an sbatch option such as '--exclusive'; not {bad[0]!r}")
+        return [l.strip().lstrip("#").strip().removeprefix("SBATCH").strip() for l in v]
+
+# %% ../nbs/00_config.ipynb #a9fb6ea2
+def _machine_problems(c) -> list:
+    "Cross-field problems of the multi-machine and SLURM fields of config `c`: `[(field, message)]`."
+    p, m = [], c.num_machines
+    if c.num_processes % m:
+        p.append(("num_processes", f"num_processes={c.num_processes} is the total over num_machines={m} machines and must split "
+                  f"evenly; use a multiple of {m}"))
+    if c.machine_rank >= m: p.append(("machine_rank", f"machine_rank={c.machine_rank} must be below num_machines={m}"))
+    if m > 1 and c.strategy == "single": p.append(("strategy", "'single' runs one process; several machines need fsdp or ddp"))
+    if m > 1 and c.backend == "local" and not c.main_process_ip:
+        p.append(("main_process_ip", f"num_machines={m} needs the address of the machine of rank 0 (or backend='slurm', "
+                  "which takes it from the allocation)"))
+    if c.slurm is not None and c.backend != "slurm":
+        p.append(("slurm", "SLURM options are given but backend is 'local'; set backend='slurm' or drop slurm"))
+    if c.slurm is not None and c.slurm.nodes is not None and c.slurm.nodes != m:
+        p.append(("slurm", f"slurm.nodes={c.slurm.nodes} but num_machines={m}: one SLURM node is one machine; set num_machines={c.slurm.nodes}"))
+    if c.slurm is not None and c.slurm.gpus_per_node and c.num_processes != m * c.slurm.gpus_per_node:
+        p.append(("num_processes", f"num_processes={c.num_processes} but {m} node(s) x slurm.gpus_per_node={c.slurm.gpus_per_node} "
+                  f"= {m * c.slurm.gpus_per_node} GPUs: one process per GPU; set num_processes={m * c.slurm.gpus_per_node}"))
+    return p
+
+# %% ../nbs/00_config.ipynb #620bea84
 class TrainConfig(BaseModel):
     "Every setting of one fine-tuning run, validated."
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -278,6 +339,13 @@ class TrainConfig(BaseModel):
     trust_remote_code: bool = _f("trust_remote_code", False)
     accelerate_config: str | None = _f("accelerate_config", None)
     launcher_args: list[str] = _f("launcher_args", [])
+    num_machines: int = _f("num_machines", 1, ge=1)
+    machine_rank: int = _f("machine_rank", 0, ge=0)
+    main_process_ip: str | None = _f("main_process_ip", None)
+    main_process_port: int | None = _f("main_process_port", None, ge=1, lt=65536)
+    rdzv_backend: Literal["static", "c10d"] = _f("rdzv_backend", "static")
+    backend: Literal["local", "slurm"] = _f("backend", "local")
+    slurm: SlurmOptions | None = _f("slurm", None)
     eval_prompts: list[str | list[dict[str, str]]] | None = _f("eval_prompts", None, min_length=1)
     eval_max_new_tokens: int = _f("eval_max_new_tokens", 32, ge=1)
     report_to: list[Literal["tensorboard", "mlflow"]] = _f("report_to", [])
@@ -369,6 +437,7 @@ class TrainConfig(BaseModel):
             p.append(("cpu_offload", f"offloading moves FSDP's shards to host memory; strategy is {self.strategy!r}: use strategy='fsdp' or drop cpu_offload"))
         if self.cpu_offload and self.device == "cpu":
             p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
+        p += _machine_problems(self)
         if p:
             raise PydanticCustomError("config_conflict", "; ".join(f"{f}: {m}" for f, m in p), {"problems": p})
         return self

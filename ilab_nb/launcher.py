@@ -16,7 +16,7 @@ from .monitor import MetricsReader
 from .rundir import RunPaths, tail_lines
 
 # %% auto #0
-__all__ = ['STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'DeviceSlots', 'free_port',
+__all__ = ['STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'DeviceSlots', 'machine_args', 'free_port',
            'accelerate_command', 'launch_env', 'describe_exit', 'torchrun_failures', 'torchrun_root_cause',
            'rank_records', 'failing_rank', 'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor',
            'main']
@@ -117,6 +117,20 @@ class DeviceSlots:
         for lk in self.held: lk.release()
         self.held = []
 
+# %% ../nbs/06_launcher.ipynb #645e6fd3
+def machine_args(cfg) -> list:
+    "The `accelerate launch` arguments that place this launch among `cfg['num_machines']` machines ([] for one)."
+    m = int(cfg.get("num_machines") or 1)
+    if m <= 1: return []
+    rank = cfg.get("machine_rank") or 0
+    out = ["--machine_rank", str(rank), "--main_process_ip", str(cfg["main_process_ip"])]
+    backend = cfg.get("rdzv_backend") or "static"
+    out += ["--rdzv_backend", backend]
+    if backend == "c10d":
+        r = str(rank)   # a number, or a shell variable such as $SLURM_NODEID in a batch script
+        out += ["--rdzv_conf", "is_host=" + (str(int(r == "0")) if r.isdigit() else f"$(( {r.lstrip('$')} == 0 ))")]
+    return out
+
 # %% ../nbs/06_launcher.ipynb #83d18482
 def free_port() -> int:
     "A TCP port that is free on this machine right now."
@@ -128,10 +142,11 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     n = int(cfg.get("num_processes", 1))
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if cfg.get("accelerate_config"): cmd += ["--config_file", str(cfg["accelerate_config"])]
-    else: cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    if n > 1: cmd += ["--multi_gpu", "--num_processes", str(n), "--main_process_port", str(port or free_port())]
+    else: cmd += ["--num_machines", str(cfg.get("num_machines") or 1), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if n > 1: cmd += ["--multi_gpu", "--num_processes", str(n), "--main_process_port", str(port or cfg.get("main_process_port") or free_port())]
     elif cfg.get("device") == "cpu": cmd += ["--cpu", "--num_processes", "1"]
     else: cmd += ["--num_processes", "1"]
+    cmd += machine_args(cfg)
     cmd += [str(a) for a in cfg.get("launcher_args") or []]
     cmd += ["-m", worker_module, str(run_dir), "--attempt", str(attempt)]
     if resume: cmd += ["--resume", str(resume)]

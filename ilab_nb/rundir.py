@@ -107,7 +107,8 @@ def standing_records(records, kinds=("train", "eval")) -> list:
 # %% ../nbs/00_rundir.ipynb #058e0928
 SCHEMA_VERSION = 1
 METRICS_EVENTS = ("checkpoint", "stopped", "completed", "failed")
-LIFECYCLE_EVENTS = ("created", "starting", "running", "stop_requested", "resumed", "completed", "failed", "cancelled")
+LIFECYCLE_EVENTS = ("created", "starting", "running", "stop_requested", "resumed", "completed", "failed", "cancelled",
+                    "submitted", "scancel")
 
 SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: type}, values: {field: allowed}}
     "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, samples, event",
@@ -118,7 +119,8 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                  total_steps="int", num_train_samples="int", num_eval_samples="int",
                                  resumed_from_step="int?", params_total="int", params_per_rank="list",
                                  gradient_checkpointing="bool", plan="dict", data_stats="dict", versions="dict",
-                                 load="str", mixed_precision="dict?", cpu_offload="bool", torch_compile="str?", loss="str"),
+                                 load="str", mixed_precision="dict?", cpu_offload="bool", torch_compile="str?", loss="str",
+                                 num_machines="int", nodes="list"),
                    optional=dict(blocks="int")),
     "train": dict(file="metrics.jsonl", doc="every `logging_steps` optimizer steps, and the last",
                   required=dict(step="int", total_steps="int", epoch="float", loss="float", learning_rate="float",
@@ -139,11 +141,13 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 command="list", launcher="dict", world_size="int?", exit_code="int?", ended_at="float",
                                 reason="str", failed_rank="int?", signal="any", log_tail="list", log_file="str",
                                 stop_requested_at="float", forced="bool", resume_from="str", resumed_from_step="int",
-                                attempts="list", **{f"{s}_at": "float" for s in STATES})),
+                                attempts="list", backend="str", job_id="str", job_attempt="int", job_state="str?",
+                                pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
+                                **{f"{s}_at": "float" for s in STATES})),
     "lifecycle": dict(file="events.jsonl", doc="`event` in " + " | ".join(LIFECYCLE_EVENTS),
                       required=dict(time="float", event="str"), values=dict(event=LIFECYCLE_EVENTS),
                       optional=dict(attempt="int", by="str?", slots="list", exit_code="int?", reason="str",
-                                    killed="int", from_step="int", forced="bool")),
+                                    killed="int", from_step="int", forced="bool", job_id="str?", script="str")),
     "rank": dict(file="ranks/rank-N.json", doc="each rank's own account, replaced atomically by that rank",
                  required=dict(rank="int", attempt="int", status="str", pid="int", host="str", local_rank="int", time="float"),
                  optional=dict(error="str", collective="any", outcome="str")),

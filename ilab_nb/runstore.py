@@ -303,3 +303,15 @@ def _refresh(self, run_id, stale_s=None, spawn_grace_s=None) -> dict:
     return st
 
 RunStore.refresh = _refresh
+
+# %% ../nbs/03_runstore.ipynb #6e13c159
+def _refresh_by_backend(self, run_id, stale_s=None, spawn_grace_s=None) -> dict:
+    "The run's state after finalizing it if it is gone (its supervisor here, or its job on a cluster)."
+    st = self.read_state(run_id)
+    backend = st.get("backend", "local")
+    if backend != "local" and st.get("status") not in TERMINAL and not st.get("state_error"):
+        import importlib
+        return importlib.import_module(f"ilab_nb.{backend}").refresh_run(self, run_id)
+    return _refresh(self, run_id, stale_s, spawn_grace_s)
+
+RunStore.refresh = _refresh_by_backend

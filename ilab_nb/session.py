@@ -17,9 +17,9 @@ from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_
 # %% auto #0
 __all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
            'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'query_gpus', 'count_params', 'memory_estimate',
-           'check_memory', 'FineTuneSession', 'write_memory_data', 'status_of']
+           'check_memory', 'cluster_device', 'backend_preflight', 'FineTuneSession', 'write_memory_data', 'status_of']
 
-# %% ../nbs/07_session.ipynb #d0db2517
+# %% ../nbs/07_session.ipynb #62b41824
 class PreflightError(ValueError):
     "A problem found before the run was started (devices, disk, model)."
 
@@ -99,12 +99,13 @@ def preflight(cfg, runs_root) -> dict:
     if not any(l != -100 for l in sample["labels"]):
         raise PreflightError(f"the first conversation ({records[0]['source']}) has no assistant tokens to learn from "
                              "after the chat template; check its roles.")
-    kind, n_gpus = resolve_device(cfg)
-    cpus = check_cpu_slots(cfg, kind)
-    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" else [])
+    kind, n_gpus = resolve_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
+    cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
+    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [])
     disk = check_disk(cfg, runs_root)
     return {"device": kind, "gpu_count": n_gpus, "num_train_records": len(records), "num_eval_records": n_eval,
-            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory, **cpus, **disk}
+            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
+            **cpus, **disk, **backend_preflight(cfg, runs_root)}
 
 # %% ../nbs/07_session.ipynb #98e632b6
 import errno, tempfile
@@ -243,6 +244,25 @@ def check_memory(cfg, kind: str, gpus: list = ()) -> dict | None:
             "cpu_offload=True, or precision='bf16'; or set ignore_memory_estimate=True to start anyway.")
     return est
 
+# %% ../nbs/07_session.ipynb #568f524d
+def cluster_device(cfg) -> tuple:
+    "(`'cpu'`|`'cuda'`, GPUs per node) that the nodes of a cluster run of `cfg` train on."
+    g = cfg.slurm.gpus_per_node if cfg.slurm else None
+    if g: return "cuda", g
+    if cfg.device == "cuda": raise PreflightError("device='cuda' on SLURM needs slurm.gpus_per_node (GPUs per node, one process each).")
+    return "cpu", 0
+
+def backend_preflight(cfg, runs_root) -> dict:
+    "Checks of the backend that will run `cfg` (SLURM: sbatch, partition, nodes, shared runs root)."
+    if cfg.backend == "local":
+        if cfg.num_machines > 1:
+            raise PreflightError(f"num_machines={cfg.num_machines} with backend='local': a FineTuneSession starts one machine. Use "
+                                 "backend='slurm', or start each machine yourself with ilab_nb.launcher.accelerate_command.")
+        return {}
+    from ilab_nb.slurm import preflight_slurm, SlurmError
+    try: return {"slurm": preflight_slurm(cfg, runs_root)}
+    except SlurmError as e: raise PreflightError(str(e)) from None
+
 # %% ../nbs/07_session.ipynb #2bc3375b
 def _resolve_paths(cfg, config):
     if isinstance(config, (str, os.PathLike)): cfg = cfg.resolved(Path(config).expanduser().absolute().parent)
@@ -345,6 +365,17 @@ class FineTuneSession(FineTuneSession):
 def status_of(st, default="created") -> str:
     "The status a state dict says: its `status`, `unreadable` for a state that could not be read, else `default`."
     return st.get("status") or ("unreadable" if st.get("state_error") else default)
+
+# %% ../nbs/07_session.ipynb #c9b6ebee
+from .core import patch
+_spawn_supervisor = FineTuneSession._spawn
+
+@patch
+def _spawn(self:FineTuneSession, attempt, resume=None):
+    "Start one attempt of the run: a detached supervisor here, or a SLURM job."
+    if self.config is None or self.config.backend == "local": return _spawn_supervisor(self, attempt, resume)
+    from ilab_nb.slurm import submit_attempt
+    submit_attempt(self.store, self.run_id, self.config, attempt, resume)
 
 # %% ../nbs/07_session.ipynb #c570fc2f
 class FineTuneSession(FineTuneSession):

@@ -19,14 +19,14 @@ from . import data as D
 from . import batching as B
 
 # %% auto #0
-__all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'init_distributed', 'load_data', 'plan_steps',
-           'load_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'build_empty_model',
-           'enable_checkpointing', 'tied_duplicates', 'materialize', 'shard_model', 'checkpoint_dir',
-           'fill_from_checkpoint', 'fill_from_rank0', 'setup_model', 'make_optimizer', 'make_scheduler',
-           'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint',
-           'chunked_loss_head', 'hidden_states_out', 'train_step', 'evaluate', 'all_reduce_sum', 'prompt_messages',
-           'reshard', 'generate_samples', 'write_samples', 'stop_requested', 'is_collective_error', 'record_rank',
-           'run', 'data_seen_by_ranks', 'write_final', 'quiet_progress_bars', 'main']
+__all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'init_distributed', 'node_name', 'machines_in_effect',
+           'load_data', 'plan_steps', 'load_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap',
+           'local_param_count', 'build_empty_model', 'enable_checkpointing', 'tied_duplicates', 'materialize',
+           'shard_model', 'checkpoint_dir', 'fill_from_checkpoint', 'fill_from_rank0', 'setup_model', 'make_optimizer',
+           'make_scheduler', 'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints',
+           'load_checkpoint', 'chunked_loss_head', 'hidden_states_out', 'train_step', 'evaluate', 'all_reduce_sum',
+           'prompt_messages', 'reshard', 'generate_samples', 'write_samples', 'stop_requested', 'is_collective_error',
+           'record_rank', 'run', 'data_seen_by_ranks', 'write_final', 'quiet_progress_bars', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -71,6 +71,25 @@ def init_distributed(cfg: TrainConfig) -> dict:
     return dict(rank=state.process_index, local_rank=state.local_process_index, world_size=world,
                 backend=backend, device=device, device_type=device_type,
                 distributed_type=str(state.distributed_type).split(".")[-1])
+
+# %% ../nbs/05_worker.ipynb #80b2bceb
+import socket
+
+def node_name() -> str:
+    "This process's node: SLURM's node name when under SLURM, else the host name."
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+def machines_in_effect(cfg: TrainConfig, env: dict) -> dict:
+    "`{num_machines, machine_rank, nodes}` in effect (nodes: one per rank); raise if not the layout `cfg` asked for."
+    m = int(os.environ.get("GROUP_WORLD_SIZE", "1")); local = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
+    want_local = cfg.num_processes // cfg.num_machines
+    if m != cfg.num_machines or local != want_local:
+        raise RuntimeError(f"num_machines={cfg.num_machines} with {want_local} process(es) each was asked for, but {m} machine(s) "
+                           f"with {local} process(es) here are in effect. Launch each machine with --num_machines "
+                           f"{cfg.num_machines} --num_processes {cfg.num_processes} (ilab_nb's launcher does this).")
+    nodes = [node_name()]
+    if env["world_size"] > 1: nodes = [None] * env["world_size"]; dist.all_gather_object(nodes, node_name())
+    return dict(num_machines=m, machine_rank=int(os.environ.get("GROUP_RANK", "0")), nodes=nodes)
 
 # %% ../nbs/05_worker.ipynb #a984a82c
 def load_data(cfg: TrainConfig, tokenizer, run_dir: Path, main_first):
@@ -555,7 +574,7 @@ def record_rank(run_dir, rank: int, attempt: int, status: str, **fields):
         d.mkdir(exist_ok=True); write_json_atomic(RunPaths(run_dir).rank_account(rank), rec)
     except OSError as e: print(f"[ilab_nb.worker] could not record rank {rank} {status}: {e}", file=sys.stderr, flush=True)
 
-# %% ../nbs/05_worker.ipynb #946c1459
+# %% ../nbs/05_worker.ipynb #4cc3b951
 def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     "Train the run in `run_dir` to completion or to a stop request; returns `completed` or `stopped`."
     run_dir = Path(run_dir).resolve()
@@ -566,6 +585,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     try:
         metrics = open_trackers(metrics, run_dir, cfg, rank)      # report_to: TensorBoard / MLflow get the same records
         env = init_distributed(cfg)
+        env.update(machines_in_effect(cfg, env))
         if cfg.strategy == "single" and env["world_size"] != 1: raise RuntimeError("strategy='single' runs exactly one process.")
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
         env["layout"] = B.choose_layout(cfg.batching, env["device_type"], cfg.precision)
@@ -578,7 +598,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     finally:
         metrics.close()
 
-# %% ../nbs/05_worker.ipynb #e13af2e4
+# %% ../nbs/05_worker.ipynb #d1e9d69f
 def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, resume) -> str:
     from accelerate import PartialState
     rank, world, layout = env["rank"], env["world_size"], env["layout"]
@@ -608,7 +628,8 @@ def _train(run_dir: Path, cfg: TrainConfig, env: dict, metrics: MetricsWriter, r
                   precision=cfg.precision, layout=layout, attn_implementation=unwrap(model).config._attn_implementation,
                   total_steps=total, num_train_samples=len(train_ds), num_eval_samples=len(eval_ds) if eval_ds is not None else 0,
                   resumed_from_step=start if resume else None, params_total=sum(p.numel() for p in model.parameters()),
-                  params_per_rank=[int(t.item()) for t in per_rank], gradient_checkpointing=checkpointing_in_effect(model),
+                  params_per_rank=[int(t.item()) for t in per_rank], num_machines=env.get("num_machines", 1), nodes=env.get("nodes"),
+                  gradient_checkpointing=checkpointing_in_effect(model),
                   plan=B.plan_stats(plan, lengths, layout), data_stats=data_stats, versions=_versions(),
                   loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
                   **model_info)

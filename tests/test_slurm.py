@@ -1,0 +1,122 @@
+"""The SLURM backend on a real two-node SLURM cluster started by this module (tests/slurm_cluster.py): every node
+(one CPU each) runs one rank of a 2-machine FSDP run of the demo model. Several scenarios share a few runs: two
+submissions queue in SLURM, a queued job is cancelled from outside, a run is stopped and resumed to the end while a
+second runs and loses a rank, and a new process attaches."""
+import os, signal, subprocess, sys
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from ilab_nb import FineTuneSession
+from ilab_nb.session import PreflightError
+from conftest import run_processes_under, wait_until
+from slurm_cluster import Cluster, why_not
+
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = why_not()
+    if why: pytest.skip(f"no test SLURM cluster: {why}")
+    c = Cluster(tmp_path_factory.mktemp("slurm")).start()
+    old = {k: os.environ.get(k) for k in c.env}
+    os.environ.update(c.env)
+    yield c
+    subprocess.run(["scancel", "--user", "root"], capture_output=True)   # jobs end before their nodes stop: no slurmstepd is left
+    try: wait_until(lambda: not subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip(), 60, what="no job left")
+    finally: c.stop()
+    for k, v in old.items():
+        if v is None: os.environ.pop(k, None)
+        else: os.environ[k] = v
+
+
+def run_cfg(demo, small_train, **kw):
+    return dict(model=str(demo.model_dir), data=str(small_train), device="cpu", num_processes=2, num_machines=2,
+                backend="slurm", rdzv_backend="c10d", strategy="fsdp", max_tokens_per_batch=1024, max_seq_len=256,
+                learning_rate=3e-3, logging_steps=1, slurm={"partition": "debug", "time": "00:20:00"}, **kw)
+
+
+def rank_process(run_dir, rank):
+    "The live worker process of `rank` of the run in `run_dir` (found by its tag and RANK)."
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            env = p.environ()
+            if env.get("ILAB_NB_RUN_DIR") == str(run_dir) and env.get("RANK") == str(rank) and "ilab_nb.worker" in p.info["cmdline"]:
+                return p
+        except psutil.Error: pass
+    return None
+
+
+def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small_train, tmp_path):
+    with pytest.raises(PreflightError, match="not a partition of this cluster; sinfo lists debug"):
+        FineTuneSession(**{**run_cfg(demo, small_train), "slurm": {"partition": "gpu"}})
+    with pytest.raises(PreflightError, match="partition 'debug' has 2"):
+        FineTuneSession(**{**run_cfg(demo, small_train), "num_machines": 3, "num_processes": 3})
+    # `ilab-nb run` honours backend: slurm and a slurm: mapping of a YAML config, and refuses the same way.
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({**run_cfg(demo, small_train), "slurm": {"partition": "gpu"}}))
+    r = subprocess.run([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", "run", str(cfg)],
+                       capture_output=True, text=True, timeout=300, env=os.environ)
+    assert r.returncode != 0 and "slurm.partition='gpu' is not a partition of this cluster" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not runs_root.exists()
+
+
+def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, demo, small_train):
+    a = FineTuneSession(**run_cfg(demo, small_train, max_steps=16, save_steps=4), name="a").start()
+    script = (a.run_dir / "slurm-attempt-1.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "srun --kill-on-bad-exit=1" in script
+    assert a.state["job_id"] and a.state["backend"] == "slurm"
+    b = FineTuneSession(**run_cfg(demo, small_train, max_steps=40), name="b").start()
+    c = FineTuneSession(**run_cfg(demo, small_train, max_steps=4), name="c").start()
+
+    # Two submissions queue in SLURM: the second waits, with SLURM's reason.
+    wait_until(lambda: b.status == "queued" and b.state.get("pending_reason") not in (None, "None"), 60, what="b queued with a reason")
+    assert b.state["pending_reason"] in ("Resources", "Priority", "Dependency", "Nodes_required")
+
+    # scancel from outside (a queued job): terminal, with the reason; nothing stuck.
+    subprocess.run(["scancel", c.state["job_id"]], check=True)
+    assert c.wait(timeout=60) == "cancelled" and "outside ilab_nb" in c.reason
+
+    # A runs on both nodes; stop() checkpoints and cancels it.
+    wait_until(lambda: a.status == "running" and a.progress()["step"], 300, what="run a training")
+    head = a.monitor.header
+    assert head["world_size"] == 2 and head["num_machines"] == 2 and sorted(head["nodes"]) == ["n1", "n2"]
+    assert len(head["params_per_rank"]) == 2 and all(abs(n - head["params_total"] / 2) / head["params_total"] < 0.05 for n in head["params_per_rank"])
+    assert a.stop(timeout=240) == "cancelled" and a.reason == "stopped on request" and a.checkpoints
+    stopped_at = a.checkpoints[-1]["step"]
+    assert sorted(p.name for p in (a.run_dir / "logs").glob("node-*.log")) == ["node-n1.log", "node-n2.log"]
+
+    # A resumes as a new job, queued behind B, which now runs; a rank of B is killed on its node.
+    a.resume()
+    assert a.state["attempt"] == 2
+    wait_until(lambda: b.status == "running", 300, what="run b running")
+    wait_until(lambda: a.status == "queued" and a.state.get("pending_reason") not in (None, "None"), 60, what="a queued again")
+    victim = wait_until(lambda: rank_process(b.run_dir, 1), 60, what="rank 1 of b")
+    b.progress(); node = b.monitor.header["nodes"][1]
+    victim.send_signal(signal.SIGKILL)
+    assert b.wait(timeout=240) == "failed"
+    assert f"rank 1 on node {node} was killed by signal SIGKILL" in b.reason, b.reason
+
+    # A finishes from its checkpoint; the model loads; a new process sees every step.
+    assert a.wait(timeout=400) == "completed", a.reason
+    model, tok = a.load_model()
+    assert model.num_parameters() == head["params_total"]
+    a.monitor.poll(); header2 = [r for r in a.monitor.records if r.get("kind") == "header"][-1]
+    assert header2["attempt"] == 2 and header2["resumed_from_step"] == stopped_at
+    out = subprocess.run([sys.executable, "-c", f"from ilab_nb import FineTuneSession as S; s = S.attach({a.run_id!r}); "
+                          "print(s.status, sorted({r['step'] for r in s.metrics() if r['kind'] == 'train'}))"],
+                         capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.stdout.strip() == f"completed {list(range(1, 17))}", out.stdout + out.stderr
+
+    # No process of any run survives it, on either node.
+    wait_until(lambda: not run_processes_under(runs_root), 60, what="every process of the runs gone")
+    assert {r["status"] for r in FineTuneSession.list_runs()} == {"completed", "failed", "cancelled"}
+    # Everything the SLURM backend wrote is in the run-directory schema.
+    from ilab_nb.rundir import schema_problems
+    for s in (a, b, c):
+        probs = schema_problems(s.store.read_state(s.run_id), "state")
+        probs += [p for e in s.store.events(s.run_id) for p in schema_problems(e, "lifecycle")]
+        probs += [p for r in s.monitor.records if r.get("kind") in ("header", "train", "eval", "event") for p in schema_problems(r, r["kind"])]
+        assert not probs, (s.run_id, probs)
