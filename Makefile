@@ -47,6 +47,6 @@ slurm-deps:
 	  echo "slurm-wlm and munge could not be installed: the SLURM tests will skip"; }
 
 pytest: setup browser-deps slurm-deps
-	$(BIN)/python -m pytest tests -q -ra
+	$(BIN)/python -m pytest tests -q -ra --durations=25
 
 test: sync-check nbtest pytest
