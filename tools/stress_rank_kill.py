@@ -44,7 +44,8 @@ def one(i, rank, assets, train, root, launcher_args):
 
 def kill_and_judge(s, rank):
     m = RunMonitor(s.run_dir)
-    wait(lambda: (m.poll(), m.train_records)[1], 300, "the first train record")
+    wait(lambda: (m.poll(), m.train_records or s.status in ("completed", "failed", "cancelled"))[1], 300, "the first train record")
+    if not m.train_records: return False, f"the run ended before training ({s.status}): {s.reason}", None
     victim = wait(lambda: [p for p in run_processes(s.run_dir) if p.environ().get("RANK") == str(rank)
                            and "ilab_nb.worker" in " ".join(p.cmdline())], 30, f"rank {rank}")[0]
     victim.send_signal(signal.SIGKILL)
