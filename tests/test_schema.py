@@ -45,12 +45,12 @@ def test_an_unknown_field_is_a_failure_saying_where_to_add_it(tmp_path):
     run = RunPaths(tmp_path / "r"); run.ranks.mkdir(parents=True)
     run.metrics.write_text(json.dumps(dict(schema=1, kind="eval", run_id="r", attempt=1, time=0.0, step=1, epoch=0.1,
                                            eval_loss=1.0, eval_tokens=5, eval_ppl=2.7)) + "\n"
-                           + json.dumps(dict(schema=1, kind="samples", run_id="r", attempt=1, time=0.0)) + "\n")
+                           + json.dumps(dict(schema=1, kind="activations", run_id="r", attempt=1, time=0.0)) + "\n")
     run.events.write_text(json.dumps(dict(time=0.0, event="created")) + "\n")
     run.state.write_text(json.dumps(dict(status="queued", attempt=1, run_id="r", created_at=0.0, updated_at=0.0)))
     found, _ = problems_in(run.root)
     assert len(found) == 2 and found[0].startswith("metrics.jsonl:1: eval record has field 'eval_ppl'"), found
-    assert all("nbs/00_rundir.ipynb" in m for m in found) and found[1].startswith("metrics.jsonl:2: kind 'samples'")
+    assert all("nbs/00_rundir.ipynb" in m for m in found) and found[1].startswith("metrics.jsonl:2: kind 'activations'")
 
 
 def test_architecture_md_schema_section_is_generated_from_the_table():
