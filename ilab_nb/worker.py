@@ -59,6 +59,10 @@ def init_distributed(cfg: TrainConfig) -> dict:
         raise RuntimeError(f"num_processes={cfg.num_processes} was asked for, but {world} process(es) are in effect "
                            f"(distributed type {state.distributed_type}). Launch with `accelerate launch --multi_gpu "
                            f"--num_processes {cfg.num_processes}` (ilab_nb's launcher does this).")
+    if cfg.strategy == "fsdp" and world == 1 and backend is None:   # FSDP on one device (to offload, say): a group of one
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda": torch.cuda.set_device(state.local_process_index)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if cfg.strategy in ("fsdp", "ddp") and world > 1 and backend is None:
         raise RuntimeError(f"strategy={cfg.strategy!r} needs a process group, but none was initialised.")
     if cfg.precision == "bf16":

@@ -98,7 +98,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, assets):
         assert lb[s]["learning_rate"] == pytest.approx(la[s]["learning_rate"], rel=1e-9)
 
 
-def test_ddp_replicates_and_single_runs_one_process(tmp_path, assets):
+def test_ddp_replicates_and_one_process_runs_single_or_fsdp(tmp_path, assets):
     rd = make_run(tmp_path, assets, "ddp", num_processes=2, strategy="ddp", max_steps=2)
     launch(rd, 2)
     head = records(rd, "header")[0]
@@ -106,6 +106,13 @@ def test_ddp_replicates_and_single_runs_one_process(tmp_path, assets):
     rd1 = make_run(tmp_path, assets, "single", num_processes=1, strategy="single", max_steps=2)
     launch(rd1, 1)
     assert records(rd1, "header")[0]["world_size"] == 1 and (rd1 / "final" / "model.safetensors").exists()
+    # FSDP on one process (a group of one, as for one GPU with cpu_offload) trains like the single process
+    rd2 = make_run(tmp_path, assets, "fsdp1", num_processes=1, strategy="fsdp", max_steps=2)
+    launch(rd2, 1)
+    head = records(rd2, "header")[0]
+    assert head["strategy"] == "fsdp" and head["world_size"] == 1 and head["backend"] == "gloo"
+    assert [r["loss"] for r in records(rd2, "train")] == pytest.approx([r["loss"] for r in records(rd1, "train")], rel=1e-4)
+    assert list((rd2 / "final").glob("*.safetensors"))
 
 
 def test_asked_for_processes_not_in_effect_fails_loudly(tmp_path, assets):
