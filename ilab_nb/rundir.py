@@ -39,6 +39,7 @@ class RunPaths:
     supervisor_log = property(lambda self: self.root / "logs" / "supervisor.log", doc="The supervisor's log.")
     ranks = property(lambda self: self.root / "ranks", doc="Each rank's own account of itself, `rank-N.json`.")
     cache = property(lambda self: self.root / "cache", doc="The tokenized dataset cache.")
+    data = property(lambda self: self.root / "data", doc="Data handed over from memory, written once as JSONL by `start()`.")
     checkpoints = property(lambda self: self.root / "checkpoints", doc="`step-NNNNNNNN/` folders, complete or absent.")
     final = property(lambda self: self.root / "final", doc="The finished model, Hugging Face format.")
     final_tmp = property(lambda self: self.root / ".tmp-final", doc="Where `final/` is written before its rename.")
