@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 from filelock import FileLock, Timeout
 
-from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, RUN_ENV, RANKS_DIR, BEAT_FILE,
+from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, RUN_ENV,
                               kill_run_processes, read_json, write_json_atomic)
 from .monitor import MetricsReader
 from .rundir import RunPaths, tail_lines
@@ -323,7 +323,7 @@ class Supervisor:
         "Supervise the attempt to its end; returns 0 unless the run failed."
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, self._on_signal)
         st = self.store.read_state(self.run_id)
-        (self.run_dir / BEAT_FILE).touch()     # while there is space: on a full disk the heartbeat becomes its mtime
+        RunPaths(self.run_dir).heartbeat.touch()     # while there is space: on a full disk the heartbeat becomes its mtime
         try: self._beat(supervisor=self.me.to_dict(), supervisor_log="logs/supervisor.log")
         except StateError: _log("run is already final; nothing to do"); return 0
         _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
@@ -423,7 +423,7 @@ def _write_failed(self:Supervisor, e, what):
     "Note a failed write (the first one that hit a full disk names `what`); keep the heartbeat by touching `.heartbeat`."
     if getattr(e, "errno", None) == errno.ENOSPC and self.nospace is None:
         self.nospace = what; _log(f"No space left on device while writing {what}; retrying")
-    try: os.utime(self.run_dir / BEAT_FILE)
+    try: os.utime(RunPaths(self.run_dir).heartbeat)
     except OSError: pass
 
 @patch
@@ -436,7 +436,7 @@ def _event(self:Supervisor, event, **fields):
 def _nospace_what(self:Supervisor) -> str | None:
     "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
     texts = [str(e.get("error") or "") for e in self.events if e.get("event") == "failed"]
-    for p in sorted((self.run_dir / "logs").glob("rank-*.log")): texts += tail_lines(p, 40)
+    for p in sorted(RunPaths(self.run_dir).logs.glob("rank-*.log")): texts += tail_lines(p, 40)
     for t in texts:
         if _NOSPACE.search(t):
             m = re.search(r"'(/[^']+)'", t)

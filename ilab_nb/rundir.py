@@ -20,7 +20,7 @@ STATES = ("queued", "starting", "running", "completed", "failed", "cancelled")
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
 ACTIVE = tuple(s for s in STATES if s not in TERMINAL)
 
-# %% ../nbs/00_rundir.ipynb #0e6fe13e
+# %% ../nbs/00_rundir.ipynb #a302d4f1
 CKPT_MARKER = "COMPLETE"   # written last into a checkpoint directory, before its rename: present = complete
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class RunPaths:
     run_id = property(lambda self: self.root.name, doc="The run id: the directory's name.")
     config = property(lambda self: self.root / "config.json", doc="The run's `TrainConfig`, written once by the session.")
     state = property(lambda self: self.root / "state.json", doc="Status and processes, replaced atomically by the run store.")
+    state_prev = property(lambda self: self.root / "state.json.prev", doc="The last good copy of `state.json`, written with it.")
+    state_lock = property(lambda self: self.root / ".state.lock", doc="The lock every writer of `state.json` holds.")
+    heartbeat = property(lambda self: self.root / ".heartbeat", doc="Touched by the supervisor: a heartbeat a full disk cannot stop.")
     events = property(lambda self: self.root / "events.jsonl", doc="Lifecycle events, append-only.")
     metrics = property(lambda self: self.root / "metrics.jsonl", doc="Rank 0's records: header, train, eval, event.")
     control = property(lambda self: self.root / "control", doc="Requests to the run from anyone.")
@@ -54,6 +57,27 @@ def rank_log(self:RunPaths, rank) -> Path:
 def rank_account(self:RunPaths, rank) -> Path:
     "Where `rank` writes its own account of itself."
     return self.ranks / f"rank-{rank}.json"
+
+# %% ../nbs/00_rundir.ipynb #62a53342
+@patch
+def node_log(self:RunPaths, node) -> Path:
+    "The log of machine `node` of a multi-node run (everything its launcher printed)."
+    return self.logs / f"node-{node}.log"
+
+@patch
+def slurm_script(self:RunPaths, attempt) -> Path:
+    "The sbatch script of `attempt`."
+    return self.root / f"slurm-attempt-{attempt}.sbatch"
+
+@patch
+def slurm_output(self:RunPaths, job_id="%j") -> Path:
+    "SLURM's own output file of job `job_id` (`%j`: the pattern sbatch fills in)."
+    return self.logs / f"slurm-{job_id}.out"
+
+@patch
+def state_corrupt(self:RunPaths, t) -> Path:
+    "Where a broken `state.json` found at time `t` is kept."
+    return self.root / f"state.json.corrupt-{int(t)}"
 
 # %% ../nbs/00_rundir.ipynb #e609c55e
 @patch

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
+from .rundir import CKPT_MARKER, RunPaths
 from .monitor import tail_lines
 from .launcher import accelerate_command, describe_exit, torchrun_failures, rank_records, STOP_GRACE_S
 
@@ -101,7 +102,7 @@ def sbatch_lines(cfg: TrainConfig, run_dir, attempt) -> list:
     "The `#SBATCH` options of one attempt of the run in `run_dir`."
     o, rd = cfg.slurm or SlurmOptions(), Path(run_dir)
     lines = [f"--job-name=ilab_nb-{rd.name}", f"--nodes={cfg.num_machines}", "--ntasks-per-node=1",
-             f"--output={rd}/logs/slurm-%j.out", "--open-mode=append", f"--chdir={rd}",
+             f"--output={RunPaths(rd).slurm_output()}", "--open-mode=append", f"--chdir={rd}",
              "--requeue" if o.requeue else "--no-requeue"]
     for flag, v in (("partition", o.partition), ("account", o.account), ("time", o.time), ("gpus-per-node", o.gpus_per_node),
                     ("cpus-per-task", o.cpus_per_task), ("mem", o.mem), ("qos", o.qos)):
@@ -153,18 +154,18 @@ def sbatch_script(cfg: TrainConfig, run_dir, attempt=1, resume=None) -> str:
         s += ["", "# Requeued (preempted, node failure): continue from the latest complete checkpoint, as the next attempt.",
               'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
               '  ATTEMPT=$((ATTEMPT + SLURM_RESTART_COUNT))',
-              '  LATEST=$(ls -d "$RUN_DIR"/checkpoints/step-*/COMPLETE 2>/dev/null | sort | tail -n1)',
+              f'  LATEST=$(ls -d "$RUN_DIR"/{RunPaths("").checkpoints}/step-*/{CKPT_MARKER} 2>/dev/null | sort | tail -n1)',
               '  [ -n "$LATEST" ] && RESUME=$(dirname "$LATEST")',
               'fi', "export ATTEMPT RESUME"]
     s += ["", "# Every node: one `accelerate launch` for its share of the processes, its own log.",
           "read -r -d '' NODE_CMD <<'NODE'",
-          'exec >>"$RUN_DIR/logs/node-$SLURMD_NODENAME.log" 2>&1',
+          f'exec >>"{RunPaths("$RUN_DIR").node_log("$SLURMD_NODENAME")}" 2>&1',
           'echo "== ilab_nb attempt $ATTEMPT: node $SLURMD_NODENAME (node rank $SLURM_NODEID) of job $SLURM_JOB_ID, $(date -u) =="',
           "exec " + body, "NODE",
           'srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "$NODE_CMD"', ""]
     return "\n".join(s)
 
-def script_name(attempt) -> str: return f"slurm-attempt-{attempt}.sbatch"
+def script_name(attempt) -> str: return RunPaths(".").slurm_script(attempt).name
 
 # %% ../nbs/12_slurm.ipynb #792ae320
 def submit(cfg: TrainConfig, run_dir, attempt=1, resume=None) -> str:
@@ -195,7 +196,7 @@ def job_info(job_id) -> dict | None:
 def node_reports(run_dir, attempt) -> list:
     "`[{node, rank, exitcode, root}]`: every failed rank in the torchrun report of each node's log, this attempt only."
     out = []
-    for p in sorted(Path(run_dir, "logs").glob("node-*.log")):
+    for p in sorted(RunPaths(run_dir).logs.glob(RunPaths(run_dir).node_log("*").name)):
         text = p.read_text(errors="replace")
         i = text.rfind(f"== ilab_nb attempt {attempt}:")
         out += [{"node": p.stem.removeprefix("node-"), **f} for f in torchrun_failures(text[i:] if i >= 0 else "")]
@@ -240,7 +241,7 @@ def classify_job(job, info, events, header_seen, stop_requested, forced=False) -
 def _attempt_records(run_dir, attempt) -> tuple:
     "(header of this attempt seen?, this attempt's event records) from metrics.jsonl."
     head, events = False, []
-    try: f = open(Path(run_dir) / "metrics.jsonl")
+    try: f = open(RunPaths(run_dir).metrics)
     except OSError: return head, events
     with f:
         for line in f:
@@ -253,7 +254,7 @@ def _attempt_records(run_dir, attempt) -> tuple:
     return head, events
 
 def _stop_request(run_dir) -> dict | None:
-    p = Path(run_dir) / "control" / "stop"
+    p = RunPaths(run_dir).stop
     return (read_json(p, {}) or {"time": p.stat().st_mtime}) if p.exists() else None
 
 # %% ../nbs/12_slurm.ipynb #74dad9e9
@@ -300,9 +301,9 @@ def _finish(store, run_id, status, why, job_id=None, job_state=None, events=(), 
         err = next((e.get("error") for e in reversed(list(events)) if e.get("event") == "failed" and e.get("error")
                     and (cause is None or e.get("rank") in (None, cause["rank"]))), None)
         if err: parts.append(str(err).strip().splitlines()[-1][:500])
-        log = rd / "logs" / (f"rank-{cause['rank']}.log" if cause else "rank-0.log")
-        if not log.exists() and cause: log = rd / "logs" / f"node-{cause['node']}.log"
-        if not log.exists(): log = rd / "logs" / f"slurm-{job_id}.out"
+        log = RunPaths(rd).rank_log(cause["rank"] if cause else 0)
+        if not log.exists() and cause: log = RunPaths(rd).node_log(cause["node"])
+        if not log.exists(): log = RunPaths(rd).slurm_output(job_id)
         fields = dict(failed_rank=cause["rank"] if cause else None, failed_node=cause["node"] if cause else None,
                       log_tail=tail_lines(log, 20), log_file=str(log.relative_to(rd)))
         why = f"Run {run_id} failed: " + "; ".join(parts) + f". See {log}."

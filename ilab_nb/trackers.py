@@ -7,6 +7,8 @@ from __future__ import annotations
 import json, os, time
 from pathlib import Path
 
+from .rundir import RunPaths
+
 # %% auto #0
 __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'mlflow_tracking_uri', 'MLflowTracker',
            'TrackedWriter', 'open_trackers']
@@ -125,7 +127,7 @@ class TrackedWriter:
         self.writer.write(kind, **fields)
         self._each("log", dict(kind=kind, time=time.time(), **fields))
         if kind == "event" and fields.get("event") in _MLFLOW_STATUS:
-            final = self.run_dir / "final" if fields["event"] == "completed" else None
+            final = RunPaths(self.run_dir).final if fields["event"] == "completed" else None
             self._each("finish", fields["event"], final); self.trackers = []
 
     def close(self):

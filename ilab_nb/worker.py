@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
-from .runstore import RANKS_DIR, write_json_atomic
+from .runstore import ends_mid_line, write_json_atomic
 from .rundir import CKPT_MARKER, SCHEMA_VERSION, RunPaths, complete_checkpoints
 from . import data as D
 from . import batching as B
@@ -306,7 +306,9 @@ class MetricsWriter:
     "Append-only `metrics.jsonl` writer (rank 0 only; other ranks get a writer that writes nothing)."
     def __init__(self, path, run_id: str, attempt: int, enabled: bool = True):
         self.run_id, self.attempt = run_id, attempt
+        torn = enabled and ends_mid_line(path)        # the last writer was killed mid-line: start on a line of our own
         self.f = open(path, "a", encoding="utf-8") if enabled else None
+        if torn: self.f.write("\n")
     def write(self, kind: str, **fields):
         if self.f is None: return
         rec = dict(schema=SCHEMA_VERSION, kind=kind, run_id=self.run_id, attempt=self.attempt, time=time.time(), **fields)
