@@ -56,7 +56,7 @@ def dashboard_refresh(run_dir, n=20):
             f.write(json.dumps({**last_samples, "step": last_train["step"] + i + 1}) + "\n")
         t = time.perf_counter()
         if i % 2: d.update()
-        else: Dashboard.update._runs(d)            # the dashboard's refresh without the samples panel
+        else: d._show_samples = lambda: False; d.update(); del d._show_samples   # the refresh without the samples panel
         (full if i % 2 else without).append(time.perf_counter() - t)
         d._samples_n = None
         t = time.perf_counter(); d._show_samples(); panel.append(time.perf_counter() - t)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['STATUS_COLOURS', 'run_status', 'run_curves', 'smooth_ema', 'LRFormatter', 'nice_ceiling', 'LossPlot', 'render_text',
-           'Dashboard', 'LossComparison', 'compare', 'latest_samples', 'samples_html']
+           'latest_samples', 'samples_html', 'Dashboard', 'LossComparison', 'compare']
 
 # %% ../nbs/08_dashboard.ipynb #131efd2f
 import html
@@ -222,10 +222,67 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step", postfix=post)
     return f"{line}\n{meter}"
 
+# %% ../nbs/08_dashboard.ipynb #0ade4ffe
+def latest_samples(records) -> tuple:
+    "The latest and the previous `samples` records of the current history (a resumed attempt drops later steps)."
+    found, cut = [], None
+    for r in reversed(records):
+        k = r.get("kind")
+        if k == "header" and r.get("resumed_from_step") is not None:
+            cut = r["resumed_from_step"] if cut is None else min(cut, r["resumed_from_step"])
+        elif k == "samples" and (cut is None or (r.get("step") or 0) <= cut):
+            found.append(r)
+            if len(found) == 2: break
+    return (found[0] if found else None), (found[1] if len(found) > 1 else None)
+
+# %% ../nbs/08_dashboard.ipynb #e78373ce
+def samples_html(latest: dict, previous: dict | None = None) -> str:
+    "A table: each prompt, its latest answer (with the step), and its answer at the previous evaluation."
+    prev = {s["prompt"]: s["answer"] for s in (previous or {}).get("samples", [])}
+    th = "style='text-align:left;padding:3px 8px;border-bottom:1px solid #dadce0'"
+    td = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap'"
+    head = f"<tr><th {th}>prompt</th><th {th}>step {latest.get('step')}</th>" + (
+        f"<th {th}>step {previous.get('step')}</th>" if previous else "") + "</tr>"
+    rows = []
+    for s in latest.get("samples", []):
+        a, b = s["answer"], prev.get(s["prompt"])
+        changed = previous is not None and a != b
+        rows.append(f"<tr><td {td}>{html.escape(s['prompt'])}</td><td {td}>{'<b>' if changed else ''}{html.escape(a)}"
+                    f"{'</b>' if changed else ''}</td>" + (f"<td {td} style='color:#5f6368'>{html.escape(b or '')}</td>" if previous else "") + "</tr>")
+    cost = f" · generated in {latest['seconds']:.2f} s" if isinstance(latest.get("seconds"), (int, float)) else ""
+    return (f"<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since the previous "
+            f"evaluation{cost})</span><table style='border-collapse:collapse;width:100%'>{head}{''.join(rows)}</table></div>")
+
 # %% ../nbs/08_dashboard.ipynb #0bebd2e2
 from .monitor import data_notes
 
-# %% ../nbs/08_dashboard.ipynb #66346cd6
+# %% ../nbs/08_dashboard.ipynb #0de319e2
+def _note(text: str, colour: str) -> str:
+    return f'<span style="font-size:12px;color:{colour}">{html.escape(text)}</span>'
+
+def _pre(lines) -> str:
+    body = html.escape("\n".join(lines)) if lines else "(no log lines yet)"
+    return ('<pre style="font-size:11.5px;line-height:1.35;max-height:280px;overflow:auto;margin:0;'
+            f'white-space:pre-wrap;word-break:break-all">{body}</pre>')
+
+def _cancelled_html(state: dict, resumable: bool) -> str:
+    reason = html.escape(str(state.get("reason") or "stopped").rstrip("."))
+    more = " Resume continues from the latest complete checkpoint." if resumable else ""
+    return ('<div style="border-left:5px solid #9334e6;background:#f3e8fd;padding:6px 12px;border-radius:4px;'
+            f'color:#202124;font-size:13px"><b style="color:#9334e6">Run stopped:</b> {reason}.{more}</div>')
+
+def _failure_html(state: dict) -> str:
+    reason = html.escape(str(state.get("reason") or "the run failed without a recorded reason"))
+    tail = state.get("log_tail") or []
+    lines = (f'<pre style="margin:6px 0 0;font-size:11.5px;max-height:220px;overflow:auto;white-space:pre-wrap;'
+             f'background:#fff;padding:6px;border-radius:4px">{html.escape(chr(10).join(tail))}</pre>') if tail else ""
+    return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
+            f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
+
+# %% ../nbs/08_dashboard.ipynb #8f52915d
+#| export
+
+# %% ../nbs/08_dashboard.ipynb #87860883
 def _in_kernel() -> bool:
     try:
         from IPython import get_ipython
@@ -263,8 +320,8 @@ class Dashboard(W.VBox):
         self.resume_button = W.Button(description="Resume", icon="play", button_style="success",
                                       tooltip="Continue from the latest complete checkpoint",
                                       layout=W.Layout(width="110px", display="none")).add_class("ilab-resume")
-        self.stop_button.on_click(self._click_stop)
-        self.resume_button.on_click(self._click_resume)
+        self.stop_button.on_click(lambda b: self._click_stop(b))     # (the handlers are grown on below)
+        self.resume_button.on_click(lambda b: self._click_resume(b))
         self.message = W.HTML().add_class("ilab-message")
         self.progress = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="100%", height="18px")).add_class("ilab-progress")
         self.progress_text = W.HTML().add_class("ilab-progress-text")
@@ -282,210 +339,221 @@ class Dashboard(W.VBox):
         if autostart or (autostart is None and _in_kernel()):
             self.start()
 
-    # -- status and refresh ------------------------------------------------------------------------
-    def status(self) -> str:
-        "The run's status: `status_fn()` when given (the session's, which also finalizes stale runs), else state.json."
-        if self.status_fn is not None:
-            try:
-                return str(self.status_fn())
-            except Exception as e:  # the badge says so; the state file is the fallback
-                self._set(self.message, _note(f"status_fn failed ({type(e).__name__}: {e}); showing state.json instead", "#b06000"))
-        return run_status(self.monitor.state())
+# %% ../nbs/08_dashboard.ipynb #69145199
+@patch
+def _set(self:Dashboard, widget, value, trait: str = "value") -> bool:
+    "Assign a trait only when it changes (no needless messages to the front end, no flicker)."
+    key = (id(widget), trait)
+    if self._shown.get(key) == value:
+        return False
+    self._shown[key] = value
+    setattr(widget, trait, value)
+    return True
 
-    def update(self) -> bool:
-        "One synchronous refresh; returns whether any widget changed."
-        with self._lock:
-            self.refreshes += 1
-            status = self.last_status = self.status()
-            self.monitor.poll()
-            records = self.monitor.records
-            state = self.monitor.state()
-            changed = self._show_status(status, state)
-            if len(records) != self._n_records:
-                self._n_records = len(records)
-                changed |= self._show_progress(status)
-                changed |= self._show_plot()
-                changed |= self._show_checkpoints()
-            elif changed:  # status changed: bar colour and text depend on it
-                self._show_progress(status)
-            changed |= self._set(self.log_view, _pre(self.monitor.log_tail(self.log_lines)))
-            return changed
-
-    def _set(self, widget, value, trait: str = "value") -> bool:
-        "Assign a trait only when it changes (no needless messages to the front end, no flicker)."
-        key = (id(widget), trait)
-        if self._shown.get(key) == value:
-            return False
-        self._shown[key] = value
-        setattr(widget, trait, value)
-        return True
-
-    def _show_status(self, status: str, state: dict) -> bool:
-        ch = self._set(self.badge, _BADGE.format(c=STATUS_COLOURS.get(status, "#5f6368"), s=html.escape(status)))
-        h = self.monitor.header or {}
-        bits = [f"<b>{html.escape(str(self.monitor.run_id))}</b>"]
-        attempt = state.get("attempt") or h.get("attempt")
-        if attempt and attempt > 1:
-            bits.append(f"attempt {attempt}")
-        if h:
-            bits.append(f"{h.get('world_size', '?')} × {html.escape(str(h.get('device', '?')))}"
-                        f" ({html.escape(str(h.get('backend', '?')))}, {html.escape(str(h.get('strategy', '?')))})")
-            if h.get("precision"):
-                bits.append(html.escape(str(h["precision"])))
-            if h.get("params_total"):
-                bits.append(f"{h['params_total'] / 1e6:,.1f} M parameters")
-        ch |= self._set(self.header, '<span style="color:#3c4043;font-size:13px">' + " · ".join(bits) + "</span>")
-        active = status in ACTIVE
-        ch |= self._set(self.stop_button.layout, "" if active and self.on_stop else "none", "display")
-        resumable = status in ("failed", "cancelled") and self.on_resume is not None
-        ch |= self._set(self.resume_button.layout, "" if resumable else "none", "display")
-        if status == "failed":
-            ch |= self._set(self.failure, _failure_html(state))
-            ch |= self._set(self.failure.layout, "", "display")
-        elif status == "cancelled":
-            ch |= self._set(self.failure, _cancelled_html(state, resumable))
-            ch |= self._set(self.failure.layout, "", "display")
-        else:
-            ch |= self._set(self.failure.layout, "none", "display")
-        if active or status in TERMINAL:
-            ch |= self._set(self.progress, {"completed": "success", "failed": "danger", "cancelled": "warning"}.get(status, "info"), "bar_style")
-        return ch
-
-    def _show_progress(self, status: str) -> bool:
-        p = self.monitor.progress()
-        step, total = p.get("step") or 0, p.get("total_steps") or 0
-        ch = self._set(self.progress, max(total, step, 1), "max")
-        ch |= self._set(self.progress, step)
-        pct = f" ({100 * step / total:.0f} %)" if total else ""
-        parts = [f"step <b>{step:,}</b> / {total:,}{pct}" if total else f"step <b>{step:,}</b>"]
-        if p.get("epoch") is not None:
-            parts.append(f"epoch {_fmt(p['epoch'], '.2f')}")
-        parts.append(f"elapsed {_duration(p.get('elapsed_s'))}")
-        if status in ACTIVE:
-            parts.append(f"ETA {_duration(p.get('eta_s'))}")
-        parts.append(f"{_fmt(p.get('tokens_per_s'), ',.0f')} tokens/s")
-        parts.append(f"loss {_fmt(p.get('loss'), '.4f')}")
-        text = '<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">' + " · ".join(parts) + "</span>"
-        text += "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
-                        for n in data_notes(self.monitor.header))   # samples dropped or truncated for their length
-        return self._set(self.progress_text, text) | ch
-
-    def _show_plot(self) -> bool:
-        png = self.plot.draw(run_curves(self.monitor.records))
-        self.redraws += 1
-        return self._set(self.image, png)
-
-    def _show_checkpoints(self) -> bool:
-        cks = self.monitor.checkpoints()
-        self.details.set_title(1, f"Checkpoints ({len(cks)})")
-        if not cks:
-            return self._set(self.checkpoint_view, '<i style="color:#5f6368">no complete checkpoint yet</i>')
-        rows = "".join(
-            f"<tr><td>{c.get('step', '?'):,}</td><td>{_fmt(c.get('epoch'), '.2f')}</td>"
-            f"<td>{_fmt((c.get('metrics') or {}).get('loss'), '.4f')}</td>"
-            f"<td>{_fmt((c.get('metrics') or {}).get('eval_loss'), '.4f')}</td>"
-            f"<td><code>{html.escape(str(c.get('path', '')))}</code></td></tr>" for c in cks)
-        head = "<tr><th>step</th><th>epoch</th><th>loss</th><th>eval loss</th><th>path</th></tr>"
-        return self._set(self.checkpoint_view, f'<table style="font-size:12px;border-spacing:12px 2px">{head}{rows}</table>')
-
-    # -- the thread -----------------------------------------------------------------------------------
-    def start(self):
-        "Start the refresh thread (no-op when it runs, when the run is terminal, or after `close()`)."
-        if self._closing.is_set() or (self._thread and self._thread.is_alive()):
-            return self
-        if self.last_status in TERMINAL:
-            return self
-        self._thread = threading.Thread(target=self._loop, name=f"ilab-dashboard-{self.monitor.run_id}", daemon=True)
-        self._thread.start()
-        return self
-
-    @property
-    def running(self) -> bool:
-        "Whether the refresh thread is alive."
-        return bool(self._thread and self._thread.is_alive())
-
-    def _loop(self):
-        while not self._closing.wait(self.refresh_s):
-            try:
-                self.update()
-            except Exception as e:  # keep the thread alive; say what went wrong in the widget, not in a cell
-                self._set(self.message, _note(f"refresh failed: {type(e).__name__}: {e}", "#d93025"))
-            if self.last_status in TERMINAL:
-                break
-
-    def close(self):
-        "Stop the refresh thread and close the widgets."
-        self._closing.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=10)
-        for w in (self.badge, self.header, self.stop_button, self.resume_button, self.message, self.progress,
-                  self.progress_text, self.failure, self.image, self.log_view, self.checkpoint_view, self.details,
-                  *self.children):
-            w.close()
-        super().close()
-
-    # -- buttons --------------------------------------------------------------------------------------
-    def _click_stop(self, _=None):
-        self.stop_button.disabled = True
-        self.stop_button.description = "Stopping…"
-        self._set(self.message, _note("Stop requested: the run checkpoints and ends at the next step.", "#5f6368"))
-        threading.Thread(target=self._call, args=(self.on_stop, "stop", self.stop_button, "Stop"), daemon=True).start()
-
-    def _click_resume(self, _=None):
-        self.resume_button.disabled = True
-        self.resume_button.description = "Resuming…"
-        self._set(self.message, _note("Resuming from the latest complete checkpoint…", "#5f6368"))
-        threading.Thread(target=self._call, args=(self.on_resume, "resume", self.resume_button, "Resume"), daemon=True).start()
-
-    def _call(self, fn, what, button, label):
-        "Run a button's callable off the kernel's message loop; report errors in the widget."
+# %% ../nbs/08_dashboard.ipynb #da58d10a
+@patch
+def status(self:Dashboard) -> str:
+    "The run's status: `status_fn()` when given (the session's, which also finalizes stale runs), else state.json."
+    if self.status_fn is not None:
         try:
-            fn()
-            self._set(self.message, "")
-            if what == "resume":
-                self.update()
-                self.start()
-        except Exception as e:
-            self._set(self.message, _note(f"{what} failed: {type(e).__name__}: {e}", "#d93025"))
-        finally:
-            button.disabled, button.description = False, label
+            return str(self.status_fn())
+        except Exception as e:  # the badge says so; the state file is the fallback
+            self._set(self.message, _note(f"status_fn failed ({type(e).__name__}: {e}); showing state.json instead", "#b06000"))
+    return run_status(self.monitor.state())
 
-    # -- text -----------------------------------------------------------------------------------------
-    def text(self) -> str:
-        "The terminal rendering of this run (see `render_text`)."
-        with self._lock:  # the refresh thread reads the same monitor
-            return render_text(self.monitor, self.status())
+@patch
+def _show_status(self:Dashboard, status: str, state: dict) -> bool:
+    ch = self._set(self.badge, _BADGE.format(c=STATUS_COLOURS.get(status, "#5f6368"), s=html.escape(status)))
+    h = self.monitor.header or {}
+    bits = [f"<b>{html.escape(str(self.monitor.run_id))}</b>"]
+    attempt = state.get("attempt") or h.get("attempt")
+    if attempt and attempt > 1:
+        bits.append(f"attempt {attempt}")
+    if h:
+        bits.append(f"{h.get('world_size', '?')} × {html.escape(str(h.get('device', '?')))}"
+                    f" ({html.escape(str(h.get('backend', '?')))}, {html.escape(str(h.get('strategy', '?')))})")
+        if h.get("precision"):
+            bits.append(html.escape(str(h["precision"])))
+        if h.get("params_total"):
+            bits.append(f"{h['params_total'] / 1e6:,.1f} M parameters")
+    ch |= self._set(self.header, '<span style="color:#3c4043;font-size:13px">' + " · ".join(bits) + "</span>")
+    active = status in ACTIVE
+    ch |= self._set(self.stop_button.layout, "" if active and self.on_stop else "none", "display")
+    resumable = status in ("failed", "cancelled") and self.on_resume is not None
+    ch |= self._set(self.resume_button.layout, "" if resumable else "none", "display")
+    if status == "failed":
+        ch |= self._set(self.failure, _failure_html(state))
+        ch |= self._set(self.failure.layout, "", "display")
+    elif status == "cancelled":
+        ch |= self._set(self.failure, _cancelled_html(state, resumable))
+        ch |= self._set(self.failure.layout, "", "display")
+    else:
+        ch |= self._set(self.failure.layout, "none", "display")
+    if active or status in TERMINAL:
+        ch |= self._set(self.progress, {"completed": "success", "failed": "danger", "cancelled": "warning"}.get(status, "info"), "bar_style")
+    return ch
 
-    def __repr__(self):
-        return self.text()
+# %% ../nbs/08_dashboard.ipynb #25da1281
+@patch
+def _show_progress(self:Dashboard, status: str) -> bool:
+    p = self.monitor.progress()
+    step, total = p.get("step") or 0, p.get("total_steps") or 0
+    ch = self._set(self.progress, max(total, step, 1), "max")
+    ch |= self._set(self.progress, step)
+    pct = f" ({100 * step / total:.0f} %)" if total else ""
+    parts = [f"step <b>{step:,}</b> / {total:,}{pct}" if total else f"step <b>{step:,}</b>"]
+    if p.get("epoch") is not None:
+        parts.append(f"epoch {_fmt(p['epoch'], '.2f')}")
+    parts.append(f"elapsed {_duration(p.get('elapsed_s'))}")
+    if status in ACTIVE:
+        parts.append(f"ETA {_duration(p.get('eta_s'))}")
+    parts.append(f"{_fmt(p.get('tokens_per_s'), ',.0f')} tokens/s")
+    parts.append(f"loss {_fmt(p.get('loss'), '.4f')}")
+    text = '<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">' + " · ".join(parts) + "</span>"
+    text += "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
+                    for n in data_notes(self.monitor.header))   # samples dropped or truncated for their length
+    return self._set(self.progress_text, text) | ch
 
-    def _repr_mimebundle_(self, **kwargs):
-        data = super()._repr_mimebundle_(**kwargs) or {}
-        data["text/plain"] = self.text()
-        return data
+@patch
+def _show_plot(self:Dashboard) -> bool:
+    png = self.plot.draw(run_curves(self.monitor.records))
+    self.redraws += 1
+    return self._set(self.image, png)
 
-def _note(text: str, colour: str) -> str:
-    return f'<span style="font-size:12px;color:{colour}">{html.escape(text)}</span>'
+@patch
+def _show_checkpoints(self:Dashboard) -> bool:
+    cks = self.monitor.checkpoints()
+    self.details.set_title(1, f"Checkpoints ({len(cks)})")
+    if not cks:
+        return self._set(self.checkpoint_view, '<i style="color:#5f6368">no complete checkpoint yet</i>')
+    rows = "".join(
+        f"<tr><td>{c.get('step', '?'):,}</td><td>{_fmt(c.get('epoch'), '.2f')}</td>"
+        f"<td>{_fmt((c.get('metrics') or {}).get('loss'), '.4f')}</td>"
+        f"<td>{_fmt((c.get('metrics') or {}).get('eval_loss'), '.4f')}</td>"
+        f"<td><code>{html.escape(str(c.get('path', '')))}</code></td></tr>" for c in cks)
+    head = "<tr><th>step</th><th>epoch</th><th>loss</th><th>eval loss</th><th>path</th></tr>"
+    return self._set(self.checkpoint_view, f'<table style="font-size:12px;border-spacing:12px 2px">{head}{rows}</table>')
 
-def _pre(lines) -> str:
-    body = html.escape("\n".join(lines)) if lines else "(no log lines yet)"
-    return ('<pre style="font-size:11.5px;line-height:1.35;max-height:280px;overflow:auto;margin:0;'
-            f'white-space:pre-wrap;word-break:break-all">{body}</pre>')
+# %% ../nbs/08_dashboard.ipynb #71986c7c
+@patch
+def _show_samples(self:Dashboard) -> bool:
+    n = len(self.monitor.records)
+    if getattr(self, "_samples_n", None) == n: return False
+    self._samples_n = n
+    latest, previous = latest_samples(self.monitor.records)
+    if latest is None: return False
+    if getattr(self, "samples_view", None) is None:
+        self.samples_view = W.HTML().add_class("ilab-samples")
+        self.children = self.children[:-1] + (self.samples_view, self.children[-1])
+    return self._set(self.samples_view, samples_html(latest, previous))
 
-def _cancelled_html(state: dict, resumable: bool) -> str:
-    reason = html.escape(str(state.get("reason") or "stopped").rstrip("."))
-    more = " Resume continues from the latest complete checkpoint." if resumable else ""
-    return ('<div style="border-left:5px solid #9334e6;background:#f3e8fd;padding:6px 12px;border-radius:4px;'
-            f'color:#202124;font-size:13px"><b style="color:#9334e6">Run stopped:</b> {reason}.{more}</div>')
+# %% ../nbs/08_dashboard.ipynb #6754625b
+@patch
+def update(self:Dashboard) -> bool:
+    "One synchronous refresh (status, progress, plot, log, checkpoints, sample answers); returns whether anything changed."
+    with self._lock:
+        self.refreshes += 1
+        status = self.last_status = self.status()
+        self.monitor.poll()
+        records = self.monitor.records
+        state = self.monitor.state()
+        changed = self._show_status(status, state)
+        if len(records) != self._n_records:
+            self._n_records = len(records)
+            changed |= self._show_progress(status)
+            changed |= self._show_plot()
+            changed |= self._show_checkpoints()
+            changed |= self._show_samples()
+        elif changed:  # status changed: bar colour and text depend on it
+            self._show_progress(status)
+        changed |= self._set(self.log_view, _pre(self.monitor.log_tail(self.log_lines)))
+        return changed
 
-def _failure_html(state: dict) -> str:
-    reason = html.escape(str(state.get("reason") or "the run failed without a recorded reason"))
-    tail = state.get("log_tail") or []
-    lines = (f'<pre style="margin:6px 0 0;font-size:11.5px;max-height:220px;overflow:auto;white-space:pre-wrap;'
-             f'background:#fff;padding:6px;border-radius:4px">{html.escape(chr(10).join(tail))}</pre>') if tail else ""
-    return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
-            f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
+# %% ../nbs/08_dashboard.ipynb #b4580fc2
+@patch
+def start(self:Dashboard):
+    "Start the refresh thread (no-op when it runs, when the run is terminal, or after `close()`)."
+    if self._closing.is_set() or (self._thread and self._thread.is_alive()):
+        return self
+    if self.last_status in TERMINAL:
+        return self
+    self._thread = threading.Thread(target=self._loop, name=f"ilab-dashboard-{self.monitor.run_id}", daemon=True)
+    self._thread.start()
+    return self
+
+@patch(as_prop=True)
+def running(self:Dashboard) -> bool:
+    "Whether the refresh thread is alive."
+    return bool(self._thread and self._thread.is_alive())
+
+@patch
+def _loop(self:Dashboard):
+    while not self._closing.wait(self.refresh_s):
+        try:
+            self.update()
+        except Exception as e:  # keep the thread alive; say what went wrong in the widget, not in a cell
+            self._set(self.message, _note(f"refresh failed: {type(e).__name__}: {e}", "#d93025"))
+        if self.last_status in TERMINAL:
+            break
+
+@patch
+def close(self:Dashboard):
+    "Stop the refresh thread and close the widgets."
+    self._closing.set()
+    t = self._thread
+    if t is not None and t is not threading.current_thread():
+        t.join(timeout=10)
+    for w in (self.badge, self.header, self.stop_button, self.resume_button, self.message, self.progress,
+              self.progress_text, self.failure, self.image, self.log_view, self.checkpoint_view, self.details,
+              *self.children):
+        w.close()
+    W.VBox.close(self)
+
+# %% ../nbs/08_dashboard.ipynb #f1b91a77
+@patch
+def _click_stop(self:Dashboard, _=None):
+    self.stop_button.disabled = True
+    self.stop_button.description = "Stopping…"
+    self._set(self.message, _note("Stop requested: the run checkpoints and ends at the next step.", "#5f6368"))
+    threading.Thread(target=self._call, args=(self.on_stop, "stop", self.stop_button, "Stop"), daemon=True).start()
+
+@patch
+def _click_resume(self:Dashboard, _=None):
+    self.resume_button.disabled = True
+    self.resume_button.description = "Resuming…"
+    self._set(self.message, _note("Resuming from the latest complete checkpoint…", "#5f6368"))
+    threading.Thread(target=self._call, args=(self.on_resume, "resume", self.resume_button, "Resume"), daemon=True).start()
+
+@patch
+def _call(self:Dashboard, fn, what, button, label):
+    "Run a button's callable off the kernel's message loop; report errors in the widget."
+    try:
+        fn()
+        self._set(self.message, "")
+        if what == "resume":
+            self.update()
+            self.start()
+    except Exception as e:
+        self._set(self.message, _note(f"{what} failed: {type(e).__name__}: {e}", "#d93025"))
+    finally:
+        button.disabled, button.description = False, label
+
+# %% ../nbs/08_dashboard.ipynb #504291b0
+@patch
+def text(self:Dashboard) -> str:
+    "The terminal rendering of this run (see `render_text`)."
+    with self._lock:  # the refresh thread reads the same monitor
+        return render_text(self.monitor, self.status())
+
+@patch
+def __repr__(self:Dashboard):
+    return self.text()
+
+@patch
+def _repr_mimebundle_(self:Dashboard, **kwargs):
+    data = W.VBox._repr_mimebundle_(self, **kwargs) or {}
+    data["text/plain"] = self.text()
+    return data
 
 # %% ../nbs/08_dashboard.ipynb #b7528014
 def _as_monitor(run):
@@ -557,56 +625,3 @@ def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, heigh
         ax.spines[side].set_visible(False)
     ax.legend(fontsize=9, frameon=False, loc="upper right")
     return LossComparison(fig, summary)
-
-# %% ../nbs/08_dashboard.ipynb #0ade4ffe
-def latest_samples(records) -> tuple:
-    "The latest and the previous `samples` records of the current history (a resumed attempt drops later steps)."
-    found, cut = [], None
-    for r in reversed(records):
-        k = r.get("kind")
-        if k == "header" and r.get("resumed_from_step") is not None:
-            cut = r["resumed_from_step"] if cut is None else min(cut, r["resumed_from_step"])
-        elif k == "samples" and (cut is None or (r.get("step") or 0) <= cut):
-            found.append(r)
-            if len(found) == 2: break
-    return (found[0] if found else None), (found[1] if len(found) > 1 else None)
-
-# %% ../nbs/08_dashboard.ipynb #e78373ce
-def samples_html(latest: dict, previous: dict | None = None) -> str:
-    "A table: each prompt, its latest answer (with the step), and its answer at the previous evaluation."
-    prev = {s["prompt"]: s["answer"] for s in (previous or {}).get("samples", [])}
-    th = "style='text-align:left;padding:3px 8px;border-bottom:1px solid #dadce0'"
-    td = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap'"
-    head = f"<tr><th {th}>prompt</th><th {th}>step {latest.get('step')}</th>" + (
-        f"<th {th}>step {previous.get('step')}</th>" if previous else "") + "</tr>"
-    rows = []
-    for s in latest.get("samples", []):
-        a, b = s["answer"], prev.get(s["prompt"])
-        changed = previous is not None and a != b
-        rows.append(f"<tr><td {td}>{html.escape(s['prompt'])}</td><td {td}>{'<b>' if changed else ''}{html.escape(a)}"
-                    f"{'</b>' if changed else ''}</td>" + (f"<td {td} style='color:#5f6368'>{html.escape(b or '')}</td>" if previous else "") + "</tr>")
-    cost = f" · generated in {latest['seconds']:.2f} s" if isinstance(latest.get("seconds"), (int, float)) else ""
-    return (f"<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since the previous "
-            f"evaluation{cost})</span><table style='border-collapse:collapse;width:100%'>{head}{''.join(rows)}</table></div>")
-
-# %% ../nbs/08_dashboard.ipynb #ef205c3a
-@patch
-def _show_samples(self:Dashboard) -> bool:
-    n = len(self.monitor.records)
-    if getattr(self, "_samples_n", None) == n: return False
-    self._samples_n = n
-    latest, previous = latest_samples(self.monitor.records)
-    if latest is None: return False
-    if getattr(self, "samples_view", None) is None:
-        self.samples_view = W.HTML().add_class("ilab-samples")
-        self.children = self.children[:-1] + (self.samples_view, self.children[-1])
-    return self._set(self.samples_view, samples_html(latest, previous))
-
-_update_runs = getattr(Dashboard.update, "_runs", Dashboard.update)     # the refresh above, once (re-running this cell is safe)
-
-@patch
-def update(self:Dashboard) -> bool:
-    "One synchronous refresh (status, progress, plot, log, checkpoints, sample answers); returns whether anything changed."
-    with self._lock:
-        return _update_runs(self) | self._show_samples()
-update._runs = _update_runs
