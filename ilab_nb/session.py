@@ -16,7 +16,7 @@ from .rundir import CKPT_MARKER, RunPaths
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 
 # %% auto #0
-__all__ = ['PreflightError', 'DevicesBusyError', 'resolve_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
+__all__ = ['PreflightError', 'DevicesBusyError', 'preflight_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
            'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'query_gpus', 'count_params', 'memory_estimate',
            'check_memory', 'cluster_device', 'backend_preflight', 'status_of', 'FineTuneSession', 'write_memory_data']
 
@@ -36,7 +36,7 @@ def _free_bytes(path) -> int:
     while not p.exists(): p = p.parent
     return shutil.disk_usage(p).free
 
-def resolve_device(cfg) -> tuple:
+def preflight_device(cfg) -> tuple:
     "(`'cpu'`|`'cuda'`, number of visible GPUs) for `cfg`, checking that asked-for GPUs exist."
     gpus = [] if cfg.device == "cpu" else query_gpus()   # in a subprocess: the kernel never initialises CUDA
     n = len(gpus)
@@ -100,7 +100,7 @@ def preflight(cfg, runs_root) -> dict:
     if not any(l != -100 for l in sample["labels"]):
         raise PreflightError(f"the first conversation ({records[0]['source']}) has no assistant tokens to learn from "
                              "after the chat template; check its roles.")
-    kind, n_gpus = resolve_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
+    kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [])
     disk = check_disk(cfg, runs_root)

@@ -20,7 +20,7 @@ from . import batching as B
 
 # %% auto #0
 __all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'init_distributed', 'node_name', 'machines_in_effect',
-           'load_data', 'plan_steps', 'load_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap',
+           'load_data', 'plan_steps', 'load_whole_model', 'checkpointing_in_effect', 'wrap_model', 'unwrap',
            'local_param_count', 'build_empty_model', 'enable_checkpointing', 'tied_duplicates', 'materialize',
            'shard_model', 'checkpoint_dir', 'fill_from_checkpoint', 'fill_from_rank0', 'setup_model', 'make_optimizer',
            'make_scheduler', 'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints',
@@ -129,7 +129,7 @@ def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str) -> list[
         if epochs_wanted is not None and epoch >= epochs_wanted: return steps
 
 # %% ../nbs/05_worker.ipynb #40b9cbc6
-def load_model(cfg: TrainConfig, layout: str, device_type: str):
+def load_whole_model(cfg: TrainConfig, layout: str, device_type: str):
     "The model, in float32, with the attention kernel the layout needs."
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(
@@ -266,7 +266,7 @@ def setup_model(cfg: TrainConfig, env: dict, layout: str) -> tuple:
     "The model to train, and how it was loaded, sharded and computed (for the header)."
     attn = B.attn_implementation_for(layout, env["device_type"])
     if cfg.strategy != "fsdp":
-        model = load_model(cfg, layout, env["device_type"])
+        model = load_whole_model(cfg, layout, env["device_type"])
         if cfg.torch_compile:
             for m in model.modules():
                 if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or []): m.compile()
