@@ -54,7 +54,7 @@ base_rss, base_anon = status("VmRSS"), status("RssAnon")
 reset_hwm(); anon = AnonPeak()
 t0 = time.time()
 if a.path == "before":
-    model = W.wrap_model(W.load_model(cfg, "bucketed", "cpu"), "fsdp", env)
+    model = W.wrap_model(W.load_whole_model(cfg, "bucketed", "cpu"), "fsdp", env)
 else:
     model, _ = W.setup_model(cfg, env, "bucketed")
 dist.barrier(); trim()

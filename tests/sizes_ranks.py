@@ -28,7 +28,7 @@ def step(model, loss_fn):
     total = loss.detach().clone(); dist.all_reduce(total)
     return float(total), grads
 
-old = W.wrap_model(W.load_model(cfg, "bucketed", "cpu"), "fsdp", env)
+old = W.wrap_model(W.load_whole_model(cfg, "bucketed", "cpu"), "fsdp", env)
 def old_loss(m):
     logits = m(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     return B.token_loss_sum(logits.float(), batch["labels"])
