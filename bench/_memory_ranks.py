@@ -46,7 +46,7 @@ p = argparse.ArgumentParser(); p.add_argument("model"); p.add_argument("--path",
 a = p.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-env = dict(rank=rank, world_size=world, device=torch.device("cpu"), device_type="cpu", layout="bucketed")
+env = W.DistEnv(rank=rank, world_size=world, backend="gloo")
 cfg = TrainConfig(model=a.model, data=["unused"], device="cpu", num_processes=world)
 import transformers, accelerate  # noqa: F401  (libraries imported before the baseline, as in the worker)
 dist.barrier()

@@ -52,7 +52,7 @@ def rank_main(a):
     local = int(os.environ.get("LOCAL_RANK", 0))
     if cuda: torch.cuda.set_device(local)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    env = dict(rank=rank, world_size=world, device=device, device_type=device.type)
+    env = W.DistEnv(rank=rank, local_rank=local, world_size=world, backend=dist.get_backend(), device=device, device_type=device.type)
     sh = shapes(a.tiny)
     model_dir = Path(a.model_dir)
     if rank == 0 and not (model_dir / "config.json").exists():
@@ -70,7 +70,6 @@ def rank_main(a):
     for layout in ("packed", "bucketed"):
         cfg = TrainConfig(model=str(model_dir), data=["unused"], device=device.type, num_processes=world, strategy="fsdp",
                           precision="bf16" if cuda else "fp32", batching=layout, max_tokens_per_batch=budget, max_seq_len=min(budget, 2048))
-        env["layout"] = layout
         model, info = W.setup_model(cfg, env, layout)
         n_embed = model.get_input_embeddings().weight.numel()
         N = sum(p.numel() for p in model.parameters()) - n_embed

@@ -13,7 +13,7 @@ from ilab_nb.config import TrainConfig
 model_dir, tok_dir, out_json, out_hf = map(Path, sys.argv[1:5])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-env = dict(rank=rank, world_size=world, device=torch.device("cpu"), device_type="cpu", layout="bucketed")
+env = W.DistEnv(rank=rank, world_size=world, backend="gloo")
 cfg = TrainConfig(model=str(model_dir), data=["unused"], device="cpu", num_processes=world)
 
 g = torch.Generator().manual_seed(rank)                 # each rank its own batch, as in training
