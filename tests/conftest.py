@@ -59,3 +59,22 @@ def wait_until(pred, timeout, poll=0.2, what="condition"):
         if v: return v
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+DEMO_STEPS = 160   # enough for the demo model to answer about 9 in 10 held-out questions (91 % measured)
+
+
+@pytest.fixture(scope="session")
+def demo_run(demo, tmp_path_factory):
+    """`ilab-nb demo` run once per test session, for real (2 CPU ranks, DEMO_STEPS steps): `(CompletedProcess, run_dir)`.
+    The CLI test reads what it printed; the browser test chats with the model it trained."""
+    import subprocess, sys
+    tmp = tmp_path_factory.mktemp("demo-run")
+    env = {**os.environ, "ILAB_NB_RUNS": str(tmp / "runs"), "ILAB_NB_LOCKS": str(tmp / "locks"), "ILAB_NB_CPU_SLOTS": "2",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", "demo", "--path", str(demo.root),
+           "--runs-root", str(tmp / "runs"), "--eval-limit", "40", f"max_steps={DEMO_STEPS}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    runs = sorted((tmp / "runs").iterdir()) if (tmp / "runs").exists() else []
+    assert r.returncode == 0 and len(runs) == 1, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
+    return r, runs[0]

@@ -250,24 +250,39 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, runs_root, tmp
 
 
 CHAT_NOTEBOOK = """\
+import ipywidgets as W
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from ilab_nb.chat import ChatBox
-box = ChatBox(AutoModelForCausalLM.from_pretrained({model!r}), AutoTokenizer.from_pretrained({model!r}), max_new_tokens=400)
-box
+def box(path, **kw): return ChatBox(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), **kw)
+W.VBox([box({trained!r}, title="after the demo's run", system={system!r}, max_new_tokens=16),
+        box({untrained!r}, title="the untrained demo model", max_new_tokens=400)])
 """
 
 
-def chat_state(page) -> dict:
-    return page.evaluate("""() => {
-        const q = s => document.querySelector(s);
-        const a = document.querySelectorAll('.ilab-chat-assistant');
-        return {answer: a.length ? a[a.length - 1].innerText : '', n: a.length,
-                status: q('.ilab-chat-status') ? q('.ilab-chat-status').innerText : ''};
-    }""")
+def chat_state(page, box) -> dict:
+    "The last answer and the status of chat box number `box` on the page."
+    return page.evaluate("""(i) => {
+        const b = document.querySelectorAll('.ilab-chat')[i];
+        if (!b) return {answer: '', n: 0, status: ''};
+        const a = b.querySelectorAll('.ilab-chat-assistant'), st = b.querySelector('.ilab-chat-status');
+        return {answer: a.length ? a[a.length - 1].innerText : '', n: a.length, status: st ? st.innerText : ''};
+    }""", box)
 
 
-def test_chat_box_in_jupyterlab_with_chromium(demo, tmp_path, monkeypatch):
-    "Type a message in the chat box, see the answer streamed in, press Stop (the untrained demo model's answer is long)."
+def held_out_question_it_knows(model_dir, eval_file):
+    "A held-out demo question (system message and question, no earlier turns) that the trained model answers right."
+    from ilab_nb.demo import answer_prompts, evaluate_answers, read_chat_jsonl
+    ev = evaluate_answers(str(model_dir), eval_file=eval_file, limit=40)
+    right = {(e["conversation"], e["turn"]) for e in ev["examples"] if e["correct"]}
+    items = [it for it in answer_prompts(read_chat_jsonl(eval_file)[:40])
+             if len(it["context"]) == 2 and it["context"][0]["role"] == "system" and (it["conversation"], it["turn"]) in right]
+    assert items, f"the demo's run answers none of the held-out one-question prompts right ({ev['accuracy']:.0%} overall)"
+    return items[0]
+
+
+def test_chat_box_in_jupyterlab_with_chromium(demo, demo_run, tmp_path, monkeypatch):
+    """After the demo's run, its model answers a held-out question right in the chat box; the untrained model's long
+    answer streams in piece by piece and stops when Stop is pressed."""
     if chromium_path() is None:
         pytest.skip("Debian chromium is not installed (no /usr/bin/chromium): `make browser-deps` installs it.")
     try:
@@ -276,34 +291,46 @@ def test_chat_box_in_jupyterlab_with_chromium(demo, tmp_path, monkeypatch):
         pytest.skip(f"Playwright for Python is not importable ({e}): `pip install playwright` (dev requirement).")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     ARTIFACTS.mkdir(exist_ok=True)
+    trained = demo_run[1] / "final"
+    item = held_out_question_it_knows(trained, demo.eval_file)
     nbdir = tmp_path / "notebooks"; nbdir.mkdir()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CHAT_NOTEBOOK.format(model=str(demo.model_dir)))])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CHAT_NOTEBOOK.format(
+        trained=str(trained), system=item["context"][0]["content"], untrained=str(demo.model_dir)))])
     nb.metadata = {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}}
     nbformat.write(nb, nbdir / "chat.ipynb")
 
-    def until(pred, timeout, what):
+    def until(box, pred, timeout, what):
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            st = chat_state(page)
+            st = chat_state(page, box)
             if pred(st): return st
             time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}; the chat box shows {chat_state(page)}")
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; chat box {box} shows {chat_state(page, box)}")
+
+    def ask(box, text):
+        field = page.locator(".ilab-chat-input input").nth(box)
+        field.fill(text); field.press("Enter")
 
     with jupyter_lab(nbdir, tmp_path) as lab, chromium_page() as page:
         page.goto(lab.notebook_url("chat.ipynb"))
         try:
             run_all_cells(page)
             page.wait_for_selector(".ilab-chat-input input", timeout=120_000)
-            page.fill(".ilab-chat-input input", "Tell me everything.")
-            page.press(".ilab-chat-input input", "Enter")
-            first = until(lambda st: len(st["answer"].strip("▌ ")) > 0, 120, "the first streamed piece")
-            later = until(lambda st: len(st["answer"]) > len(first["answer"]) + 5, 120, "more streamed text")
+            # the trained model, a question it never saw in training
+            ask(0, item["question"])
+            done = until(0, lambda st: "done" in st["status"], 120, "the trained model's answer")
+            assert done["answer"].strip() == item["expected"], (item, done)
+            page.locator(".ilab-chat").first.screenshot(path=str(ARTIFACTS / "browser-chat-trained.png"))
+            # the untrained model rambles: its answer streams in, and Stop ends it
+            ask(1, "Tell me everything.")
+            first = until(1, lambda st: len(st["answer"].strip("▌ ")) > 0, 120, "the first streamed piece")
+            later = until(1, lambda st: len(st["answer"]) > len(first["answer"]) + 5, 120, "more streamed text")
             assert later["answer"].startswith(first["answer"].rstrip("▌ ").rstrip()[:10])
-            page.locator(".ilab-chat").first.screenshot(path=str(ARTIFACTS / "browser-chat-streaming.png"))
-            page.click(".ilab-chat-stop")
-            done = until(lambda st: "stopped" in st["status"], 120, "the answer to stop")
-            assert "▌" not in done["answer"] and done["n"] == 1
-            page.locator(".ilab-chat").first.screenshot(path=str(ARTIFACTS / "browser-chat-stopped.png"))
+            page.locator(".ilab-chat").nth(1).screenshot(path=str(ARTIFACTS / "browser-chat-streaming.png"))
+            page.locator(".ilab-chat-stop").nth(1).click()
+            stopped = until(1, lambda st: "stopped" in st["status"], 120, "the answer to stop")
+            assert "▌" not in stopped["answer"] and stopped["n"] == 1
+            page.locator(".ilab-chat").nth(1).screenshot(path=str(ARTIFACTS / "browser-chat-stopped.png"))
         except Exception:
             with contextlib.suppress(Exception):
                 page.screenshot(path=str(ARTIFACTS / "browser-chat-failure-page.png"))
