@@ -40,7 +40,7 @@ def redirect_output(log_path):
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
-# %% ../nbs/05_worker.ipynb #8a0ea084
+# %% ../nbs/05_worker.ipynb #31b1ef27
 def resolve_device(cfg: TrainConfig) -> str:
     "`cpu` or `cuda`, from the config's `device` (`auto` picks CUDA when available); an error if CUDA is asked for but absent."
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -48,7 +48,7 @@ def resolve_device(cfg: TrainConfig) -> str:
     if cfg.device == "auto": return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.device
 
-# %% ../nbs/05_worker.ipynb #16403dcf
+# %% ../nbs/05_worker.ipynb #24335786
 @dataclass(frozen=True)
 class DistEnv:
     "Where this process trains: its rank of `world_size`, its device, the group's backend, the machines of the run."
@@ -144,7 +144,7 @@ def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str) -> list[
         epoch += 1
         if epochs_wanted is not None and epoch >= epochs_wanted: return steps
 
-# %% ../nbs/05_worker.ipynb #40b9cbc6
+# %% ../nbs/05_worker.ipynb #d5f071e1
 def load_whole_model(cfg: TrainConfig, layout: str, device_type: str):
     "The model, in float32, with the attention kernel the layout needs."
     from transformers import AutoModelForCausalLM
@@ -162,7 +162,7 @@ def checkpointing_in_effect(model) -> bool:
     "Whether any block of the model recomputes its activations in the backward pass."
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
-# %% ../nbs/05_worker.ipynb #d8b7c8b2
+# %% ../nbs/05_worker.ipynb #f5b07d66
 def wrap_model(model, strategy: str, env: DistEnv):
     "Shard (`fsdp`), replicate (`ddp`) or keep (`single`) the model; returns the module to train."
     model.to(env.device)
@@ -388,7 +388,7 @@ def save_hf(model, tokenizer, out_dir: Path, env, state_dict=None):
         finally: hf.config.use_cache = False
         tokenizer.save_pretrained(out_dir)
 
-# %% ../nbs/05_worker.ipynb #da056ecb
+# %% ../nbs/05_worker.ipynb #39aaa0ed
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, tokenizer, env, trainer_state: dict) -> Path:
     "Write `checkpoints/step-N` atomically: HF model, sharded model+optimizer state, per-rank extras, marker."
     import torch.distributed.checkpoint as dcp
@@ -502,7 +502,7 @@ def train_step(model, optimizer, scheduler, step_plan, dataset, loss_tokens, cfg
     optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
     return dict(loss_sum=loss_sum, loss_tokens=step_tokens, grad_norm=float(norm))
 
-# %% ../nbs/05_worker.ipynb #05f45bf9
+# %% ../nbs/05_worker.ipynb #ae755ac3
 @torch.no_grad()
 def evaluate(model, dataset, cfg, env, layout, autocast, pad_id) -> dict:
     "Mean token loss over the whole eval set, every rank taking its share of the batches."
@@ -560,13 +560,13 @@ def write_samples(metrics, model, tokenizer, cfg, env, autocast, step: int, epoc
     samples = generate_samples(model, tokenizer, cfg.eval_prompts, cfg.eval_max_new_tokens, env, autocast)
     metrics.write("samples", step=step, epoch=epoch, seconds=time.time() - t0, max_new_tokens=cfg.eval_max_new_tokens, samples=samples)
 
-# %% ../nbs/05_worker.ipynb #e623b5db
+# %% ../nbs/05_worker.ipynb #e7943de4
 def stop_requested(run_dir: Path, env) -> bool:
     "True on every rank when rank 0 sees `control/stop`."
     flag = torch.tensor([1.0 if env.rank == 0 and RunPaths(run_dir).stop.exists() else 0.0])
     return bool(all_reduce_sum(flag, env)[0] > 0)
 
-# %% ../nbs/05_worker.ipynb #42135c74
+# %% ../nbs/05_worker.ipynb #bfd6592a
 def _peak_mem_mb(env) -> float:
     if env.device_type == "cuda": return torch.cuda.max_memory_allocated(env.device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024          # Linux: KiB
@@ -705,7 +705,7 @@ def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: 
     metrics.write("event", event="completed", step=total, data_seen=data_seen_by_ranks(seen, env))
     return "completed"
 
-# %% ../nbs/05_worker.ipynb #e7eadd0c
+# %% ../nbs/05_worker.ipynb #793698c2
 def data_seen_by_ranks(seen: set, env) -> dict:
     "Per-rank count of distinct samples trained on, and the number seen by more than one rank."
     sets = [seen]
