@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
+from .core import patch
 from .runstore import ends_mid_line, write_json_atomic
 from .rundir import CKPT_MARKER, SCHEMA_VERSION, RunPaths, complete_checkpoints
 from . import data as D
@@ -27,7 +28,8 @@ __all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'DistE
            'make_scheduler', 'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints',
            'load_checkpoint', 'chunked_loss_head', 'hidden_states_out', 'train_step', 'evaluate', 'all_reduce_sum',
            'prompt_messages', 'reshard', 'generate_samples', 'write_samples', 'stop_requested', 'is_collective_error',
-           'record_rank', 'run', 'data_seen_by_ranks', 'write_final', 'quiet_progress_bars', 'main']
+           'record_rank', 'run', 'Attempt', 'setup_attempt', 'data_seen_by_ranks', 'write_final', 'quiet_progress_bars',
+           'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -467,7 +469,7 @@ def hidden_states_out(head):
             yield head
     finally: del head.forward
 
-# %% ../nbs/05_worker.ipynb #140b8a2c
+# %% ../nbs/05_worker.ipynb #3d1338ba
 def _set_grad_sync(model, on: bool):
     if hasattr(model, "set_requires_gradient_sync"): model.set_requires_gradient_sync(on)   # FSDP2
     elif hasattr(model, "require_backward_grad_sync"): model.require_backward_grad_sync = on  # DDP
@@ -492,9 +494,11 @@ def train_step(model, optimizer, scheduler, step_plan, dataset, loss_tokens, cfg
     step_tokens = sum(loss_tokens[i] for ms in step_plan for r in ms for i in r)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for k, ms in enumerate(step_plan):
-        _set_grad_sync(model, k == len(step_plan) - 1)
+        _set_grad_sync(model, k == len(step_plan) - 1)   # gradients are reduced across ranks once, on the last micro-step
         batch = B.collate([dataset[i] for i in ms[rank]], layout, pad_id)
         ls = _forward_loss_sum(model, batch, env, autocast)
+        # step_tokens counts every rank's loss tokens; the ranks' gradients are averaged (÷ world), so × world
+        # makes the update the gradient of the mean token loss over the whole global batch
         (ls * world / step_tokens).backward()
         loss_sum += ls.detach().double().cpu()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
@@ -620,90 +624,145 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     finally:
         metrics.close()
 
-# %% ../nbs/05_worker.ipynb #1744f907
-def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume) -> str:
+# %% ../nbs/05_worker.ipynb #885296c6
+@dataclass
+class Attempt:
+    "What one attempt of a run trains with: set up once by `setup_attempt`."
+    run_dir: Path
+    cfg: TrainConfig
+    env: DistEnv
+    layout: str
+    metrics: MetricsWriter
+    tokenizer: object
+    train_ds: object
+    eval_ds: object
+    data_stats: dict
+    lengths: list
+    loss_tokens: list
+    steps: list
+    model: object
+    model_info: dict
+    optimizer: object
+    scheduler: object
+    start: int = 0
+    resumed: bool = False
+    autocast: object = nullcontext
+
+# %% ../nbs/05_worker.ipynb #fcb8cbdc
+def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume=None) -> Attempt:
+    "Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if given."
     from accelerate import PartialState
-    rank, world = env.rank, env.world_size
     tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     D.ensure_chat_template(tokenizer)
     train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, run_dir, PartialState().main_process_first)
     train_ds = train_ds.with_format(None)
     lengths, loss_tokens = list(train_ds["length"]), list(train_ds["num_loss_tokens"])
-    steps = plan_steps(lengths, cfg, world, layout)
-    total = len(steps)
-
+    steps = plan_steps(lengths, cfg, env.world_size, layout)
     model, model_info = setup_model(cfg, env, layout)
     optimizer = make_optimizer(model, cfg)
-    scheduler = make_scheduler(optimizer, cfg, total)
+    scheduler = make_scheduler(optimizer, cfg, len(steps))
     start = load_checkpoint(Path(resume), model, optimizer, scheduler, env) if resume else 0
     autocast = ((lambda: torch.autocast(env.device_type, dtype=torch.bfloat16))    # FSDP2 casts by its policy instead
                 if cfg.precision == "bf16" and cfg.strategy != "fsdp" else nullcontext)
-    pad_id = tokenizer.pad_token_id
+    return Attempt(run_dir, cfg, env, layout, metrics, tokenizer, train_ds, eval_ds, data_stats, lengths, loss_tokens,
+                   steps, model, model_info, optimizer, scheduler, start, bool(resume), autocast)
 
+# %% ../nbs/05_worker.ipynb #a496ca8c
+@patch
+def write_header(self:Attempt):
+    "Write the attempt's header record to `metrics.jsonl`."
+    env, cfg, model = self.env, self.cfg, self.model
     mine = torch.tensor([float(local_param_count(model))], dtype=torch.float64, device=env.device)
-    per_rank = [torch.zeros_like(mine) for _ in range(world)]     # on the device: nccl gathers only CUDA tensors
-    if world > 1: dist.all_gather(per_rank, mine)
+    per_rank = [torch.zeros_like(mine) for _ in range(env.world_size)]     # on the device: nccl gathers only CUDA tensors
+    if env.world_size > 1: dist.all_gather(per_rank, mine)
     else: per_rank = [mine]
-    plan = [ms for s in steps for ms in s["micro"]]
-    metrics.write("header", world_size=world, backend=env.backend, strategy=cfg.strategy,
-                  distributed_type=env.distributed_type, device=str(env.device), device_type=env.device_type,
-                  precision=cfg.precision, layout=layout, attn_implementation=unwrap(model).config._attn_implementation,
-                  total_steps=total, num_train_samples=len(train_ds), num_eval_samples=len(eval_ds) if eval_ds is not None else 0,
-                  resumed_from_step=start if resume else None, params_total=sum(p.numel() for p in model.parameters()),
-                  params_per_rank=[int(t.item()) for t in per_rank], num_machines=env.num_machines, nodes=list(env.nodes),
-                  gradient_checkpointing=checkpointing_in_effect(model),
-                  plan=B.plan_stats(plan, lengths, layout), data_stats=data_stats, versions=_versions(),
-                  loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
-                  **model_info)
+    plan = [ms for s in self.steps for ms in s["micro"]]
+    self.metrics.write("header", world_size=env.world_size, backend=env.backend, strategy=cfg.strategy,
+                       distributed_type=env.distributed_type, device=str(env.device), device_type=env.device_type,
+                       precision=cfg.precision, layout=self.layout, attn_implementation=unwrap(model).config._attn_implementation,
+                       total_steps=len(self.steps), num_train_samples=len(self.train_ds),
+                       num_eval_samples=len(self.eval_ds) if self.eval_ds is not None else 0,
+                       resumed_from_step=self.start if self.resumed else None, params_total=sum(p.numel() for p in model.parameters()),
+                       params_per_rank=[int(t.item()) for t in per_rank], num_machines=env.num_machines, nodes=list(env.nodes),
+                       gradient_checkpointing=checkpointing_in_effect(model),
+                       plan=B.plan_stats(plan, self.lengths, self.layout), data_stats=self.data_stats, versions=_versions(),
+                       loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
+                       **self.model_info)
 
-    def do_eval(step, epoch):
-        if cfg.eval_prompts: write_samples(metrics, model, tokenizer, cfg, env, autocast, step, epoch)
-        if eval_ds is None: return None
-        r = evaluate(model, eval_ds, cfg, env, layout, autocast, pad_id)
-        metrics.write("eval", step=step, epoch=epoch, **r)
-        return r["eval_loss"]
+# %% ../nbs/05_worker.ipynb #9a6193cf
+@patch
+def evaluate_now(self:Attempt, step: int, epoch: float):
+    "Sample answers and eval loss at `step`; returns the eval loss (None without eval data)."
+    if self.cfg.eval_prompts:
+        write_samples(self.metrics, self.model, self.tokenizer, self.cfg, self.env, self.autocast, step, epoch)
+    if self.eval_ds is None: return None
+    r = evaluate(self.model, self.eval_ds, self.cfg, self.env, self.layout, self.autocast, self.tokenizer.pad_token_id)
+    self.metrics.write("eval", step=step, epoch=epoch, **r)
+    return r["eval_loss"]
 
-    def checkpoint(step, epoch, last, eval_loss):
-        path = save_checkpoint(run_dir, step, model, optimizer, scheduler, tokenizer, env,
-                               dict(step=step, epoch=epoch, total_steps=total, last_metrics=last, eval_loss=eval_loss))
-        if rank == 0: prune_checkpoints(run_dir, cfg.save_total_limit)
-        metrics.write("event", event="checkpoint", step=step, epoch=epoch, path=str(path))
+@patch
+def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
+    "A complete checkpoint at `step` (model, optimizer, scheduler, RNG, trainer state)."
+    path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
+                           dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last, eval_loss=eval_loss))
+    if self.env.rank == 0: prune_checkpoints(self.run_dir, self.cfg.save_total_limit)
+    self.metrics.write("event", event="checkpoint", step=step, epoch=epoch, path=str(path))
 
-    model.train()
-    eval_loss = do_eval(0, 0.0) if start == 0 else None
+# %% ../nbs/05_worker.ipynb #d557e521
+@patch
+def train_loop(self:Attempt) -> dict:
+    "Train from the attempt's start to the end of the plan or a stop request: `{status, step, last, eval_loss, seen}`."
+    cfg, env, steps, total, lengths = self.cfg, self.env, self.steps, len(self.steps), self.lengths
+    self.model.train()
+    eval_loss = self.evaluate_now(0, 0.0) if self.start == 0 else None
     t0 = time.time(); win_t, win_loss, win_tok, last = time.time(), torch.zeros(2, dtype=torch.float64), 0, {}
-    step, seen = start, set()
-    for step in range(start + 1, total + 1):
+    step, seen = self.start, set()
+    for step in range(self.start + 1, total + 1):
         s = steps[step - 1]
-        out = train_step(model, optimizer, scheduler, s["micro"], train_ds, loss_tokens, cfg, env, layout, autocast, pad_id)
-        seen.update(i for ms in s["micro"] for i in ms[rank])
+        out = train_step(self.model, self.optimizer, self.scheduler, s["micro"], self.train_ds, self.loss_tokens, cfg, env,
+                         self.layout, self.autocast, self.tokenizer.pad_token_id)
+        seen.update(i for ms in s["micro"] for i in ms[env.rank])
         win_loss[0] += out["loss_sum"]; win_loss[1] += out["loss_tokens"]
         win_tok += sum(lengths[i] for ms in s["micro"] for r in ms for i in r)
         if step % cfg.logging_steps == 0 or step == total:
             tot = all_reduce_sum(win_loss.clone(), env); tot[1] = win_loss[1]      # token count is global already
             dt = max(time.time() - win_t, 1e-9)
             last = dict(step=step, total_steps=total, epoch=round(s["epoch_float"], 4), loss=float(tot[0] / max(tot[1], 1)),
-                        learning_rate=scheduler.get_last_lr()[0], grad_norm=out["grad_norm"], tokens=int(tot[1]),
+                        learning_rate=self.scheduler.get_last_lr()[0], grad_norm=out["grad_norm"], tokens=int(tot[1]),
                         tokens_per_s=float(tot[1]) / dt, real_tokens_per_s=win_tok / dt,
-                        efficiency=B.plan_stats(s["micro"], lengths, layout)["efficiency"],
+                        efficiency=B.plan_stats(s["micro"], lengths, self.layout)["efficiency"],
                         elapsed_s=time.time() - t0, peak_mem_mb=_peak_mem_mb(env))
-            metrics.write("train", **last)
+            self.metrics.write("train", **last)
             win_t, win_loss, win_tok = time.time(), torch.zeros(2, dtype=torch.float64), 0
         end_of_epoch = step == total or steps[step]["epoch"] != s["epoch"]
-        if step != total and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch):   # the last: after the loop
-            eval_loss = do_eval(step, s["epoch_float"])
-        if stop_requested(run_dir, env):
-            checkpoint(step, s["epoch_float"], last, eval_loss)
-            metrics.write("event", event="stopped", step=step)
-            return "stopped"
+        if step != total and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch):   # the last: in finish
+            eval_loss = self.evaluate_now(step, s["epoch_float"])
+        if stop_requested(self.run_dir, env):
+            self.checkpoint(step, s["epoch_float"], last, eval_loss)
+            self.metrics.write("event", event="stopped", step=step)
+            return dict(status="stopped", step=step, last=last, eval_loss=eval_loss, seen=seen)
         if cfg.save_steps and step % cfg.save_steps == 0 and step != total:
-            checkpoint(step, s["epoch_float"], last, eval_loss)
+            self.checkpoint(step, s["epoch_float"], last, eval_loss)
+    return dict(status="trained", step=step, last=last, eval_loss=eval_loss, seen=seen)
 
-    eval_loss = do_eval(total, steps[-1]["epoch_float"]) if step == total else eval_loss
-    checkpoint(total, steps[-1]["epoch_float"], last, eval_loss)
-    write_final(run_dir, model, tokenizer, env)
-    metrics.write("event", event="completed", step=total, data_seen=data_seen_by_ranks(seen, env))
+# %% ../nbs/05_worker.ipynb #024c2dfd
+@patch
+def finish(self:Attempt, end: dict) -> str:
+    "Evaluate, checkpoint and save the final model after the last step; returns `completed`."
+    total, epoch = len(self.steps), self.steps[-1]["epoch_float"]
+    eval_loss = self.evaluate_now(total, epoch) if end["step"] == total else end["eval_loss"]
+    self.checkpoint(total, epoch, end["last"], eval_loss)
+    write_final(self.run_dir, self.model, self.tokenizer, self.env)
+    self.metrics.write("event", event="completed", step=total, data_seen=data_seen_by_ranks(end["seen"], self.env))
     return "completed"
+
+# %% ../nbs/05_worker.ipynb #a060ac59
+def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume) -> str:
+    "One attempt: set up, record, train, finish; returns `completed` or `stopped`."
+    attempt = setup_attempt(run_dir, cfg, env, layout, metrics, resume)
+    attempt.write_header()
+    end = attempt.train_loop()
+    return "stopped" if end["status"] == "stopped" else attempt.finish(end)
 
 # %% ../nbs/05_worker.ipynb #793698c2
 def data_seen_by_ranks(seen: set, env) -> dict:
