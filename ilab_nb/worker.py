@@ -28,7 +28,7 @@ __all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'DistE
            'make_scheduler', 'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints',
            'load_checkpoint', 'chunked_loss_head', 'hidden_states_out', 'train_step', 'evaluate', 'all_reduce_sum',
            'prompt_messages', 'reshard', 'generate_samples', 'write_samples', 'stop_requested', 'is_collective_error',
-           'record_rank', 'run', 'Attempt', 'setup_attempt', 'data_seen_by_ranks', 'write_final', 'quiet_progress_bars',
+           'record_rank', 'run', 'data_seen_by_ranks', 'write_final', 'Attempt', 'setup_attempt', 'quiet_progress_bars',
            'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
@@ -624,6 +624,31 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     finally:
         metrics.close()
 
+# %% ../nbs/05_worker.ipynb #793698c2
+def data_seen_by_ranks(seen: set, env) -> dict:
+    "Per-rank count of distinct samples trained on, and the number seen by more than one rank."
+    sets = [seen]
+    if env.world_size > 1:
+        sets = [None] * env.world_size; dist.all_gather_object(sets, sorted(seen)); sets = [set(x) for x in sets]
+    counts = {}
+    for st in sets:
+        for i in st: counts[i] = counts.get(i, 0) + 1
+    return dict(per_rank=[len(x) for x in sets], shared=sum(1 for c in counts.values() if c > 1))
+
+# %% ../nbs/05_worker.ipynb #a18dc5a1
+def write_final(run_dir: Path, model, tokenizer, env):
+    "The finished model in Hugging Face format in `final/`, written to a temp dir and renamed."
+    tmp, final = RunPaths(run_dir).final_tmp, RunPaths(run_dir).final
+    if env.rank == 0:
+        if tmp.exists(): shutil.rmtree(tmp)
+        tmp.mkdir()                               # fails, rather than re-creating a deleted run directory
+    _barrier(env)
+    save_hf(model, tokenizer, tmp, env)
+    if env.rank == 0:
+        if final.exists(): shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier(env)
+
 # %% ../nbs/05_worker.ipynb #885296c6
 @dataclass
 class Attempt:
@@ -763,31 +788,6 @@ def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: 
     attempt.write_header()
     end = attempt.train_loop()
     return "stopped" if end["status"] == "stopped" else attempt.finish(end)
-
-# %% ../nbs/05_worker.ipynb #793698c2
-def data_seen_by_ranks(seen: set, env) -> dict:
-    "Per-rank count of distinct samples trained on, and the number seen by more than one rank."
-    sets = [seen]
-    if env.world_size > 1:
-        sets = [None] * env.world_size; dist.all_gather_object(sets, sorted(seen)); sets = [set(x) for x in sets]
-    counts = {}
-    for st in sets:
-        for i in st: counts[i] = counts.get(i, 0) + 1
-    return dict(per_rank=[len(x) for x in sets], shared=sum(1 for c in counts.values() if c > 1))
-
-# %% ../nbs/05_worker.ipynb #a18dc5a1
-def write_final(run_dir: Path, model, tokenizer, env):
-    "The finished model in Hugging Face format in `final/`, written to a temp dir and renamed."
-    tmp, final = RunPaths(run_dir).final_tmp, RunPaths(run_dir).final
-    if env.rank == 0:
-        if tmp.exists(): shutil.rmtree(tmp)
-        tmp.mkdir()                               # fails, rather than re-creating a deleted run directory
-    _barrier(env)
-    save_hf(model, tokenizer, tmp, env)
-    if env.rank == 0:
-        if final.exists(): shutil.rmtree(final)
-        os.replace(tmp, final)
-    _barrier(env)
 
 # %% ../nbs/05_worker.ipynb #fc61c474
 def quiet_progress_bars():
