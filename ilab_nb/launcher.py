@@ -198,7 +198,7 @@ def torchrun_root_cause(text) -> dict | None:
 def rank_records(run_dir, attempt=None) -> dict:
     "`{rank: record}` of the `ranks/rank-N.json` accounts the ranks wrote (of `attempt`, when given)."
     out = {}
-    for p in RunPaths(run_dir).ranks.glob("rank-*.json"):
+    for p in RunPaths(run_dir).rank_accounts():
         rec = read_json(p)
         if rec and (attempt is None or rec.get("attempt") == attempt): out[int(rec.get("rank", p.stem[5:]))] = rec
     return out
@@ -218,7 +218,7 @@ def failing_rank(run_dir, launcher_text="", attempt=None) -> tuple:
     for rule in (own, lambda r: recs[r].get("status") == "failed"):                  # no torchrun report
         hit = sorted(r for r in recs if rule(r))
         if hit: return hit[0], None
-    logs = sorted(RunPaths(run_dir).logs.glob("rank-*.log"))
+    logs = RunPaths(run_dir).rank_logs()
     for p in logs:
         if any("Traceback" in l or "Error" in l for l in tail_lines(p, 200)): return int(p.stem.split("-")[1]), None
     return (0 if logs else None), None
@@ -450,7 +450,7 @@ def disk_full_reason(reason, what, run_id) -> str:
 def _nospace_what(self:Supervisor) -> str | None:
     "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
     texts = [str(e.get("error") or "") for e in self.events if e.get("event") == "failed"]
-    for p in sorted(RunPaths(self.run_dir).logs.glob("rank-*.log")): texts += tail_lines(p, 40)
+    for p in RunPaths(self.run_dir).rank_logs(): texts += tail_lines(p, 40)
     for t in texts:
         if _NOSPACE.search(t):
             m = re.search(r"'(/[^']+)'", t)

@@ -126,9 +126,7 @@ def checkpoints(self:RunMonitor) -> list:
 @patch
 def log_files(self:RunMonitor) -> list:
     "Existing log files: supervisor.log, then rank-N.log in rank order."
-    rank = lambda p: int(p.stem.split("-")[1]) if p.stem.split("-")[1].isdigit() else 0
-    ranks = sorted(self.paths.logs.glob("rank-*.log"), key=rank)
-    return [p for p in [self.paths.supervisor_log] if p.exists()] + ranks
+    return [p for p in [self.paths.supervisor_log] if p.exists()] + self.paths.rank_logs()
 
 @patch
 def log_path(self:RunMonitor, rank=None) -> Path:

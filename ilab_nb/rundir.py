@@ -58,6 +58,21 @@ def rank_account(self:RunPaths, rank) -> Path:
     "Where `rank` writes its own account of itself."
     return self.ranks / f"rank-{rank}.json"
 
+def _by_rank(paths) -> list:
+    "`rank-N.*` files in rank order (rank 10 after rank 9)."
+    num = lambda p: int(p.stem.split("-", 1)[1]) if p.stem.split("-", 1)[1].isdigit() else 1 << 30
+    return sorted(paths, key=num)
+
+@patch
+def rank_logs(self:RunPaths) -> list:
+    "The ranks' logs that exist, in rank order."
+    return _by_rank(self.logs.glob(self.rank_log("*").name))
+
+@patch
+def rank_accounts(self:RunPaths) -> list:
+    "The ranks' accounts that exist, in rank order."
+    return _by_rank(self.ranks.glob(self.rank_account("*").name))
+
 # %% ../nbs/00_rundir.ipynb #62a53342
 @patch
 def node_log(self:RunPaths, node) -> Path:

@@ -301,7 +301,7 @@ def refresh_local(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> di
         try: sup.process().kill()
         except psutil.Error: pass
     killed = kill_run_processes(d, ProcessRef.from_dict(st.get("launcher")))
-    logs = sorted(RunPaths(d).logs.glob("rank-*.log"))
+    logs = RunPaths(d).rank_logs()
     log = logs[0] if logs else RunPaths(d).supervisor_log
     final = dict(status="failed", reason=f"Run {run_id} failed: {why}.", log_tail=tail_lines(log, 20),
                  log_file=str(log.relative_to(d)), exit_code=None)
