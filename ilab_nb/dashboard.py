@@ -101,7 +101,7 @@ def nice_ceiling(x: float) -> float:
     k = 10.0 ** math.floor(math.log10(x))
     return next(round(m * k, 12) for m in (1, 2, 5, 10) if m * k >= x * (1 - 1e-12))
 
-# %% ../nbs/08_dashboard.ipynb #894afb0e
+# %% ../nbs/08_dashboard.ipynb #8e7d2461
 class LossPlot:
     "One reused matplotlib `Figure` (no pyplot) of loss, smoothed loss, eval loss and learning rate; `draw()` gives PNG bytes."
 
@@ -124,7 +124,8 @@ class LossPlot:
                                ha="center", va="center", color="#5f6368", fontsize=11)
         self._marks, self._resumed_at, self._handles, self._empty = [], (), (), None
         self._key = self._background = None   # the limits the kept pixels were drawn for, and those pixels
-        self._labels_key, self._label_pixels = None, []  # the same for the titles, x labels and legend
+        self._fixed = [t for a in (ax, lr) for t in (a.title, a.xaxis.label)]  # drawn once, their pixels kept
+        self._fixed_pixels = self._legend_pixels = None                   # (and each legend's, by its curves)
         self.backgrounds = 0                  # how many times the whole figure was drawn
         xlabel_y = -0.3 / (height_in - bottom - top)  # 0.3 inch under the axes, in axes coordinates
         for a, title, nbins in ((ax, "Training loss", 5), (lr, "Learning rate", 4)):
@@ -166,12 +167,13 @@ def _set_data(self: LossPlot, curves: dict) -> tuple:
         for m in self._marks:
             m.remove()
         self._resumed_at = tuple(curves["resumed_at"])
-        self._marks = [a.axvline(s, color="#9aa0a6", ls=":", lw=1.2) for s in self._resumed_at for a in (self.ax, self.ax_lr)]
+        # under the curves (zorder 2), which are painted over the kept pixels the marks belong to
+        self._marks = [a.axvline(s, color="#9aa0a6", ls=":", lw=1.2, zorder=1.5) for s in self._resumed_at for a in (self.ax, self.ax_lr)]
     self._set_legend(tuple(([self.raw, self.smoothed] if steps else []) + ([self.evals] if curves["eval_steps"] else [])))
     self._set_limits(curves, empty)
     return (empty, len(self._handles), self._resumed_at) + tuple(tuple(a.viewLim.bounds) for a in (self.ax, self.ax_lr))
 
-# %% ../nbs/08_dashboard.ipynb #130a68ca
+# %% ../nbs/08_dashboard.ipynb #135b1112
 @patch
 def _set_legend(self: LossPlot, handles: tuple):
     if handles == self._handles: return
@@ -181,6 +183,11 @@ def _set_legend(self: LossPlot, handles: tuple):
                        fontsize=9, frameon=False, borderaxespad=0.2, handlelength=1.6, columnspacing=1.2)
     elif self.ax.get_legend() is not None:
         self.ax.get_legend().remove()
+
+@patch
+def legends(self: LossPlot) -> tuple:
+    "The sets of curves a legend can name: the training loss, with the eval loss, the eval loss alone."
+    return (self.raw, self.smoothed), (self.raw, self.smoothed, self.evals), (self.evals,)
 
 # %% ../nbs/08_dashboard.ipynb #6333a970
 @patch
@@ -196,24 +203,36 @@ def _set_limits(self: LossPlot, curves: dict, empty: bool):
         if empty != self._empty: a.tick_params(labelleft=not empty)
     self._empty = empty
 
-# %% ../nbs/08_dashboard.ipynb #4151c6d2
+# %% ../nbs/08_dashboard.ipynb #0a5be74b
+@patch
+def _keep_labels(self: LossPlot):
+    canvas, shown = self.fig.canvas, self._handles
+    self._set_legend(())
+    canvas.draw()
+    pixels = lambda artist: canvas.copy_from_bbox(artist.get_window_extent().expanded(1.02, 1.1))
+    self._fixed_pixels, clean, self._legend_pixels = [pixels(t) for t in self._fixed], pixels(self.fig), {}
+    for handles in self.legends():
+        self._set_legend(handles)
+        canvas.restore_region(clean)
+        self.fig.draw_artist(self.ax.get_legend())
+        self._legend_pixels[handles] = pixels(self.ax.get_legend())
+    self._set_legend(shown)   # the legend that was shown, back
+
+# %% ../nbs/08_dashboard.ipynb #b3b0704b
 @patch
 def _draw_background(self: LossPlot, key: tuple, on_top: list):
+    if self._fixed_pixels is None: self._keep_labels()
     canvas, legend = self.fig.canvas, self.ax.get_legend()
-    labels = [t for a in (self.ax, self.ax_lr) for t in (a.title, a.xaxis.label)] + ([legend] if legend else [])
-    keep = self._labels_key == self._handles
-    for a in on_top + (labels if keep else []): a.set_visible(False)
+    hidden = on_top + self._fixed + ([legend] if legend else [])
+    for a in hidden: a.set_visible(False)
     canvas.draw()
-    if keep:
-        for pixels in self._label_pixels: canvas.restore_region(pixels)
-    else:
-        self._labels_key = self._handles
-        self._label_pixels = [canvas.copy_from_bbox(t.get_window_extent().expanded(1.02, 1.1)) for t in labels]
+    for pixels in self._fixed_pixels + ([self._legend_pixels[self._handles]] if legend else []):
+        canvas.restore_region(pixels)
     self._key, self._background = key, canvas.copy_from_bbox(self.fig.bbox)
     self.backgrounds += 1
-    for a in on_top + labels: a.set_visible(True)
+    for a in hidden: a.set_visible(True)
 
-# %% ../nbs/08_dashboard.ipynb #bf35eab2
+# %% ../nbs/08_dashboard.ipynb #5f074625
 @patch
 def draw(self: LossPlot, curves: dict) -> bytes:
     "Put `curves` (from `run_curves`) into the figure and return it as PNG bytes."
@@ -226,7 +245,12 @@ def draw(self: LossPlot, curves: dict) -> bytes:
         canvas.restore_region(self._background)
     for a in on_top:
         a.axes.draw_artist(a)
-    buf = io.BytesIO()  # the figure is opaque: RGB is a third quicker to encode than RGBA
+    return self.png()
+
+@patch
+def png(self: LossPlot) -> bytes:
+    "The canvas as it stands, as PNG bytes."
+    canvas, buf = self.fig.canvas, io.BytesIO()  # the figure is opaque: RGB is a third quicker to encode than RGBA
     PIL.Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1).convert("RGB").save(buf, "png", compress_level=1)
     return buf.getvalue()
 
