@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, json, sys, time
 from pathlib import Path
 
-from .rundir import TERMINAL
+from .rundir import TERMINAL, State, status_of
 
 # %% auto #0
 __all__ = ['parse_overrides', 'format_runs', 'format_status', 'follow_log', 'demo_summary', 'run_demo', 'build_parser', 'main']
@@ -42,28 +42,27 @@ def format_runs(runs) -> str:
     for r in runs:
         step = f"{r['step']}/{r['total_steps']}" if r.get("step") is not None else "-"
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "-"
-        status = "state unreadable" if r["status"] == "unreadable" else r["status"] or "?"
+        status = "state unreadable" if r["status"] == State.unreadable else r["status"] or "?"
         rows.append((r["run_id"], status, str(r.get("attempt") or "-"), step, loss, _fmt_time(r.get("created_at"))))
     w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in rows)
 
 def format_status(s) -> str:
     "A few lines on where the run of session `s` stands."
-    from ilab_nb.session import status_of
     st, pr = s.state, s.progress(); status = status_of(st)
-    lines = [f"run:      {s.run_id}", f"status:   {'state unreadable' if status == 'unreadable' else status}  (attempt {st.get('attempt', 1)})",
+    lines = [f"run:      {s.run_id}", f"status:   {'state unreadable' if status == State.unreadable else status}  (attempt {st.get('attempt', 1)})",
              f"dir:      {s.run_dir}"]
     if pr["step"] is not None:
         lines.append(f"step:     {pr['step']}/{pr['total_steps'] or '?'}" +
                      (f"  loss {pr['loss']:.4f}" if pr["loss"] is not None else "") +
                      (f"  {pr['tokens_per_s']:.0f} tokens/s" if pr["tokens_per_s"] else "") +
-                     (f"  eta {_fmt_s(pr['eta_s'])}" if pr["eta_s"] is not None and st.get("status") == "running" else ""))
+                     (f"  eta {_fmt_s(pr['eta_s'])}" if pr["eta_s"] is not None and st.get("status") == State.running else ""))
     lines.append(f"created:  {_fmt_time(st.get('created_at'))}   ended: {_fmt_time(st.get('ended_at'))}")
     if st.get("reason"): lines.append(f"reason:   {st['reason']}")
     if st.get("state_error"): lines.append(f"state:    {st['state_error']}")
     if st.get("job_id"): lines.append(f"slurm:    job {st['job_id']} {st.get('job_state') or ''}" +
                                       (f"  pending: {st['pending_reason']}" if st.get("pending_reason") else ""))
-    if st.get("status") == "failed" and st.get("log_tail"):
+    if st.get("status") == State.failed and st.get("log_tail"):
         lines += [f"last lines of {st.get('log_file', 'the log')}:"] + ["  " + l for l in st["log_tail"][-15:]]
     return "\n".join(lines)
 
@@ -127,7 +126,7 @@ def run_demo(path=None, runs_root=None, eval_limit=None, out=None, **overrides) 
     print(f"before: held-out accuracy {before['accuracy']:.1%} on {before['n']} questions", file=out)
     s.start(); print(f"run {s.run_id} started in {s.run_dir}", file=out); out.flush()
     status = _wait_foreground(s)
-    if status != "completed":
+    if status != State.completed:
         print(format_status(s), file=out); return 1
     model, tok = s.load_model()
     after = evaluate_answers(model, tok, a.eval_file, limit=eval_limit)
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
             s.start(); print(f"{s.run_id} started ({s.run_dir})", flush=True)
             if not a.foreground: return 0
             status = _wait_foreground(s); print(format_status(s))
-            return 0 if status == "completed" else 1
+            return 0 if status == State.completed else 1
         if a.cmd == "ls":
             print(format_runs(FineTuneSession.list_runs(a.runs_root))); return 0
         if a.cmd == "demo":
@@ -208,7 +207,7 @@ def main(argv=None) -> int:
             else: print(s.logs(a.n, _rank(a.rank)))
             return 0
         if a.cmd == "watch":
-            status = s.wait(progress=True); print(format_status(s)); return 0 if status == "completed" else 1
+            status = s.wait(progress=True); print(format_status(s)); return 0 if status == State.completed else 1
         if a.cmd == "stop":
             status = s.stop(wait=not a.no_wait, grace_s=a.grace); print(f"{s.run_id}: {status}"); return 0
         if a.cmd == "chat":
@@ -219,7 +218,7 @@ def main(argv=None) -> int:
         if a.cmd == "resume":
             s.resume(); print(f"{s.run_id} resumed (attempt {s.state.get('attempt')})", flush=True)
             if not a.foreground: return 0
-            status = _wait_foreground(s); print(format_status(s)); return 0 if status == "completed" else 1
+            status = _wait_foreground(s); print(format_status(s)); return 0 if status == State.completed else 1
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as e:
         print(f"ilab-nb {a.cmd}: error: {e}", file=sys.stderr); return 2
     return 2

@@ -14,7 +14,7 @@ from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, 
                               kill_run_processes, read_json, write_json_atomic)
 from .monitor import MetricsReader
 from .core import patch
-from .rundir import RunPaths, tail_lines
+from .rundir import Event, RunPaths, State, tail_lines
 
 # %% auto #0
 __all__ = ['STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'DeviceSlots', 'machine_args', 'free_port',
@@ -207,15 +207,15 @@ def rank_records(run_dir, attempt=None) -> dict:
 def failing_rank(run_dir, launcher_text="", attempt=None) -> tuple:
     "(rank, its exit code or None) of the rank that caused a failed attempt, judged from what every rank did."
     fails, recs = torchrun_failures(launcher_text), rank_records(run_dir, attempt)
-    gone = lambda r: (recs.get(r) or {}).get("status", "running") == "running"        # ended without saying why
-    own = lambda r: (recs.get(r) or {}).get("status") == "failed" and not recs[r].get("collective")
+    gone = lambda r: (recs.get(r) or {}).get("status", State.running) == State.running  # ended without saying why
+    own = lambda r: (recs.get(r) or {}).get("status") == State.failed and not recs[r].get("collective")
     for group in ([f for f in fails if f["exitcode"] < 0],                            # killed by a signal
                   [f for f in fails if gone(f["rank"])], [f for f in fails if own(f["rank"])],
                   [f for f in fails if f["root"]], fails):
         if group:
             f = min(group, key=lambda f: (not f["root"], f["rank"]))
             return f["rank"], f["exitcode"]
-    for rule in (own, lambda r: recs[r].get("status") == "failed"):                  # no torchrun report
+    for rule in (own, lambda r: recs[r].get("status") == State.failed):                  # no torchrun report
         hit = sorted(r for r in recs if rule(r))
         if hit: return hit[0], None
     logs = RunPaths(run_dir).rank_logs()
@@ -227,10 +227,11 @@ def failing_rank(run_dir, launcher_text="", attempt=None) -> tuple:
 def classify_exit(code, stop_requested=False, forced=False, events=(), supervisor_signal=None) -> str:
     "Terminal status of an attempt: `completed`, `cancelled` or `failed`."
     kinds = {e.get("event") for e in events}
-    if supervisor_signal is not None: return "failed"
-    if code == 0: return "cancelled" if "stopped" in kinds or (stop_requested and "completed" not in kinds) else "completed"
-    if stop_requested and forced: return "cancelled"
-    return "failed"
+    if supervisor_signal is not None: return State.failed
+    if code == 0:
+        return State.cancelled if Event.stopped in kinds or (stop_requested and Event.completed not in kinds) else State.completed
+    if stop_requested and forced: return State.cancelled
+    return State.failed
 
 # %% ../nbs/06_launcher.ipynb #c73b9e01
 STOP_GRACE_S = 60.0    # after a stop request, how long the worker gets to checkpoint and exit before SIGTERM
@@ -268,7 +269,7 @@ def _write(self:Supervisor, **kw):
     try: st = self.store.write_state(self.run_id, **kw)
     except StateError: raise
     except OSError as e:
-        self._write_failed(e, "state.json"); self.pending = kw; return None
+        self._write_failed(e, RunPaths(self.run_dir).state.name); self.pending = kw; return None
     self.pending = {}; return st
 
 @patch
@@ -288,7 +289,7 @@ def _write_failed(self:Supervisor, e, what):
 def _event(self:Supervisor, event, **fields):
     "Append a lifecycle event unless the disk (or the run directory) refuses; never raise."
     try: return self.store.append_event(self.run_id, event, **fields)
-    except OSError as e: self._write_failed(e, "events.jsonl")
+    except OSError as e: self._write_failed(e, RunPaths(self.run_dir).events.name)
 
 # %% ../nbs/06_launcher.ipynb #55346577
 @patch
@@ -297,7 +298,7 @@ def _stop_requested(self:Supervisor):
         body = read_json(RunPaths(self.run_dir).stop, {}) or {}
         if body.get("grace_s") is not None: self.grace_s = float(body["grace_s"])
         self.stop_at = time.time(); _log(f"stop requested by {body.get('by', '?')}; grace {self.grace_s:.0f} s")
-        self._event("stop_requested", attempt=self.attempt, by=body.get("by"))
+        self._event(Event.stop_requested, attempt=self.attempt, by=body.get("by"))
         self._beat(stop_requested_at=self.stop_at)
     return self.stop_at is not None
 
@@ -307,11 +308,11 @@ def _finish(self:Supervisor, status, **kw):
     "Write the final state, retrying while the disk is full for as long as this supervisor lives; then the event."
     base, st = kw.get("reason"), {}
     while self.run_dir.exists():       # a deleted run directory gets nothing written (nor re-created)
-        if status == "failed" and (what := self._nospace_what()): kw["reason"] = disk_full_reason(base, what, self.run_id)
+        if status == State.failed and (what := self._nospace_what()): kw["reason"] = disk_full_reason(base, what, self.run_id)
         left = {k: v for k, v in self.pending.items() if k != "status"}
         try: st = self.store.write_state(self.run_id, status=status, **{**left, **kw}); break
         except StateError: st = self.store.read_state(self.run_id); break
-        except OSError as e: self._write_failed(e, "state.json"); time.sleep(1.0)
+        except OSError as e: self._write_failed(e, RunPaths(self.run_dir).state.name); time.sleep(1.0)
     self.pending = {}
     self._event(status, attempt=self.attempt, **{k: v for k, v in kw.items() if k in ("reason", "exit_code")})
     _log(f"run {status}" + (f": {kw['reason']}" if kw.get("reason") else ""))
@@ -325,7 +326,7 @@ def wait_for_devices(self:Supervisor, request) -> list | None:
     if got: return got
     if not self.queue:
         who = self.slots.blockers(request)
-        self._finish("failed", reason=f"Run {self.run_id} was not queued (queue=False) and its devices "
+        self._finish(State.failed, reason=f"Run {self.run_id} was not queued (queue=False) and its devices "
                      f"{request['pool']} are busy: held by or promised to run(s) {', '.join(map(str, who)) or '?'}.")
         return None
     ticket = self.slots.enqueue(self.run_id, request, owner=self.me)
@@ -336,8 +337,8 @@ def wait_for_devices(self:Supervisor, request) -> list | None:
         if self.signum is not None or self._stop_requested():
             Path(ticket).unlink(missing_ok=True)
             if self.signum is not None:
-                self._finish("failed", reason=f"its supervisor received {signal.Signals(self.signum).name} while queued")
-            else: self._finish("cancelled", reason="stopped while queued")
+                self._finish(State.failed, reason=f"its supervisor received {signal.Signals(self.signum).name} while queued")
+            else: self._finish(State.cancelled, reason="stopped while queued")
             return None
         got = self.slots.try_acquire(self.run_id, request, ticket, owner=self.me)
         if got: return got
@@ -350,13 +351,14 @@ def run(self:Supervisor) -> int:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, self._on_signal)
     st = self.store.read_state(self.run_id)
     RunPaths(self.run_dir).heartbeat.touch()     # while there is space: on a full disk the heartbeat becomes its mtime
-    try: self._beat(supervisor=self.me.to_dict(), supervisor_log="logs/supervisor.log")
+    p = RunPaths(self.run_dir)
+    try: self._beat(supervisor=self.me.to_dict(), supervisor_log=str(p.supervisor_log.relative_to(p.root)))
     except StateError: _log("run is already final; nothing to do"); return 0
     _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
     cfg = read_json(RunPaths(self.run_dir).config, {}) or {}
     request = st.get("request") or device_request("cpu", int(cfg.get("num_processes", 1)))
     slots = self.wait_for_devices(request)
-    if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == "cancelled" else 1
+    if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == State.cancelled else 1
     try: return self._launch_and_watch(cfg, request, slots)
     finally: self.slots.release()
 
@@ -364,8 +366,8 @@ def run(self:Supervisor) -> int:
 def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
     cmd = accelerate_command(self.run_dir, {**cfg, "device": request["kind"]}, self.attempt, self.resume,
                              worker_module=self.worker_module)
-    self._beat(status="starting", slots=slots, command=cmd)
-    self._event("starting", attempt=self.attempt, slots=slots)
+    self._beat(status=State.starting, slots=slots, command=cmd)
+    self._event(Event.starting, attempt=self.attempt, slots=slots)
     _log("launching: " + shlex.join(cmd))
     log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0)
     launch_offset = log.tell()
@@ -381,8 +383,8 @@ def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
         for r in reader.read_new():
             if r.get("attempt") != self.attempt: continue
             if r.get("kind") == "header" and not running:
-                running = True; self._beat(status="running", world_size=r.get("world_size"))
-                self._event("running", attempt=self.attempt)
+                running = True; self._beat(status=State.running, world_size=r.get("world_size"))
+                self._event(Event.running, attempt=self.attempt)
             elif r.get("kind") == "event": events.append(r)
         if self.signum is not None and not self.forced:
             _log(f"received {signal.Signals(self.signum).name}: terminating the run"); self._signal_group(signal.SIGTERM)
@@ -403,12 +405,12 @@ def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
     events += [r for r in reader.read_new() if r.get("attempt") == self.attempt and r.get("kind") == "event"]
     status = classify_exit(code, self.stop_at is not None, self.forced, events, self.signum)
     log.close()
-    if status == "completed": self._finish(status, exit_code=code)
-    elif status == "cancelled":
+    if status == State.completed: self._finish(status, exit_code=code)
+    elif status == State.cancelled:
         self._finish(status, exit_code=code, forced=self.forced,
                      reason="stopped on request" + (" (forced after the grace period)" if self.forced else ""))
     else: self._finish(status, exit_code=code, **self._failure(code, launch_offset, events))
-    return 0 if status != "failed" else 1
+    return 0 if status != State.failed else 1
 
 @patch
 def _signal_group(self:Supervisor, sig):
@@ -428,8 +430,8 @@ def _failure(self:Supervisor, code, offset, events) -> dict:
     if self.signum is not None: why.append(f"its supervisor received {signal.Signals(self.signum).name}")
     if rank is not None: why.append(f"rank {rank}{where} " + (describe_exit(rank_code) if rank_code is not None else "failed"))
     # The failing rank's own error; another rank's is a consequence, not the cause.
-    err = rec.get("error") if rec.get("status") == "failed" else None
-    err = err or next((e.get("error") for e in reversed(events) if e.get("event") == "failed" and e.get("error")
+    err = rec.get("error") if rec.get("status") == State.failed else None
+    err = err or next((e.get("error") for e in reversed(events) if e.get("event") == Event.failed and e.get("error")
                        and (rank is None or e.get("rank") in (None, rank))), None)
     if err: why.append(str(err).strip().splitlines()[-1][:500])
     why.append(f"accelerate launch {describe_exit(code)}")
@@ -449,7 +451,7 @@ def disk_full_reason(reason, what, run_id) -> str:
 @patch
 def _nospace_what(self:Supervisor) -> str | None:
     "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
-    texts = [str(e.get("error") or "") for e in self.events if e.get("event") == "failed"]
+    texts = [str(e.get("error") or "") for e in self.events if e.get("event") == Event.failed]
     for p in RunPaths(self.run_dir).rank_logs(): texts += tail_lines(p, 40)
     for t in texts:
         if _NOSPACE.search(t):
@@ -505,8 +507,8 @@ def main(argv=None):
         import traceback; traceback.print_exc()
         if sup.proc is not None and sup.proc.poll() is None: sup._signal_group(signal.SIGKILL)
         kill_run_processes(sup.run_dir)
-        sup._finish("failed", reason=f"Run {sup.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",
-                    log_tail=tail_lines(RunPaths(sup.run_dir).supervisor_log, 20), log_file="logs/supervisor.log")
+        sup._finish(State.failed, reason=f"Run {sup.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",
+                    log_tail=tail_lines(RunPaths(sup.run_dir).supervisor_log, 20), log_file=str(RunPaths(sup.run_dir).supervisor_log.relative_to(sup.run_dir)))
         return 1
 
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs

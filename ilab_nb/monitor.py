@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from .core import patch
-from .rundir import RunPaths, checkpoint_step, complete_checkpoints, read_json, standing_records, tail_lines
+from .rundir import TRAINER_STATE, RunPaths, checkpoint_step, complete_checkpoints, read_json, standing_records, tail_lines
 
 # %% auto #0
 __all__ = ['MetricsReader', 'RunMonitor', 'data_notes']
@@ -107,8 +107,10 @@ def progress(self:RunMonitor) -> dict:
 # %% ../nbs/04_monitor.ipynb #f078c5ed
 @patch
 def state(self:RunMonitor) -> dict:
-    "`state.json` as written ({} if absent or mid-write); no liveness checks."
-    return read_json(self.paths.state, {}) or {}
+    "`state.json` as written: {} if absent, `{state_error}` if it does not parse; no liveness checks."
+    st = read_json(self.paths.state)
+    if isinstance(st, dict): return st
+    return {"state_error": f"{self.paths.state} is unreadable"} if self.paths.state.exists() else {}
 
 # %% ../nbs/04_monitor.ipynb #b82fbdd1
 @patch
@@ -116,7 +118,7 @@ def checkpoints(self:RunMonitor) -> list:
     "Complete checkpoints: `{step, epoch, path, metrics}` sorted by step."
     out = []
     for d in complete_checkpoints(self.run_dir):
-        ts = read_json(d / "trainer_state.json", {}) or {}
+        ts = read_json(d / TRAINER_STATE, {}) or {}
         metrics = dict(ts.get("last_metrics") or {})
         if ts.get("eval_loss") is not None: metrics["eval_loss"] = ts["eval_loss"]
         out.append({"step": int(ts.get("step", checkpoint_step(d))), "epoch": ts.get("epoch"), "path": str(d), "metrics": metrics})

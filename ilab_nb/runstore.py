@@ -13,7 +13,7 @@ import psutil
 from filelock import FileLock
 
 from .core import patch
-from .rundir import STATES, TERMINAL, RunPaths, read_json, tail_lines
+from .rundir import STATES, TERMINAL, Event, RunPaths, State, read_json, tail_lines
 
 # %% auto #0
 __all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'StateError', 'default_runs_root',
@@ -235,14 +235,15 @@ def list_runs(self:RunStore) -> list:
                   if RUN_ID_RE.fullmatch(d.name) and not d.name.endswith(".") and d.is_dir())
 
 # %% ../nbs/03_runstore.ipynb #f413b068
-_EVENT_STATUS = {"created": "queued", "resumed": "queued", "starting": "starting", "running": "running",
-                 "completed": "completed", "failed": "failed", "cancelled": "cancelled"}
+_EVENT_STATUS = {Event.created: State.queued, Event.resumed: State.queued, Event.starting: State.starting,
+                 Event.running: State.running, Event.completed: State.completed, Event.failed: State.failed,
+                 Event.cancelled: State.cancelled}
 
 def rebuild_state(run_dir) -> dict:
     "A run's state from `state.json.prev` and later events; `{'state_error': why}` if neither helps."
     d = Path(run_dir); p = RunPaths(d); st = read_json(p.state_prev)
     st = dict(st) if isinstance(st, dict) else {}
-    src = ["state.json.prev"] if st else []
+    src = [p.state_prev.name] if st else []
     evs = []
     try:
         for line in p.events.read_text().splitlines():
@@ -253,16 +254,16 @@ def rebuild_state(run_dir) -> dict:
         if not isinstance(e, dict) or e.get("event") not in _EVENT_STATUS: continue
         if (e.get("time") or 0) <= (st.get("updated_at") or 0): continue
         status = _EVENT_STATUS[e["event"]]
-        if st.get("status") in TERMINAL and e["event"] != "resumed": continue
+        if st.get("status") in TERMINAL and e["event"] != Event.resumed: continue
         st.update(status=status, updated_at=e.get("time")); st.setdefault("created_at", e.get("time"))
         if e.get("attempt") is not None: st["attempt"] = e["attempt"]
         for k in ("reason", "exit_code"):
             if k in e: st[k] = e[k]
         if status in TERMINAL: st["ended_at"] = e.get("time")
-        if "events.jsonl" not in src: src.append("events.jsonl")
+        if p.events.name not in src: src.append(p.events.name)
     if not st:
         return {"run_id": d.name, "state_error": f"{p.state} is unreadable and could not be rebuilt "
-                "(no good copy in state.json.prev, no lifecycle event)."}
+                f"(no good copy in {p.state_prev.name}, no lifecycle event)."}
     st.update(run_id=d.name, rebuilt_from=src)
     return st
 
@@ -303,14 +304,14 @@ def refresh_local(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> di
     killed = kill_run_processes(d, ProcessRef.from_dict(st.get("launcher")))
     logs = RunPaths(d).rank_logs()
     log = logs[0] if logs else RunPaths(d).supervisor_log
-    final = dict(status="failed", reason=f"Run {run_id} failed: {why}.", log_tail=tail_lines(log, 20),
+    final = dict(status=State.failed, reason=f"Run {run_id} failed: {why}.", log_tail=tail_lines(log, 20),
                  log_file=str(log.relative_to(d)), exit_code=None)
     try: st = self.write_state(run_id, **final)
     except StateError:        # the supervisor finalized it meanwhile
         return self.read_state(run_id)
     except OSError as e:      # a full disk: say how it ended all the same; whoever reads later writes it
         return {**st, **final, "unsaved": f"{type(e).__name__}: {e}"}
-    try: self.append_event(run_id, "failed", reason=st["reason"], by=f"observer pid {os.getpid()}", killed=killed)
+    try: self.append_event(run_id, Event.failed, reason=st["reason"], by=f"observer pid {os.getpid()}", killed=killed)
     except OSError: pass
     return st
 

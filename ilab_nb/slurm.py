@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
-from .rundir import CKPT_MARKER, RunPaths
+from .rundir import CKPT_MARKER, Event, RunPaths, State
 from .monitor import tail_lines
 from .launcher import accelerate_command, describe_exit, torchrun_failures, rank_records, STOP_GRACE_S
 
@@ -205,8 +205,8 @@ def node_reports(run_dir, attempt) -> list:
 def failure_cause(reports, records=None) -> dict | None:
     "The report of the rank that caused the failure (`records`: the ranks' own accounts, `{rank: record}`)."
     recs = records or {}
-    gone = lambda r: (recs.get(r) or {}).get("status", "running") == "running"
-    own = lambda r: (recs.get(r) or {}).get("status") == "failed" and not recs[r].get("collective")
+    gone = lambda r: (recs.get(r) or {}).get("status", State.running) == State.running
+    own = lambda r: (recs.get(r) or {}).get("status") == State.failed and not recs[r].get("collective")
     for group in ([f for f in reports if f["exitcode"] < 0 or f["exitcode"] > 128], [f for f in reports if recs and gone(f["rank"])],
                   [f for f in reports if own(f["rank"])], [f for f in reports if f.get("root")], reports):
         if group: return min(group, key=lambda f: (not f.get("root"), f["rank"]))
@@ -223,19 +223,19 @@ def classify_job(job, info, events, header_seen, stop_requested, forced=False) -
     "(status, reason or pending reason) of a run whose attempt is SLURM job `job` (`info`: `job_info`, None if gone)."
     state = (info or {}).get("JobState", "").split()[0] if info else None
     if state is not None and state not in ENDED:
-        if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"): return "queued", info.get("Reason")
-        return ("running" if header_seen else "starting"), None
+        if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"): return State.queued, info.get("Reason")
+        return (State.running if header_seen else State.starting), None
     kinds = {e.get("event") for e in events}
-    if "completed" in kinds and state in (None, "COMPLETED"): return "completed", None
-    if "stopped" in kinds: return "cancelled", "stopped on request"
+    if Event.completed in kinds and state in (None, "COMPLETED"): return State.completed, None
+    if Event.stopped in kinds: return State.cancelled, "stopped on request"
     if state == "CANCELLED":
         if stop_requested:
-            return "cancelled", "stopped on request" + (" (SLURM job cancelled after the grace period)" if forced else "")
-        return "cancelled", f"SLURM job {job} was cancelled outside ilab_nb (scancel or an administrator)"
-    if state in _WHY: return "failed", f"SLURM job {job} " + _WHY[state].format(**{"TimeLimit": "?", "NodeList": "?", **info})
+            return State.cancelled, "stopped on request" + (" (SLURM job cancelled after the grace period)" if forced else "")
+        return State.cancelled, f"SLURM job {job} was cancelled outside ilab_nb (scancel or an administrator)"
+    if state in _WHY: return State.failed, f"SLURM job {job} " + _WHY[state].format(**{"TimeLimit": "?", "NodeList": "?", **info})
     if state is None:
-        return "failed", f"SLURM job {job} is no longer known to SLURM and the run recorded no outcome"
-    return "failed", f"SLURM job {job} ended {state} (exit code {info.get('ExitCode', '?')})"
+        return State.failed, f"SLURM job {job} is no longer known to SLURM and the run recorded no outcome"
+    return State.failed, f"SLURM job {job} ended {state} (exit code {info.get('ExitCode', '?')})"
 
 # %% ../nbs/12_slurm.ipynb #9a3b2d3f
 def _attempt_records(run_dir, attempt) -> tuple:
@@ -265,40 +265,40 @@ def refresh_run(store: RunStore, run_id) -> dict:
     rd, attempt, job = store.run_dir(run_id), int(st.get("attempt", 1)), st.get("job_id")
     if job is None or int(st.get("job_attempt", 0)) != attempt:          # being submitted right now
         if time.time() - (st.get("queued_at") or st.get("created_at") or 0) < SPAWN_GRACE_S: return st
-        return _finish(store, run_id, "failed", f"Run {run_id} failed: no SLURM job was recorded for attempt {attempt}.")
+        return _finish(store, run_id, State.failed, f"Run {run_id} failed: no SLURM job was recorded for attempt {attempt}.")
     try: info = job_info(job)
     except (SlurmError, OSError, subprocess.TimeoutExpired): return st     # SLURM cannot be asked from here: nothing to conclude
     stop, forced = _stop_request(rd), bool(st.get("forced"))
     state = (info or {}).get("JobState")
     if stop and state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
         slurm("scancel", str(job), check=False)
-        return _finish(store, run_id, "cancelled", "stopped while queued", job_id=job)
+        return _finish(store, run_id, State.cancelled, "stopped while queued", job_id=job)
     if stop and state == "RUNNING" and not forced:
         grace = float(stop.get("grace_s") if stop.get("grace_s") is not None else os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
         if time.time() - float(stop.get("time", 0)) > grace:
             slurm("scancel", str(job), check=False); forced = True
             st = store.write_state(run_id, forced=True, scancel_at=time.time())
-            store.append_event(run_id, "scancel", attempt=attempt, job_id=job, reason="no exit within the stop grace period")
+            store.append_event(run_id, Event.scancel, attempt=attempt, job_id=job, reason="no exit within the stop grace period")
     if info and int(info.get("Restarts", "0") or 0) and st.get("requeue"):   # requeued by SLURM: the script resumes as the next attempt
         attempt = int(st["job_attempt"]) + int(info["Restarts"])
     header, events = _attempt_records(rd, attempt)
     status, why = classify_job(job, info, events, header, stop is not None, forced)
     if status in TERMINAL:
         return _finish(store, run_id, status, why, job_id=job, job_state=state, events=events, attempt=attempt, info=info)
-    upd = {k: v for k, v in dict(status=status, pending_reason=why if status == "queued" else None, job_state=state,
+    upd = {k: v for k, v in dict(status=status, pending_reason=why if status == State.queued else None, job_state=state,
                                   attempt=attempt).items() if st.get(k) != v}
     return store.write_state(run_id, **upd) if upd else st
 
 # %% ../nbs/12_slurm.ipynb #7c0ed5a1
 def _finish(store, run_id, status, why, job_id=None, job_state=None, events=(), attempt=None, info=None) -> dict:
     rd, fields = store.run_dir(run_id), {}
-    if status == "failed":
+    if status == State.failed:
         parts = [why] if why else []
         cause = failure_cause(node_reports(rd, attempt), rank_records(rd, attempt)) if attempt else None
         if cause:
             parts.insert(0, f"rank {cause['rank']} on node {cause['node']} " +
                          (describe_exit(cause["exitcode"]) if cause["exitcode"] is not None else "failed"))
-        err = next((e.get("error") for e in reversed(list(events)) if e.get("event") == "failed" and e.get("error")
+        err = next((e.get("error") for e in reversed(list(events)) if e.get("event") == Event.failed and e.get("error")
                     and (cause is None or e.get("rank") in (None, cause["rank"]))), None)
         if err: parts.append(str(err).strip().splitlines()[-1][:500])
         log = RunPaths(rd).rank_log(cause["rank"] if cause else 0)
@@ -320,10 +320,10 @@ def submit_attempt(store: RunStore, run_id, cfg: TrainConfig, attempt=1, resume=
     store.write_state(run_id, backend="slurm")
     try: job = submit(cfg, rd, attempt, resume)
     except SlurmError as e:
-        _finish(store, run_id, "failed", f"Run {run_id} failed: it could not be submitted: {e}"); raise
+        _finish(store, run_id, State.failed, f"Run {run_id} failed: it could not be submitted: {e}"); raise
     store.write_state(run_id, job_id=job, job_attempt=attempt, requeue=bool(cfg.slurm and cfg.slurm.requeue),
                       sbatch_script=script_name(attempt), pending_reason=None)
-    store.append_event(run_id, "submitted", attempt=attempt, job_id=job, script=script_name(attempt))
+    store.append_event(run_id, Event.submitted, attempt=attempt, job_id=job, script=script_name(attempt))
     return job
 
 def cancel(job_id):

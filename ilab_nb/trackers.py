@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os, time
 from pathlib import Path
 
-from .rundir import RunPaths
+from .rundir import Event, RunPaths
 
 # %% auto #0
 __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'mlflow_tracking_uri', 'MLflowTracker',
@@ -36,7 +36,7 @@ def config_params(config: dict, limit: int = 500) -> dict:
 # %% ../nbs/14_trackers.ipynb #284a9778
 def tensorboard_dir(run_dir, logging_dir=None) -> Path:
     "Where TensorBoard's event files of the run go."
-    return Path(run_dir) / (logging_dir if logging_dir is not None else "tensorboard")
+    return Path(run_dir) / logging_dir if logging_dir is not None else RunPaths(run_dir).tensorboard
 
 class TensorBoardTracker:
     "Writes train/eval scalars and sample answers as TensorBoard event files (torch's `SummaryWriter`)."
@@ -72,7 +72,7 @@ def mlflow_tracking_uri(run_dir) -> str:
     return (Path(run_dir).resolve().parent / ".mlruns").as_uri()
 
 # %% ../nbs/14_trackers.ipynb #9cfb72df
-_MLFLOW_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+_MLFLOW_STATUS = {Event.completed: "FINISHED", Event.stopped: "KILLED", Event.failed: "FAILED"}
 
 class MLflowTracker:
     "Logs the config as params, train/eval scalars as metrics and the final model's path as a tag to one MLflow run."
@@ -83,7 +83,7 @@ class MLflowTracker:
         self.uri = mlflow_tracking_uri(run_dir)
         if self.uri.startswith("file:"): os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=self.uri)
-        ref_path, ref = run_dir / "mlflow.json", None
+        ref_path, ref = RunPaths(run_dir).mlflow_run, None
         try: ref = json.loads(ref_path.read_text())
         except (OSError, ValueError): pass
         if ref and ref.get("tracking_uri") == self.uri:
@@ -127,11 +127,11 @@ class TrackedWriter:
         self.writer.write(kind, **fields)
         self._each("log", dict(kind=kind, time=time.time(), **fields))
         if kind == "event" and fields.get("event") in _MLFLOW_STATUS:
-            final = RunPaths(self.run_dir).final if fields["event"] == "completed" else None
+            final = RunPaths(self.run_dir).final if fields["event"] == Event.completed else None
             self._each("finish", fields["event"], final); self.trackers = []
 
     def close(self):
-        self._each("finish", "failed", None); self.trackers = []
+        self._each("finish", Event.failed, None); self.trackers = []
         self.writer.close()
 
 # %% ../nbs/14_trackers.ipynb #0148aa12

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .config import TrainConfig
 from .core import patch
 from .runstore import ends_mid_line, write_json_atomic
-from .rundir import CKPT_MARKER, SCHEMA_VERSION, RunPaths, complete_checkpoints
+from .rundir import CKPT_MARKER, SCHEMA_VERSION, TRAINER_STATE, Event, RunPaths, State, complete_checkpoints
 from . import data as D
 from . import batching as B
 
@@ -407,7 +407,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, token
     torch.save(dict(scheduler=scheduler.state_dict(), step=step, rng=_rng_state()), tmp / "extra" / f"rank-{env.rank}.pt")
     _barrier(env)
     if env.rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
         (tmp / CKPT_MARKER).write_text(json.dumps(dict(step=step, time=time.time())))
         if final.exists(): shutil.rmtree(final)      # a re-save of the same step (resume + stop at once)
         os.replace(tmp, final)
@@ -607,7 +607,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     cfg = TrainConfig.read_json(RunPaths(run_dir).config)
     rank = int(os.environ.get("RANK", "0"))            # known before the process group exists
     metrics = MetricsWriter(RunPaths(run_dir).metrics, run_dir.name, attempt, enabled=rank == 0)
-    record_rank(run_dir, rank, attempt, "running")
+    record_rank(run_dir, rank, attempt, State.running)
     try:
         metrics = open_trackers(metrics, run_dir, cfg, rank)      # report_to: TensorBoard / MLflow get the same records
         env = init_distributed(cfg)
@@ -618,8 +618,8 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
         return _train(run_dir, cfg, env, layout, metrics, resume)
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
-        record_rank(run_dir, rank, attempt, "failed", error=error, collective=is_collective_error(e))
-        metrics.write("event", event="failed", rank=rank, error=error)
+        record_rank(run_dir, rank, attempt, State.failed, error=error, collective=is_collective_error(e))
+        metrics.write("event", event=Event.failed, rank=rank, error=error)
         raise
     finally:
         metrics.close()
@@ -672,6 +672,7 @@ class Attempt:
     start: int = 0
     resumed: bool = False
     autocast: object = nullcontext
+    record_data_seen: bool = False   # a check's probe (ILAB_NB_RECORD_DATA_SEEN=1): see `data_seen_by_ranks`
 
 # %% ../nbs/05_worker.ipynb #fcb8cbdc
 def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume=None) -> Attempt:
@@ -690,7 +691,8 @@ def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, me
     autocast = ((lambda: torch.autocast(env.device_type, dtype=torch.bfloat16))    # FSDP2 casts by its policy instead
                 if cfg.precision == "bf16" and cfg.strategy != "fsdp" else nullcontext)
     return Attempt(run_dir, cfg, env, layout, metrics, tokenizer, train_ds, eval_ds, data_stats, lengths, loss_tokens,
-                   steps, model, model_info, optimizer, scheduler, start, bool(resume), autocast)
+                   steps, model, model_info, optimizer, scheduler, start, bool(resume), autocast,
+                   os.environ.get("ILAB_NB_RECORD_DATA_SEEN") == "1")
 
 # %% ../nbs/05_worker.ipynb #a496ca8c
 @patch
@@ -731,7 +733,7 @@ def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
     path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
                            dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last, eval_loss=eval_loss))
     if self.env.rank == 0: prune_checkpoints(self.run_dir, self.cfg.save_total_limit)
-    self.metrics.write("event", event="checkpoint", step=step, epoch=epoch, path=str(path))
+    self.metrics.write("event", event=Event.checkpoint, step=step, epoch=epoch, path=str(path))
 
 # %% ../nbs/05_worker.ipynb #d557e521
 @patch
@@ -741,12 +743,12 @@ def train_loop(self:Attempt) -> dict:
     self.model.train()
     eval_loss = self.evaluate_now(0, 0.0) if self.start == 0 else None
     t0 = time.time(); win_t, win_loss, win_tok, last = time.time(), torch.zeros(2, dtype=torch.float64), 0, {}
-    step, seen = self.start, set()
+    step, seen = self.start, (set() if self.record_data_seen else None)
     for step in range(self.start + 1, total + 1):
         s = steps[step - 1]
         out = train_step(self.model, self.optimizer, self.scheduler, s["micro"], self.train_ds, self.loss_tokens, cfg, env,
                          self.layout, self.autocast, self.tokenizer.pad_token_id)
-        seen.update(i for ms in s["micro"] for i in ms[env.rank])
+        if seen is not None: seen.update(i for ms in s["micro"] for i in ms[env.rank])
         win_loss[0] += out["loss_sum"]; win_loss[1] += out["loss_tokens"]
         win_tok += sum(lengths[i] for ms in s["micro"] for r in ms for i in r)
         if step % cfg.logging_steps == 0 or step == total:
@@ -764,8 +766,8 @@ def train_loop(self:Attempt) -> dict:
             eval_loss = self.evaluate_now(step, s["epoch_float"])
         if stop_requested(self.run_dir, env):
             self.checkpoint(step, s["epoch_float"], last, eval_loss)
-            self.metrics.write("event", event="stopped", step=step)
-            return dict(status="stopped", step=step, last=last, eval_loss=eval_loss, seen=seen)
+            self.metrics.write("event", event=Event.stopped, step=step)
+            return dict(status=Event.stopped, step=step, last=last, eval_loss=eval_loss, seen=seen)
         if cfg.save_steps and step % cfg.save_steps == 0 and step != total:
             self.checkpoint(step, s["epoch_float"], last, eval_loss)
     return dict(status="trained", step=step, last=last, eval_loss=eval_loss, seen=seen)
@@ -778,8 +780,9 @@ def finish(self:Attempt, end: dict) -> str:
     eval_loss = self.evaluate_now(total, epoch) if end["step"] == total else end["eval_loss"]
     self.checkpoint(total, epoch, end["last"], eval_loss)
     write_final(self.run_dir, self.model, self.tokenizer, self.env)
-    self.metrics.write("event", event="completed", step=total, data_seen=data_seen_by_ranks(end["seen"], self.env))
-    return "completed"
+    seen = {} if end["seen"] is None else dict(data_seen=data_seen_by_ranks(end["seen"], self.env))
+    self.metrics.write("event", event=Event.completed, step=total, **seen)
+    return Event.completed
 
 # %% ../nbs/05_worker.ipynb #a060ac59
 def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume) -> str:
@@ -787,7 +790,7 @@ def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: 
     attempt = setup_attempt(run_dir, cfg, env, layout, metrics, resume)
     attempt.write_header()
     end = attempt.train_loop()
-    return "stopped" if end["status"] == "stopped" else attempt.finish(end)
+    return Event.stopped if end["status"] == Event.stopped else attempt.finish(end)
 
 # %% ../nbs/05_worker.ipynb #fc61c474
 def quiet_progress_bars():

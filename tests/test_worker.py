@@ -41,7 +41,8 @@ def launch(rd: Path, nproc: int, *extra, expect_ok=True, in_process=False):
                "-m", "ilab_nb.worker", str(rd), *extra]
     else:
         cmd = [sys.executable, "-m", "ilab_nb.worker", str(rd), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "ILAB_NB_RECORD_DATA_SEEN": "1"})  # the data_seen probe
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((rd / "logs").glob("rank-*.log")))
     if expect_ok: assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-3000:]}\n{logs}"
     return r
