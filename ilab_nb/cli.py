@@ -10,7 +10,8 @@ from pathlib import Path
 from .rundir import TERMINAL, State, status_of
 
 # %% auto #0
-__all__ = ['parse_overrides', 'format_runs', 'format_status', 'follow_log', 'demo_summary', 'run_demo', 'build_parser', 'main']
+__all__ = ['COMMANDS', 'parse_overrides', 'format_runs', 'format_status', 'follow_log', 'demo_summary', 'run_demo',
+           'build_parser', 'main']
 
 # %% ../nbs/09_cli.ipynb #473f0f18
 def parse_overrides(items) -> dict:
@@ -84,7 +85,7 @@ def follow_log(s, n=50, rank=None, poll_s=0.5, out=None):
         if done: return
         time.sleep(poll_s)
 
-# %% ../nbs/09_cli.ipynb #368b3f5f
+# %% ../nbs/09_cli.ipynb #05526907
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -112,6 +113,15 @@ def demo_summary(s, acc_before, acc_after) -> str:
                          f"{1 - eff:.1%} padding/waste)")
     return "\n".join(f"  {l}" for l in lines)
 
+# %% ../nbs/09_cli.ipynb #b9b6ae93
+def _wait_foreground(s) -> str:
+    try: return s.wait(progress=True)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: stopping run {s.run_id} (a checkpoint is written; resume with: ilab-nb resume {s.run_id})",
+              file=sys.stderr)
+        return s.stop()
+
+# %% ../nbs/09_cli.ipynb #76540eac
 def run_demo(path=None, runs_root=None, eval_limit=None, out=None, **overrides) -> int:
     "Build the demo assets, fine-tune on them in the foreground, print before/after figures; 0 if it completed."
     from ilab_nb.demo import demo_assets, DEMO_CONFIG, evaluate_answers
@@ -134,14 +144,7 @@ def run_demo(path=None, runs_root=None, eval_limit=None, out=None, **overrides) 
     print(demo_summary(s, before, after), file=out)
     return 0
 
-def _wait_foreground(s) -> str:
-    try: return s.wait(progress=True)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: stopping run {s.run_id} (a checkpoint is written; resume with: ilab-nb resume {s.run_id})",
-              file=sys.stderr)
-        return s.stop()
-
-# %% ../nbs/09_cli.ipynb #deaca1f4
+# %% ../nbs/09_cli.ipynb #7eb3d6d7
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ilab-nb", description="Background multi-process fine-tuning of Hugging Face causal LMs.")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -177,51 +180,69 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="a system message for the conversation")
     return p
 
-def _rank(r): return None if r is None else (r if r == "supervisor" else int(r))
+# %% ../nbs/09_cli.ipynb #b7d6fdfd
+def _fts():
+    "`FineTuneSession`, imported when a command needs it (so `ilab-nb --help` stays quick)."
+    from ilab_nb.session import FineTuneSession
+    return FineTuneSession
+
+def _waited(s) -> int:
+    status = _wait_foreground(s); print(format_status(s)); return 0 if status == State.completed else 1
+
+def _cmd_run(a) -> int:
+    s = _fts()(config=a.config, runs_root=a.runs_root, run_id=a.run_id, name=a.name, queue=not a.no_queue,
+                    **parse_overrides(a.overrides))
+    s.start(); print(f"{s.run_id} started ({s.run_dir})", flush=True)
+    return _waited(s) if a.foreground else 0
+
+def _cmd_ls(a) -> int:
+    print(format_runs(_fts().list_runs(a.runs_root))); return 0
+
+def _cmd_demo(a) -> int:
+    return run_demo(a.path, a.runs_root, a.eval_limit, **parse_overrides(a.overrides))
+
+# %% ../nbs/09_cli.ipynb #e6e614b2
+def _attached(a): return _fts().attach(a.run, runs_root=a.runs_root)
+
+def _cmd_status(a) -> int:
+    s = _attached(a); print(json.dumps(s.state, indent=1) if a.json else format_status(s)); return 0
+
+def _cmd_logs(a) -> int:
+    s, rank = _attached(a), None if a.rank is None else (a.rank if a.rank == "supervisor" else int(a.rank))
+    if a.follow: follow_log(s, a.n, rank)
+    else: print(s.logs(a.n, rank))
+    return 0
+
+def _cmd_watch(a) -> int:
+    s = _attached(a); status = s.wait(progress=True); print(format_status(s)); return 0 if status == State.completed else 1
+
+def _cmd_stop(a) -> int:
+    s = _attached(a); print(f"{s.run_id}: {s.stop(wait=not a.no_wait, grace_s=a.grace)}"); return 0
+
+def _cmd_resume(a) -> int:
+    s = _attached(a); s.resume(); print(f"{s.run_id} resumed (attempt {s.state.get('attempt')})", flush=True)
+    return _waited(s) if a.foreground else 0
+
+def _cmd_chat(a) -> int:
+    from ilab_nb.chat import terminal_chat
+    ck = a.checkpoint if a.checkpoint is None or not a.checkpoint.isdigit() else int(a.checkpoint)
+    model, tok = _attached(a).load_model(ck)
+    return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
+
+# %% ../nbs/09_cli.ipynb #ddf641a8
+COMMANDS = dict(run=_cmd_run, ls=_cmd_ls, demo=_cmd_demo, status=_cmd_status, logs=_cmd_logs, watch=_cmd_watch,
+                stop=_cmd_stop, resume=_cmd_resume, chat=_cmd_chat)
 
 def main(argv=None) -> int:
     "Entry point of the `ilab-nb` console script."
-    from ilab_nb.session import FineTuneSession
     parser = build_parser()
     a, extra = parser.parse_known_args(argv)          # key=value may come after options too
     if extra and (a.cmd not in ("run", "demo") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra: a.overrides = a.overrides + extra
-    try:
-        if a.cmd == "run":
-            s = FineTuneSession(config=a.config, runs_root=a.runs_root, run_id=a.run_id, name=a.name,
-                                queue=not a.no_queue, **parse_overrides(a.overrides))
-            s.start(); print(f"{s.run_id} started ({s.run_dir})", flush=True)
-            if not a.foreground: return 0
-            status = _wait_foreground(s); print(format_status(s))
-            return 0 if status == State.completed else 1
-        if a.cmd == "ls":
-            print(format_runs(FineTuneSession.list_runs(a.runs_root))); return 0
-        if a.cmd == "demo":
-            return run_demo(a.path, a.runs_root, a.eval_limit, **parse_overrides(a.overrides))
-        s = FineTuneSession.attach(a.run, runs_root=a.runs_root)
-        if a.cmd == "status":
-            print(json.dumps(s.state, indent=1) if a.json else format_status(s)); return 0
-        if a.cmd == "logs":
-            if a.follow: follow_log(s, a.n, _rank(a.rank))
-            else: print(s.logs(a.n, _rank(a.rank)))
-            return 0
-        if a.cmd == "watch":
-            status = s.wait(progress=True); print(format_status(s)); return 0 if status == State.completed else 1
-        if a.cmd == "stop":
-            status = s.stop(wait=not a.no_wait, grace_s=a.grace); print(f"{s.run_id}: {status}"); return 0
-        if a.cmd == "chat":
-            from ilab_nb.chat import terminal_chat
-            ck = a.checkpoint if a.checkpoint is None or not a.checkpoint.isdigit() else int(a.checkpoint)
-            model, tok = s.load_model(ck)
-            return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
-        if a.cmd == "resume":
-            s.resume(); print(f"{s.run_id} resumed (attempt {s.state.get('attempt')})", flush=True)
-            if not a.foreground: return 0
-            status = _wait_foreground(s); print(format_status(s)); return 0 if status == State.completed else 1
+    try: return COMMANDS[a.cmd](a)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as e:
         print(f"ilab-nb {a.cmd}: error: {e}", file=sys.stderr); return 2
-    return 2
 
 # %% ../nbs/09_cli.ipynb #0eee40bf
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs

@@ -43,7 +43,7 @@ def device_request(kind, num_processes, devices=None, gpu_count=None, oversubscr
     if devices: return {"kind": "cuda", "pool": [f"gpu-{i}" for i in devices], "need": len(devices)}
     return {"kind": "cuda", "pool": [f"gpu-{i}" for i in range(gpu_count or num_processes)], "need": num_processes}
 
-# %% ../nbs/06_launcher.ipynb #76f49cf1
+# %% ../nbs/06_launcher.ipynb #afb096da
 class DeviceSlots:
     "Per-machine device slots (flock lock files) with a first-come-first-served queue of tickets on disk."
     def __init__(self, path=None):
@@ -53,70 +53,80 @@ class DeviceSlots:
 
     def _lock(self, name): return FileLock(str(self.dir / f"{name}.lock"))
 
-    def holder(self, name) -> dict | None:
-        "Who holds slot `name` now (None if free)."
-        lk = self._lock(name)
-        try: lk.acquire(timeout=0)
-        except Timeout: return read_json(self.dir / f"{name}.holder", {}) or {"run_id": "an unknown process"}
-        lk.release(); return None
+# %% ../nbs/06_launcher.ipynb #1ca11ac3
+@patch
+def holder(self:DeviceSlots, name) -> dict | None:
+    "Who holds slot `name` now (None if free)."
+    lk = self._lock(name)
+    try: lk.acquire(timeout=0)
+    except Timeout: return read_json(self.dir / f"{name}.holder", {}) or {"run_id": "an unknown process"}
+    lk.release(); return None
 
-    def tickets(self) -> list:
-        "Live queue tickets, oldest first (dead ones are removed)."
-        out = []
-        for p in sorted(self.qdir.glob("*.json")):
-            t = read_json(p)
-            ref = ProcessRef.from_dict((t or {}).get("owner"))
-            if ref is None or not ref.alive():
-                p.unlink(missing_ok=True); continue
-            t["path"] = str(p); out.append(t)
-        return out
+# %% ../nbs/06_launcher.ipynb #0bda0ea5
+@patch
+def enqueue(self:DeviceSlots, run_id, request, owner=None) -> Path:
+    "Write a ticket for `run_id` asking for `request`, owned by process `owner` (default: this one)."
+    with FileLock(str(self.dir / "queue.lock")):
+        p = self.qdir / f"{time.time_ns():020d}-{run_id}.json"
+        write_json_atomic(p, {"run_id": run_id, "request": request, "owner": (owner or ProcessRef.of()).to_dict(),
+                              "time": time.time()})
+    return p
 
-    def enqueue(self, run_id, request, owner=None) -> Path:
-        "Write a ticket for `run_id` asking for `request`, owned by process `owner` (default: this one)."
-        with FileLock(str(self.dir / "queue.lock")):
-            p = self.qdir / f"{time.time_ns():020d}-{run_id}.json"
-            write_json_atomic(p, {"run_id": run_id, "request": request, "owner": (owner or ProcessRef.of()).to_dict(),
-                                  "time": time.time()})
-        return p
+@patch
+def tickets(self:DeviceSlots) -> list:
+    "Live queue tickets, oldest first (dead ones are removed)."
+    out = []
+    for p in sorted(self.qdir.glob("*.json")):
+        t = read_json(p)
+        ref = ProcessRef.from_dict((t or {}).get("owner"))
+        if ref is None or not ref.alive():
+            p.unlink(missing_ok=True); continue
+        t["path"] = str(p); out.append(t)
+    return out
 
-    def blockers(self, request, ticket=None) -> list:
-        "Run ids in the way of `request`: live tickets before `ticket` with overlapping pools, then holders of its pool."
-        pool = set(request["pool"]); out = []
+# %% ../nbs/06_launcher.ipynb #462810d1
+@patch
+def try_acquire(self:DeviceSlots, run_id, request, ticket=None, owner=None) -> list | None:
+    "Take `request['need']` slots of its pool if it is this ticket's turn; returns the slot names, or None."
+    with FileLock(str(self.dir / "queue.lock")):
+        pool = set(request["pool"])
         for t in self.tickets():
             if ticket is not None and t["path"] == str(ticket): break
-            if pool & set(t["request"]["pool"]): out.append(t["run_id"])
-        free = [n for n in request["pool"] if self.holder(n) is None]
-        if len(free) < request["need"]:
-            out += [h.get("run_id") for n in request["pool"] if (h := self.holder(n))]
-        return list(dict.fromkeys(out))
+            if pool & set(t["request"]["pool"]): return None       # someone earlier wants these
+        got = []
+        for name in request["pool"]:
+            lk = self._lock(name)
+            try: lk.acquire(timeout=0)
+            except Timeout: continue
+            got.append((name, lk))
+            if len(got) == request["need"]: break
+        if len(got) < request["need"]:
+            for _, lk in got: lk.release()
+            return None
+        who = {"run_id": run_id, **(owner or ProcessRef.of()).to_dict(), "time": time.time()}
+        for name, _ in got: write_json_atomic(self.dir / f"{name}.holder", who)
+        self.held += [lk for _, lk in got]
+        if ticket is not None: Path(ticket).unlink(missing_ok=True)
+        return [n for n, _ in got]
 
-    def try_acquire(self, run_id, request, ticket=None, owner=None) -> list | None:
-        "Take `request['need']` slots of its pool if it is this ticket's turn; returns the slot names, or None."
-        with FileLock(str(self.dir / "queue.lock")):
-            pool = set(request["pool"])
-            for t in self.tickets():
-                if ticket is not None and t["path"] == str(ticket): break
-                if pool & set(t["request"]["pool"]): return None       # someone earlier wants these
-            got = []
-            for name in request["pool"]:
-                lk = self._lock(name)
-                try: lk.acquire(timeout=0)
-                except Timeout: continue
-                got.append((name, lk))
-                if len(got) == request["need"]: break
-            if len(got) < request["need"]:
-                for _, lk in got: lk.release()
-                return None
-            who = {"run_id": run_id, **(owner or ProcessRef.of()).to_dict(), "time": time.time()}
-            for name, _ in got: write_json_atomic(self.dir / f"{name}.holder", who)
-            self.held += [lk for _, lk in got]
-            if ticket is not None: Path(ticket).unlink(missing_ok=True)
-            return [n for n, _ in got]
+@patch
+def release(self:DeviceSlots):
+    "Release every slot this object holds (dying releases them too)."
+    for lk in self.held: lk.release()
+    self.held = []
 
-    def release(self):
-        "Release every slot this object holds (dying releases them too)."
-        for lk in self.held: lk.release()
-        self.held = []
+# %% ../nbs/06_launcher.ipynb #9ee4796b
+@patch
+def blockers(self:DeviceSlots, request, ticket=None) -> list:
+    "Run ids in the way of `request`: live tickets before `ticket` with overlapping pools, then holders of its pool."
+    pool = set(request["pool"]); out = []
+    for t in self.tickets():
+        if ticket is not None and t["path"] == str(ticket): break
+        if pool & set(t["request"]["pool"]): out.append(t["run_id"])
+    free = [n for n in request["pool"] if self.holder(n) is None]
+    if len(free) < request["need"]:
+        out += [h.get("run_id") for n in request["pool"] if (h := self.holder(n))]
+    return list(dict.fromkeys(out))
 
 # %% ../nbs/06_launcher.ipynb #645e6fd3
 def machine_args(cfg) -> list:
@@ -344,7 +354,7 @@ def wait_for_devices(self:Supervisor, request) -> list | None:
         if got: return got
         self._beat(); time.sleep(max(self.poll_s, 0.5))
 
-# %% ../nbs/06_launcher.ipynb #d0fa555a
+# %% ../nbs/06_launcher.ipynb #fcb8c221
 @patch
 def run(self:Supervisor) -> int:
     "Supervise the attempt to its end; returns 0 unless the run failed."
@@ -364,54 +374,72 @@ def run(self:Supervisor) -> int:
 
 @patch
 def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
+    log, offset = self._launch(cfg, request, slots)
+    reader, events = MetricsReader(RunPaths(self.run_dir).metrics), self.events
+    try:
+        while self.proc.poll() is None:
+            if (code := self._watch(reader, events)) is not None: return code
+            time.sleep(self.poll_s)
+        return self._conclude(offset, reader, events)
+    finally: log.close()
+
+# %% ../nbs/06_launcher.ipynb #577068a8
+@patch
+def _launch(self:Supervisor, cfg, request, slots) -> tuple:
     cmd = accelerate_command(self.run_dir, {**cfg, "device": request["kind"]}, self.attempt, self.resume,
                              worker_module=self.worker_module)
     self._beat(status=State.starting, slots=slots, command=cmd)
     self._event(Event.starting, attempt=self.attempt, slots=slots)
     _log("launching: " + shlex.join(cmd))
     log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0)
-    launch_offset = log.tell()
+    offset = log.tell()
     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
                                  env=launch_env(self.run_dir, request["kind"], slots), process_group=0,
                                  close_fds=True, preexec_fn=_die_with_parent)
-    lref = ProcessRef.of(self.proc.pid)
-    self._beat(launcher={**lref.to_dict(), "pgid": self.proc.pid})
-    reader, running = MetricsReader(RunPaths(self.run_dir).metrics), False
-    events = self.events
-    while self.proc.poll() is None:
-        if not self.run_dir.exists(): return self._gone()
-        for r in reader.read_new():
-            if r.get("attempt") != self.attempt: continue
-            if r.get("kind") == "header" and not running:
-                running = True; self._beat(status=State.running, world_size=r.get("world_size"))
-                self._event(Event.running, attempt=self.attempt)
-            elif r.get("kind") == "event": events.append(r)
-        if self.signum is not None and not self.forced:
-            _log(f"received {signal.Signals(self.signum).name}: terminating the run"); self._signal_group(signal.SIGTERM)
-            self.forced, self.term_at = True, time.time()
-        if self._stop_requested() and not self.forced and time.time() - self.stop_at > self.grace_s:
-            _log(f"no exit {self.grace_s:.0f} s after the stop request: SIGTERM to the process group")
-            self._signal_group(signal.SIGTERM); self.forced, self.term_at = True, time.time()
-        if self.term_at and time.time() - self.term_at > TERM_GRACE_S:
-            _log("still alive after SIGTERM: SIGKILL"); self._signal_group(signal.SIGKILL); self.term_at = None
-        try: self._beat()
-        except StateError:
-            _log("the run was finalized by someone else; killing it"); self._signal_group(signal.SIGKILL)
-            self.proc.wait(); kill_run_processes(self.run_dir); return 1
-        time.sleep(self.poll_s)
+    self._beat(launcher={**ProcessRef.of(self.proc.pid).to_dict(), "pgid": self.proc.pid})
+    self.running = False
+    return log, offset
+
+# %% ../nbs/06_launcher.ipynb #4ec33f97
+@patch
+def _watch(self:Supervisor, reader, events) -> int | None:
+    if not self.run_dir.exists(): return self._gone()
+    for r in reader.read_new():
+        if r.get("attempt") != self.attempt: continue
+        if r.get("kind") == "header" and not self.running:
+            self.running = True; self._beat(status=State.running, world_size=r.get("world_size"))
+            self._event(Event.running, attempt=self.attempt)
+        elif r.get("kind") == "event": events.append(r)
+    if self.signum is not None and not self.forced:
+        _log(f"received {signal.Signals(self.signum).name}: terminating the run"); self._signal_group(signal.SIGTERM)
+        self.forced, self.term_at = True, time.time()
+    if self._stop_requested() and not self.forced and time.time() - self.stop_at > self.grace_s:
+        _log(f"no exit {self.grace_s:.0f} s after the stop request: SIGTERM to the process group")
+        self._signal_group(signal.SIGTERM); self.forced, self.term_at = True, time.time()
+    if self.term_at and time.time() - self.term_at > TERM_GRACE_S:
+        _log("still alive after SIGTERM: SIGKILL"); self._signal_group(signal.SIGKILL); self.term_at = None
+    try: self._beat()
+    except StateError:
+        _log("the run was finalized by someone else; killing it"); self._signal_group(signal.SIGKILL)
+        self.proc.wait(); kill_run_processes(self.run_dir); return 1
+    return None
+
+# %% ../nbs/06_launcher.ipynb #63afd9bd
+@patch
+def _conclude(self:Supervisor, offset, reader, events) -> int:
     code = self.proc.returncode
     left = kill_run_processes(self.run_dir)     # every process of the run is tagged; none may outlive it
     if left: _log(f"killed {left} leftover process(es) of the run")
     events += [r for r in reader.read_new() if r.get("attempt") == self.attempt and r.get("kind") == "event"]
     status = classify_exit(code, self.stop_at is not None, self.forced, events, self.signum)
-    log.close()
     if status == State.completed: self._finish(status, exit_code=code)
     elif status == State.cancelled:
         self._finish(status, exit_code=code, forced=self.forced,
                      reason="stopped on request" + (" (forced after the grace period)" if self.forced else ""))
-    else: self._finish(status, exit_code=code, **self._failure(code, launch_offset, events))
+    else: self._finish(status, exit_code=code, **self._failure(code, offset, events))
     return 0 if status != State.failed else 1
 
+# %% ../nbs/06_launcher.ipynb #366a8663
 @patch
 def _signal_group(self:Supervisor, sig):
     try: os.killpg(self.proc.pid, sig)

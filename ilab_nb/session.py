@@ -16,17 +16,18 @@ from .rundir import CKPT_MARKER, Event, RunPaths, State, status_of
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 
 # %% auto #0
-__all__ = ['PreflightError', 'DevicesBusyError', 'preflight_device', 'check_disk', 'check_model', 'preflight', 'mount_of',
-           'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'query_gpus', 'count_params', 'memory_estimate',
-           'check_memory', 'cluster_device', 'backend_preflight', 'FineTuneSession', 'write_memory_data']
+__all__ = ['PreflightError', 'DevicesBusyError', 'check_disk', 'check_model', 'preflight_device', 'mount_of', 'check_runs_root',
+           'check_cpu_slots', 'resolve_hub_model', 'query_gpus', 'count_params', 'memory_estimate', 'check_memory',
+           'cluster_device', 'backend_preflight', 'preflight', 'FineTuneSession', 'write_memory_data']
 
-# %% ../nbs/07_session.ipynb #62b41824
+# %% ../nbs/07_session.ipynb #b92b6a3b
 class PreflightError(ValueError):
     "A problem found before the run was started (devices, disk, model)."
 
 class DevicesBusyError(RuntimeError):
     "The devices of a run started with `queue=False` are held or promised to another run."
 
+# %% ../nbs/07_session.ipynb #3b4c8b41
 def _weights_bytes(model_dir) -> int:
     p = Path(model_dir)
     return sum(f.stat().st_size for pat in ("*.safetensors", "*.bin", "*.pt") for f in p.glob(pat)) if p.is_dir() else 0
@@ -36,6 +37,33 @@ def _free_bytes(path) -> int:
     while not p.exists(): p = p.parent
     return shutil.disk_usage(p).free
 
+# %% ../nbs/07_session.ipynb #319d3e9e
+def check_disk(cfg, runs_root) -> dict:
+    "Estimate the disk the run's checkpoints need and compare it to what is free under `runs_root`."
+    w = _weights_bytes(cfg.model)
+    keep = cfg.save_total_limit or (min(3, max(1, cfg.max_steps // cfg.save_steps)) if cfg.save_steps and cfg.max_steps > 0 else 2)
+    per_ckpt = w * (1 + (1 if cfg.precision == "fp32" else 2) + 2 * (1 if cfg.precision == "fp32" else 2))  # HF copy, sharded model, Adam
+    need, free = w + (keep + 1) * per_ckpt, _free_bytes(runs_root)
+    if need > free:
+        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {need / 2**30:.1f} GiB for {keep} checkpoint(s) "
+                             f"and the final model ({w / 2**30:.2f} GiB of weights), but {free / 2**30:.1f} GiB is free. "
+                             "Free some space, choose another runs_root, or set save_total_limit.")
+    return {"weights_bytes": w, "checkpoints_kept": keep, "need_bytes": need, "free_bytes": free}
+
+# %% ../nbs/07_session.ipynb #f16b5da1
+def check_model(cfg):
+    "The model directory holds a causal-LM config and weights (read without loading the weights)."
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try: mc = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e: raise PreflightError(f"could not read the model config in {cfg.model}: {type(e).__name__}: {e}") from None
+    if mc.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(mc, "auto_map", None):
+        raise PreflightError(f"{cfg.model} is a {mc.model_type!r} model, which has no causal-LM head in transformers; "
+                             "give a decoder-only (causal LM) model.")
+    if Path(cfg.model).expanduser().is_dir() and _weights_bytes(cfg.model) == 0:
+        raise PreflightError(f"{cfg.model} has no weight files (*.safetensors or *.bin); save the model there with save_pretrained.")
+
+# %% ../nbs/07_session.ipynb #59703518
 def preflight_device(cfg) -> tuple:
     "(`'cpu'`|`'cuda'`, number of visible GPUs) for `cfg`, checking that asked-for GPUs exist."
     gpus = [] if cfg.device == "cpu" else query_gpus()   # in a subprocess: the kernel never initialises CUDA
@@ -57,56 +85,6 @@ def preflight_device(cfg) -> tuple:
                                                 "which only emulates bf16 (it needs 8.0, Ampere or later)")
         raise PreflightError(f"precision='bf16' (mixed) is not supported {where}; use precision='fp32'.")
     return kind, n
-
-def check_disk(cfg, runs_root) -> dict:
-    "Estimate the disk the run's checkpoints need and compare it to what is free under `runs_root`."
-    w = _weights_bytes(cfg.model)
-    keep = cfg.save_total_limit or (min(3, max(1, cfg.max_steps // cfg.save_steps)) if cfg.save_steps and cfg.max_steps > 0 else 2)
-    per_ckpt = w * (1 + (1 if cfg.precision == "fp32" else 2) + 2 * (1 if cfg.precision == "fp32" else 2))  # HF copy, sharded model, Adam
-    need, free = w + (keep + 1) * per_ckpt, _free_bytes(runs_root)
-    if need > free:
-        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {need / 2**30:.1f} GiB for {keep} checkpoint(s) "
-                             f"and the final model ({w / 2**30:.2f} GiB of weights), but {free / 2**30:.1f} GiB is free. "
-                             "Free some space, choose another runs_root, or set save_total_limit.")
-    return {"weights_bytes": w, "checkpoints_kept": keep, "need_bytes": need, "free_bytes": free}
-
-def check_model(cfg):
-    "The model directory holds a causal-LM config and weights (read without loading the weights)."
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    try: mc = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    except Exception as e: raise PreflightError(f"could not read the model config in {cfg.model}: {type(e).__name__}: {e}") from None
-    if mc.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(mc, "auto_map", None):
-        raise PreflightError(f"{cfg.model} is a {mc.model_type!r} model, which has no causal-LM head in transformers; "
-                             "give a decoder-only (causal LM) model.")
-    if Path(cfg.model).expanduser().is_dir() and _weights_bytes(cfg.model) == 0:
-        raise PreflightError(f"{cfg.model} has no weight files (*.safetensors or *.bin); save the model there with save_pretrained.")
-
-def preflight(cfg, runs_root) -> dict:
-    "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
-    from ilab_nb.data import load_chat_records, load_tokenizer, ensure_chat_template, tokenize_chat
-    check_runs_root(runs_root)
-    model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
-    records = load_chat_records(cfg.data)
-    n_eval = len(load_chat_records(cfg.eval_data)) if cfg.eval_data else 0
-    mp = Path(cfg.model).expanduser()
-    if mp.exists() and not (mp / "config.json").is_file():
-        raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
-                             "(written by save_pretrained).")
-    if mp.exists(): check_model(cfg)
-    tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    ensure_chat_template(tok)
-    sample = tokenize_chat(records[0]["messages"], tok)
-    if not any(l != -100 for l in sample["labels"]):
-        raise PreflightError(f"the first conversation ({records[0]['source']}) has no assistant tokens to learn from "
-                             "after the chat template; check its roles.")
-    kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
-    cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
-    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [])
-    disk = check_disk(cfg, runs_root)
-    return {"device": kind, "gpu_count": n_gpus, "num_train_records": len(records), "num_eval_records": n_eval,
-            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
-            **cpus, **disk, **backend_preflight(cfg, runs_root)}
 
 # %% ../nbs/07_session.ipynb #98e632b6
 import errno, tempfile
@@ -263,6 +241,33 @@ def backend_preflight(cfg, runs_root) -> dict:
     from ilab_nb.slurm import preflight_slurm, SlurmError
     try: return {"slurm": preflight_slurm(cfg, runs_root)}
     except SlurmError as e: raise PreflightError(str(e)) from None
+
+# %% ../nbs/07_session.ipynb #13150730
+def preflight(cfg, runs_root) -> dict:
+    "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
+    from ilab_nb.data import load_chat_records, load_tokenizer, ensure_chat_template, tokenize_chat
+    check_runs_root(runs_root)
+    model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
+    records = load_chat_records(cfg.data)
+    n_eval = len(load_chat_records(cfg.eval_data)) if cfg.eval_data else 0
+    mp = Path(cfg.model).expanduser()
+    if mp.exists() and not (mp / "config.json").is_file():
+        raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
+                             "(written by save_pretrained).")
+    if mp.exists(): check_model(cfg)
+    tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    ensure_chat_template(tok)
+    sample = tokenize_chat(records[0]["messages"], tok)
+    if not any(l != -100 for l in sample["labels"]):
+        raise PreflightError(f"the first conversation ({records[0]['source']}) has no assistant tokens to learn from "
+                             "after the chat template; check its roles.")
+    kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
+    cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
+    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [])
+    disk = check_disk(cfg, runs_root)
+    return {"device": kind, "gpu_count": n_gpus, "num_train_records": len(records), "num_eval_records": n_eval,
+            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
+            **cpus, **disk, **backend_preflight(cfg, runs_root)}
 
 # %% ../nbs/07_session.ipynb #425272e3
 def _resolve_paths(cfg, config):
