@@ -337,10 +337,7 @@ def _failure_html(state: dict) -> str:
     return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
             f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
 
-# %% ../nbs/08_dashboard.ipynb #8f52915d
-#| export
-
-# %% ../nbs/08_dashboard.ipynb #da4d5cb9
+# %% ../nbs/08_dashboard.ipynb #f975176e
 def _in_kernel() -> bool:
     try:
         from IPython import get_ipython
@@ -349,9 +346,7 @@ def _in_kernel() -> bool:
     ip = get_ipython()
     return ip is not None and getattr(ip, "kernel", None) is not None
 
-_BADGE = ('<span style="display:inline-block;padding:3px 12px;border-radius:12px;background:{c};color:white;'
-          'font-weight:600;font-size:12px;letter-spacing:.06em;text-transform:uppercase">{s}</span>')
-
+# %% ../nbs/08_dashboard.ipynb #5157e064
 class Dashboard(W.VBox):
     "Live ipywidgets view of one run, fed by a `RunMonitor`; Stop / Resume call `on_stop` / `on_resume`."
 
@@ -369,33 +364,43 @@ class Dashboard(W.VBox):
         self._n_records = -1
         self._shown = {}
         self.last_status = State.created
-
-        self.badge = W.HTML(layout=W.Layout(margin="0 10px 0 0")).add_class("ilab-status")
-        self.header = W.HTML(layout=W.Layout(flex="1 1 auto")).add_class("ilab-header")
-        self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="Stop the run gracefully at the next step; a checkpoint is written first",
-                                    layout=W.Layout(width="110px", display="none")).add_class("ilab-stop")
-        self.resume_button = W.Button(description="Resume", icon="play", button_style="success",
-                                      tooltip="Continue from the latest complete checkpoint",
-                                      layout=W.Layout(width="110px", display="none")).add_class("ilab-resume")
-        self.stop_button.on_click(lambda b: self._click_stop(b))     # (the handlers are grown on below)
-        self.resume_button.on_click(lambda b: self._click_resume(b))
-        self.message = W.HTML().add_class("ilab-message")
-        self.progress = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="100%", height="18px")).add_class("ilab-progress")
-        self.progress_text = W.HTML().add_class("ilab-progress-text")
-        self.failure = W.HTML(layout=W.Layout(display="none")).add_class("ilab-failure")
-        self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px", height="auto")).add_class("ilab-plot")
-        self.log_view = W.HTML().add_class("ilab-log")
-        self.checkpoint_view = W.HTML().add_class("ilab-checkpoints")
-        self.details = W.Accordion(children=[self.log_view, self.checkpoint_view], selected_index=None)
-        self.details.set_title(0, f"Log — last {log_lines} lines")
-        self.details.set_title(1, "Checkpoints (0)")
-        top = W.HBox([self.badge, self.header, self.stop_button, self.resume_button],
-                     layout=W.Layout(align_items="center", width="100%"))
-        self.children = (top, self.progress, self.progress_text, self.message, self.failure, self.image, self.details)
+        self._build_widgets()
         self.update()
         if autostart or (autostart is None and _in_kernel()):
             self.start()
+
+# %% ../nbs/08_dashboard.ipynb #9a5be05d
+_BADGE = ('<span style="display:inline-block;padding:3px 12px;border-radius:12px;background:{c};color:white;'
+          'font-weight:600;font-size:12px;letter-spacing:.06em;text-transform:uppercase">{s}</span>')
+
+@patch
+def _build_widgets(self:Dashboard):
+    self.badge = W.HTML(layout=W.Layout(margin="0 10px 0 0")).add_class("ilab-status")
+    self.header = W.HTML(layout=W.Layout(flex="1 1 auto")).add_class("ilab-header")
+    self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
+                                tooltip="Stop the run gracefully at the next step; a checkpoint is written first",
+                                layout=W.Layout(width="110px", display="none")).add_class("ilab-stop")
+    self.resume_button = W.Button(description="Resume", icon="play", button_style="success",
+                                  tooltip="Continue from the latest complete checkpoint",
+                                  layout=W.Layout(width="110px", display="none")).add_class("ilab-resume")
+    self.stop_button.on_click(lambda b: self._click_stop(b))     # (the handlers are grown on below)
+    self.resume_button.on_click(lambda b: self._click_resume(b))
+    self.message = W.HTML().add_class("ilab-message")
+    self.progress = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="100%", height="18px")).add_class("ilab-progress")
+    self.progress_text = W.HTML().add_class("ilab-progress-text")
+    self.failure = W.HTML(layout=W.Layout(display="none")).add_class("ilab-failure")
+    self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px", height="auto")).add_class("ilab-plot")
+    self.log_view = W.HTML().add_class("ilab-log")
+    self.checkpoint_view = W.HTML().add_class("ilab-checkpoints")
+    self.details = W.Accordion(children=[self.log_view, self.checkpoint_view], selected_index=None)
+    self.details.set_title(0, f"Log — last {self.log_lines} lines")
+    self.details.set_title(1, "Checkpoints (0)")
+    top = W.HBox([self.badge, self.header, self.stop_button, self.resume_button],
+                 layout=W.Layout(align_items="center", width="100%"))
+    self.children = (top, self.progress, self.progress_text, self.message, self.failure, self.image, self.details)
+
+
+
 
 # %% ../nbs/08_dashboard.ipynb #69145199
 @patch
@@ -613,7 +618,7 @@ def _repr_mimebundle_(self:Dashboard, **kwargs):
     data["text/plain"] = self.text()
     return data
 
-# %% ../nbs/08_dashboard.ipynb #b7528014
+# %% ../nbs/08_dashboard.ipynb #6c25a410
 def _as_monitor(run):
     if hasattr(run, "poll") and hasattr(run, "records"):
         return run
@@ -627,6 +632,7 @@ def _as_monitor(run):
         return RunMonitor(run)
     raise TypeError(f"compare() cannot read a run from {type(run).__name__}; pass sessions, RunMonitors or run directory paths.")
 
+# %% ../nbs/08_dashboard.ipynb #07f6c331
 class LossComparison:
     "Overlaid loss curves of several runs: displays as PNG in a notebook, as a table in a terminal; `.figure` is the Figure."
 
@@ -647,6 +653,18 @@ class LossComparison:
         rows += [f"{r['label'][:28]:<28} {r['steps']:>7} {_fmt(r['final_loss'], '.4f'):>11} {_fmt(r['best_eval_loss'], '.4f'):>10}"
                  for r in self.summary]
         return "\n".join(rows)
+
+# %% ../nbs/08_dashboard.ipynb #c44292bc
+def _style_comparison(ax):
+    ax.set_title("Training loss (smoothed; faint: raw; points: eval loss)", fontsize=11, loc="left")
+    ax.set_xlabel("step", fontsize=10)
+    ax.set_ylabel("loss", fontsize=10)
+    ax.tick_params(labelsize=9)
+    ax.grid(True, color="#e8eaed", lw=0.8)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(fontsize=9, frameon=False, loc="upper right")
 
 def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, height_in: float = 3.6) -> LossComparison:
     "Overlay the loss curves (raw, smoothed, eval) of several runs: sessions, `RunMonitor`s or run directories."
@@ -673,13 +691,5 @@ def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, heigh
         summary.append({"label": label, "run_id": m.run_id, "steps": c["steps"][-1] if c["steps"] else 0,
                         "final_loss": c["loss"][-1] if c["loss"] else math.nan,
                         "best_eval_loss": min(finite) if finite else math.nan})
-    ax.set_title("Training loss (smoothed; faint: raw; points: eval loss)", fontsize=11, loc="left")
-    ax.set_xlabel("step", fontsize=10)
-    ax.set_ylabel("loss", fontsize=10)
-    ax.tick_params(labelsize=9)
-    ax.grid(True, color="#e8eaed", lw=0.8)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.legend(fontsize=9, frameon=False, loc="upper right")
+    _style_comparison(ax)
     return LossComparison(fig, summary)
