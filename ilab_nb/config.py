@@ -21,7 +21,8 @@ from pydantic_core import PydanticCustomError
 from .core import patch
 
 # %% auto #0
-__all__ = ['DataSources', 'ConfigError', 'InMemoryData', 'data_sources', 'SlurmOptions', 'TrainConfig', 'load_config']
+__all__ = ['DataSources', 'ConfigError', 'InMemoryData', 'data_sources', 'SlurmOptions', 'config_problems', 'TrainConfig',
+           'load_config']
 
 # %% ../nbs/00_config.ipynb #5cd73d1b
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -298,22 +299,29 @@ def _machine_problems(c) -> list:
                   f"= {m * c.slurm.gpus_per_node} GPUs: one process per GPU; set num_processes={m * c.slurm.gpus_per_node}"))
     return p
 
-# %% ../nbs/00_config.ipynb #d1de6049
-class TrainConfig(BaseModel):
-    "Every setting of one fine-tuning run, validated."
+# %% ../nbs/00_config.ipynb #7886bf76
+class _DataFields(BaseModel):
+    "What the run trains and evaluates on."
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
     model: str = _f("model", min_length=1)
     data: DataSources = _f("data", min_length=1)
     eval_data: DataSources | None = _f("eval_data", None, min_length=1)
     eval_split: float = _f("eval_split", 0.0, ge=0, lt=1)
     eval_steps: int | None = _f("eval_steps", None, ge=1)
+
+# %% ../nbs/00_config.ipynb #e67a4814
+class _DeviceFields(_DataFields):
+    "Where and how the run's processes train."
     num_processes: int = _f("num_processes", 2, ge=1)
     strategy: Literal["fsdp", "ddp", "single"] = _f("strategy", "fsdp")
     device: Literal["auto", "cpu", "cuda"] = _f("device", "auto")
     devices: list[int] | None = _f("devices", None, min_length=1)
     oversubscribe_cpus: bool = _f("oversubscribe_cpus", False)
     precision: Literal["fp32", "bf16"] = _f("precision", "fp32")
+
+# %% ../nbs/00_config.ipynb #87108f71
+class _ScheduleFields(_DeviceFields):
+    "How long the run trains and how its optimizer steps (`TrainingArguments`' names and defaults)."
     num_train_epochs: float = _f("num_train_epochs", 1.0, gt=0)
     max_steps: int = _f("max_steps", -1)
     learning_rate: float = _f("learning_rate", 2e-5, gt=0)
@@ -326,6 +334,10 @@ class TrainConfig(BaseModel):
     adam_epsilon: float = _f("adam_epsilon", 1e-8, gt=0)
     max_grad_norm: float = _f("max_grad_norm", 1.0, ge=0)
     gradient_accumulation_steps: int = _f("gradient_accumulation_steps", 1, ge=1)
+
+# %% ../nbs/00_config.ipynb #ed9339f9
+class _BatchFields(_ScheduleFields):
+    "How samples become batches, and what is logged and saved."
     max_tokens_per_batch: int = _f("max_tokens_per_batch", 4096, ge=16)
     max_seq_len: int = _f("max_seq_len", 2048, ge=2)
     long_sequence_policy: Literal["drop", "truncate", "error"] = _f("long_sequence_policy", "drop")
@@ -334,11 +346,19 @@ class TrainConfig(BaseModel):
     logging_steps: int = _f("logging_steps", 1, ge=1)
     save_steps: int | None = _f("save_steps", None, ge=1)
     save_total_limit: int | None = _f("save_total_limit", None, ge=1)
+
+# %% ../nbs/00_config.ipynb #4cb0ad13
+class _MemoryFields(_BatchFields):
+    "What trades speed for memory, or memory for speed, on big models."
     gradient_checkpointing: bool = _f("gradient_checkpointing", False)
     cpu_offload: bool = _f("cpu_offload", False)
     torch_compile: bool = _f("torch_compile", False)
     ignore_memory_estimate: bool = _f("ignore_memory_estimate", False)
     trust_remote_code: bool = _f("trust_remote_code", False)
+
+# %% ../nbs/00_config.ipynb #627bcdd4
+class _MachineFields(_MemoryFields):
+    "How the run is launched: accelerate's options, several machines, the SLURM backend."
     accelerate_config: str | None = _f("accelerate_config", None)
     launcher_args: list[str] = _f("launcher_args", [])
     num_machines: int = _f("num_machines", 1, ge=1)
@@ -348,99 +368,91 @@ class TrainConfig(BaseModel):
     rdzv_backend: Literal["static", "c10d"] = _f("rdzv_backend", "static")
     backend: Literal["local", "slurm"] = _f("backend", "local")
     slurm: SlurmOptions | None = _f("slurm", None)
+
+# %% ../nbs/00_config.ipynb #0becc796
+class _ExperimentFields(_MachineFields):
+    "Sample answers while training, and the trackers the metrics also go to."
     eval_prompts: list[str | list[dict[str, str]]] | None = _f("eval_prompts", None, min_length=1)
     eval_max_new_tokens: int = _f("eval_max_new_tokens", 32, ge=1)
     report_to: list[Literal["tensorboard", "mlflow"]] = _f("report_to", [])
     logging_dir: str | None = _f("logging_dir", None)
 
-    @field_validator("data", "eval_data", mode="before")
-    @classmethod
-    def _one_path_is_a_list(cls, v):
-        return [v] if isinstance(v, (str, os.PathLike)) else v
+# %% ../nbs/00_config.ipynb #69fbbba4
+def _as_list(v): return [v] if isinstance(v, (str, os.PathLike)) else v
 
-    @field_validator("data", "eval_data", "model", "accelerate_config", mode="before")
-    @classmethod
-    def _paths_as_str(cls, v):
-        if isinstance(v, os.PathLike): return os.fspath(v)
-        if isinstance(v, (list, tuple)): return [os.fspath(p) if isinstance(p, os.PathLike) else p for p in v]
-        return v
+def _fspaths(v):
+    if isinstance(v, os.PathLike): return os.fspath(v)
+    if isinstance(v, (list, tuple)): return [os.fspath(p) if isinstance(p, os.PathLike) else p for p in v]
+    return v
 
-    @field_validator("launcher_args", mode="before")
-    @classmethod
-    def _split_launcher_args(cls, v):
-        return shlex.split(v) if isinstance(v, str) else v
+def _split_args(v): return shlex.split(v) if isinstance(v, str) else v
 
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _report_to_list(cls, v):
-        if v is None or v == "none" or v == ["none"]: return []
-        return [v] if isinstance(v, str) else v
+def _report_to_list(v):
+    if v is None or v == "none" or v == ["none"]: return []
+    return [v] if isinstance(v, str) else v
 
-    @field_validator("report_to")
-    @classmethod
-    def _trackers_installed(cls, v):
-        return _check_trackers_installed(v)
+# %% ../nbs/00_config.ipynb #f2f42ae0
+def _positive_steps(v: int) -> int:
+    if v == 0 or v < -1: raise ValueError("must be a positive number of steps, or -1 to train for num_train_epochs")
+    return v
 
-    @field_validator("eval_prompts")
-    @classmethod
-    def _eval_prompts(cls, v):
-        return _check_eval_prompts(v)
+def _distinct_gpus(v):
+    if v is None: return v
+    if any(d < 0 for d in v): raise ValueError("GPU indices must be >= 0")
+    if len(set(v)) != len(v): raise ValueError("GPU indices must be distinct")
+    return v
 
-    @field_validator("logging_dir", mode="before")
-    @classmethod
-    def _logging_dir_str(cls, v):
-        return os.fspath(v) if isinstance(v, os.PathLike) else v
+def _existing_file(v):
+    if v is not None and not Path(v).expanduser().is_file():
+        raise ValueError(f"file not found (looked in {Path.cwd()}); give the path of an existing accelerate config YAML")
+    return v
 
-    @field_validator("max_steps")
-    @classmethod
-    def _max_steps(cls, v: int) -> int:
-        if v == 0 or v < -1: raise ValueError("must be a positive number of steps, or -1 to train for num_train_epochs")
-        return v
+# %% ../nbs/00_config.ipynb #4e748260
+def config_problems(c) -> list:
+    "Cross-field problems of config `c`: `[(field, message)]`."
+    p = []
+    if c.eval_data is not None and c.eval_split > 0:
+        p.append(("eval_split", "set either eval_data or eval_split, not both"))
+    if c.eval_steps is not None and c.eval_data is None and c.eval_split == 0 and not c.eval_prompts:
+        p.append(("eval_steps", "there is no eval data to evaluate: set eval_data, eval_split or eval_prompts, or leave eval_steps unset"))
+    if c.strategy == "single" and c.num_processes != 1:
+        p.append(("strategy", f"'single' runs one process but num_processes is {c.num_processes}; use fsdp or ddp, or num_processes=1"))
+    if c.strategy == "ddp" and c.num_processes < 2:
+        p.append(("strategy", "'ddp' needs num_processes >= 2; use strategy='single' for one process"))
+    if c.devices is not None:
+        if len(c.devices) != c.num_processes:
+            p.append(("devices", f"{len(c.devices)} GPU indices given for num_processes={c.num_processes}; give one per process"))
+        if c.device == "cpu":
+            p.append(("devices", "GPU indices given but device is 'cpu'; use device='cuda' or 'auto', or drop devices"))
+    if c.warmup_steps > 0 and c.warmup_ratio > 0:
+        p.append(("warmup_ratio", "set either warmup_steps or warmup_ratio, not both"))
+    if (c.warmup_steps > 0 or c.warmup_ratio > 0) and c.lr_scheduler_type == "constant":
+        p.append(("lr_scheduler_type", "'constant' has no warm-up; use 'constant_with_warmup' or drop warmup_steps/warmup_ratio"))
+    if c.max_seq_len > c.max_tokens_per_batch:
+        p.append(("max_seq_len", f"max_seq_len ({c.max_seq_len}) must be <= max_tokens_per_batch ({c.max_tokens_per_batch}): "
+                  "a micro-batch must hold the longest sample; raise max_tokens_per_batch or lower max_seq_len"))
+    if c.cpu_offload and c.strategy != "fsdp":
+        p.append(("cpu_offload", f"offloading moves FSDP's shards to host memory; strategy is {c.strategy!r}: use strategy='fsdp' or drop cpu_offload"))
+    if c.cpu_offload and c.device == "cpu":
+        p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
+    return p + _machine_problems(c)
 
-    @field_validator("devices")
-    @classmethod
-    def _devices(cls, v):
-        if v is None: return v
-        if any(d < 0 for d in v): raise ValueError("GPU indices must be >= 0")
-        if len(set(v)) != len(v): raise ValueError("GPU indices must be distinct")
-        return v
-
-    @field_validator("accelerate_config")
-    @classmethod
-    def _accelerate_config_exists(cls, v):
-        if v is not None and not Path(v).expanduser().is_file():
-            raise ValueError(f"file not found (looked in {Path.cwd()}); give the path of an existing accelerate config YAML")
-        return v
+# %% ../nbs/00_config.ipynb #00dc9916
+class TrainConfig(_ExperimentFields):
+    "Every setting of one fine-tuning run, validated."
+    _lists = field_validator("data", "eval_data", mode="before")(_as_list)
+    _paths = field_validator("data", "eval_data", "model", "accelerate_config", "logging_dir", mode="before")(_fspaths)
+    _args = field_validator("launcher_args", mode="before")(_split_args)
+    _reports = field_validator("report_to", mode="before")(_report_to_list)
+    _trackers = field_validator("report_to")(_check_trackers_installed)
+    _prompts = field_validator("eval_prompts")(_check_eval_prompts)
+    _steps = field_validator("max_steps")(_positive_steps)
+    _gpus = field_validator("devices")(_distinct_gpus)
+    _accelerate = field_validator("accelerate_config")(_existing_file)
 
     @model_validator(mode="after")
     def _check_combinations(self):
-        p = []
-        if self.eval_data is not None and self.eval_split > 0:
-            p.append(("eval_split", "set either eval_data or eval_split, not both"))
-        if self.eval_steps is not None and self.eval_data is None and self.eval_split == 0 and not self.eval_prompts:
-            p.append(("eval_steps", "there is no eval data to evaluate: set eval_data, eval_split or eval_prompts, or leave eval_steps unset"))
-        if self.strategy == "single" and self.num_processes != 1:
-            p.append(("strategy", f"'single' runs one process but num_processes is {self.num_processes}; use fsdp or ddp, or num_processes=1"))
-        if self.strategy == "ddp" and self.num_processes < 2:
-            p.append(("strategy", "'ddp' needs num_processes >= 2; use strategy='single' for one process"))
-        if self.devices is not None:
-            if len(self.devices) != self.num_processes:
-                p.append(("devices", f"{len(self.devices)} GPU indices given for num_processes={self.num_processes}; give one per process"))
-            if self.device == "cpu":
-                p.append(("devices", "GPU indices given but device is 'cpu'; use device='cuda' or 'auto', or drop devices"))
-        if self.warmup_steps > 0 and self.warmup_ratio > 0:
-            p.append(("warmup_ratio", "set either warmup_steps or warmup_ratio, not both"))
-        if (self.warmup_steps > 0 or self.warmup_ratio > 0) and self.lr_scheduler_type == "constant":
-            p.append(("lr_scheduler_type", "'constant' has no warm-up; use 'constant_with_warmup' or drop warmup_steps/warmup_ratio"))
-        if self.max_seq_len > self.max_tokens_per_batch:
-            p.append(("max_seq_len", f"max_seq_len ({self.max_seq_len}) must be <= max_tokens_per_batch ({self.max_tokens_per_batch}): "
-                      "a micro-batch must hold the longest sample; raise max_tokens_per_batch or lower max_seq_len"))
-        if self.cpu_offload and self.strategy != "fsdp":
-            p.append(("cpu_offload", f"offloading moves FSDP's shards to host memory; strategy is {self.strategy!r}: use strategy='fsdp' or drop cpu_offload"))
-        if self.cpu_offload and self.device == "cpu":
-            p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
-        p += _machine_problems(self)
-        if p:
+        if p := config_problems(self):
             raise PydanticCustomError("config_conflict", "; ".join(f"{f}: {m}" for f, m in p), {"problems": p})
         return self
 
