@@ -149,26 +149,6 @@ def round_limits(locator, values, low=None) -> tuple:
     ticks = locator.tick_values(lo, hi)
     return float(ticks[0]), float(ticks[-1])
 
-# %% ../nbs/08_dashboard.ipynb #277e2d69
-@patch
-def _set_data(self: LossPlot, curves: dict) -> tuple:
-    steps, loss = curves["steps"], curves["loss"]
-    self.raw.set_data(steps, loss)
-    self.smoothed.set_data(steps, smooth_ema(loss, self.smooth) if self.smooth else loss)
-    self.evals.set_data(curves["eval_steps"], curves["eval_loss"])
-    self.lr_line.set_data(steps, curves["lr"])
-    empty = not steps and not curves["eval_steps"]
-    self.waiting.set_visible(empty)
-    if tuple(curves["resumed_at"]) != self._resumed_at:
-        for m in self._marks:
-            m.remove()
-        self._resumed_at = tuple(curves["resumed_at"])
-        # under the curves (zorder 2), which are painted over the kept pixels the marks belong to
-        self._marks = [a.axvline(s, color="#9aa0a6", ls=":", lw=1.2, zorder=1.5) for s in self._resumed_at for a in (self.ax, self.ax_lr)]
-    self._set_legend(tuple(([self.raw, self.smoothed] if steps else []) + ([self.evals] if curves["eval_steps"] else [])))
-    self._set_limits(curves, empty)
-    return (empty, len(self._handles), self._resumed_at) + tuple(tuple(a.viewLim.bounds) for a in (self.ax, self.ax_lr))
-
 # %% ../nbs/08_dashboard.ipynb #135b1112
 @patch
 def _set_legend(self: LossPlot, handles: tuple):
@@ -198,6 +178,26 @@ def _set_limits(self: LossPlot, curves: dict, empty: bool):
         a.set_ylim((0, 1) if empty else round_limits(a.yaxis.get_major_locator(), values, low))
         if empty != self._empty: a.tick_params(labelleft=not empty)
     self._empty = empty
+
+# %% ../nbs/08_dashboard.ipynb #277e2d69
+@patch
+def _set_data(self: LossPlot, curves: dict) -> tuple:
+    steps, loss = curves["steps"], curves["loss"]
+    self.raw.set_data(steps, loss)
+    self.smoothed.set_data(steps, smooth_ema(loss, self.smooth) if self.smooth else loss)
+    self.evals.set_data(curves["eval_steps"], curves["eval_loss"])
+    self.lr_line.set_data(steps, curves["lr"])
+    empty = not steps and not curves["eval_steps"]
+    self.waiting.set_visible(empty)
+    if tuple(curves["resumed_at"]) != self._resumed_at:
+        for m in self._marks:
+            m.remove()
+        self._resumed_at = tuple(curves["resumed_at"])
+        # under the curves (zorder 2), which are painted over the kept pixels the marks belong to
+        self._marks = [a.axvline(s, color="#9aa0a6", ls=":", lw=1.2, zorder=1.5) for s in self._resumed_at for a in (self.ax, self.ax_lr)]
+    self._set_legend(tuple(([self.raw, self.smoothed] if steps else []) + ([self.evals] if curves["eval_steps"] else [])))
+    self._set_limits(curves, empty)
+    return (empty, len(self._handles), self._resumed_at) + tuple(tuple(a.viewLim.bounds) for a in (self.ax, self.ax_lr))
 
 # %% ../nbs/08_dashboard.ipynb #0a5be74b
 @patch
