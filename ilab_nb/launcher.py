@@ -14,7 +14,7 @@ from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, 
                               kill_run_processes, read_json, write_json_atomic)
 from .monitor import MetricsReader
 from .core import patch
-from .rundir import Event, RunPaths, State, tail_lines
+from .rundir import Event, RankState, RunPaths, State, tail_lines
 
 # %% auto #0
 __all__ = ['STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'DeviceSlots', 'machine_args', 'free_port',
@@ -217,15 +217,15 @@ def rank_records(run_dir, attempt=None) -> dict:
 def failing_rank(run_dir, launcher_text="", attempt=None) -> tuple:
     "(rank, its exit code or None) of the rank that caused a failed attempt, judged from what every rank did."
     fails, recs = torchrun_failures(launcher_text), rank_records(run_dir, attempt)
-    gone = lambda r: (recs.get(r) or {}).get("status", State.running) == State.running  # ended without saying why
-    own = lambda r: (recs.get(r) or {}).get("status") == State.failed and not recs[r].get("collective")
+    gone = lambda r: (recs.get(r) or {}).get("status", RankState.running) == RankState.running  # ended without saying why
+    own = lambda r: (recs.get(r) or {}).get("status") == RankState.failed and not recs[r].get("collective")
     for group in ([f for f in fails if f["exitcode"] < 0],                            # killed by a signal
                   [f for f in fails if gone(f["rank"])], [f for f in fails if own(f["rank"])],
                   [f for f in fails if f["root"]], fails):
         if group:
             f = min(group, key=lambda f: (not f["root"], f["rank"]))
             return f["rank"], f["exitcode"]
-    for rule in (own, lambda r: recs[r].get("status") == State.failed):                  # no torchrun report
+    for rule in (own, lambda r: recs[r].get("status") == RankState.failed):                  # no torchrun report
         hit = sorted(r for r in recs if rule(r))
         if hit: return hit[0], None
     logs = RunPaths(run_dir).rank_logs()
@@ -458,7 +458,7 @@ def _failure(self:Supervisor, code, offset, events) -> dict:
     if self.signum is not None: why.append(f"its supervisor received {signal.Signals(self.signum).name}")
     if rank is not None: why.append(f"rank {rank}{where} " + (describe_exit(rank_code) if rank_code is not None else "failed"))
     # The failing rank's own error; another rank's is a consequence, not the cause.
-    err = rec.get("error") if rec.get("status") == State.failed else None
+    err = rec.get("error") if rec.get("status") == RankState.failed else None
     err = err or next((e.get("error") for e in reversed(events) if e.get("event") == Event.failed and e.get("error")
                        and (rank is None or e.get("rank") in (None, rank))), None)
     if err: why.append(str(err).strip().splitlines()[-1][:500])

@@ -13,7 +13,7 @@ from .core import patch
 
 # %% auto #0
 __all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION',
-           'SCHEMA', 'Name', 'State', 'status_of', 'Event', 'RunPaths', 'read_json', 'tail_lines',
+           'SCHEMA', 'Name', 'State', 'status_of', 'Event', 'RankState', 'RunPaths', 'read_json', 'tail_lines',
            'complete_checkpoints', 'checkpoint_step', 'standing_records', 'schema_problems', 'schema_markdown']
 
 # %% ../nbs/00_rundir.ipynb #5fa2d0ac
@@ -60,6 +60,13 @@ class Event(Name):
 
 LIFECYCLE_EVENTS = tuple(Event)[:10]
 METRICS_EVENTS = (Event.checkpoint, Event.stopped, Event.completed, Event.failed)
+
+# %% ../nbs/00_rundir.ipynb #3d024cb2
+class RankState(Name):
+    "The `status` of a rank's account in `ranks/rank-N.json`."
+    running = auto()
+    failed = auto()
+    exited = auto()
 
 # %% ../nbs/00_rundir.ipynb #a302d4f1
 CKPT_MARKER = "COMPLETE"   # written last into a checkpoint directory, before its rename: present = complete
@@ -188,7 +195,7 @@ def standing_records(records, kinds=("train", "eval")) -> list:
         elif r.get("kind") in kinds: out.append(r)
     return out
 
-# %% ../nbs/00_rundir.ipynb #80b5123c
+# %% ../nbs/00_rundir.ipynb #607b62aa
 SCHEMA_VERSION = 1
 
 SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: type}, values: {field: allowed}}
@@ -231,7 +238,7 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                     killed="int", from_step="int", forced="bool", job_id="str?", script="str")),
     "rank": dict(file="ranks/rank-N.json", doc="each rank's own account, replaced atomically by that rank",
                  required=dict(rank="int", attempt="int", status="str", pid="int", host="str", local_rank="int", time="float"),
-                 optional=dict(error="str", collective="any", outcome="str")),
+                 values=dict(status=tuple(RankState)), optional=dict(error="str", collective="any", outcome="str")),
 }
 
 # %% ../nbs/00_rundir.ipynb #90bfd0d5

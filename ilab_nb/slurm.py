@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
-from .rundir import CKPT_MARKER, Event, RunPaths, State
+from .rundir import CKPT_MARKER, Event, RankState, RunPaths, State
 from .monitor import tail_lines
 from .launcher import accelerate_command, describe_exit, torchrun_failures, rank_records, STOP_GRACE_S
 
@@ -205,8 +205,8 @@ def node_reports(run_dir, attempt) -> list:
 def failure_cause(reports, records=None) -> dict | None:
     "The report of the rank that caused the failure (`records`: the ranks' own accounts, `{rank: record}`)."
     recs = records or {}
-    gone = lambda r: (recs.get(r) or {}).get("status", State.running) == State.running
-    own = lambda r: (recs.get(r) or {}).get("status") == State.failed and not recs[r].get("collective")
+    gone = lambda r: (recs.get(r) or {}).get("status", RankState.running) == RankState.running
+    own = lambda r: (recs.get(r) or {}).get("status") == RankState.failed and not recs[r].get("collective")
     for group in ([f for f in reports if f["exitcode"] < 0 or f["exitcode"] > 128], [f for f in reports if recs and gone(f["rank"])],
                   [f for f in reports if own(f["rank"])], [f for f in reports if f.get("root")], reports):
         if group: return min(group, key=lambda f: (not f.get("root"), f["rank"]))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .config import TrainConfig
 from .core import patch
 from .runstore import ends_mid_line, write_json_atomic
-from .rundir import CKPT_MARKER, SCHEMA_VERSION, TRAINER_STATE, Event, RunPaths, State, complete_checkpoints
+from .rundir import CKPT_MARKER, SCHEMA_VERSION, TRAINER_STATE, Event, RankState, RunPaths, complete_checkpoints
 from . import data as D
 from . import batching as B
 
@@ -607,7 +607,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     cfg = TrainConfig.read_json(RunPaths(run_dir).config)
     rank = int(os.environ.get("RANK", "0"))            # known before the process group exists
     metrics = MetricsWriter(RunPaths(run_dir).metrics, run_dir.name, attempt, enabled=rank == 0)
-    record_rank(run_dir, rank, attempt, State.running)
+    record_rank(run_dir, rank, attempt, RankState.running)
     try:
         metrics = open_trackers(metrics, run_dir, cfg, rank)      # report_to: TensorBoard / MLflow get the same records
         env = init_distributed(cfg)
@@ -618,7 +618,7 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
         return _train(run_dir, cfg, env, layout, metrics, resume)
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
-        record_rank(run_dir, rank, attempt, State.failed, error=error, collective=is_collective_error(e))
+        record_rank(run_dir, rank, attempt, RankState.failed, error=error, collective=is_collective_error(e))
         metrics.write("event", event=Event.failed, rank=rank, error=error)
         raise
     finally:
@@ -813,7 +813,7 @@ def main(argv=None):
         if dist.is_available() and dist.is_initialized():
             dist.barrier(); dist.destroy_process_group()     # every rank is done with collectives
         print(f"[ilab_nb.worker] rank {rank}: {outcome}", flush=True)
-        record_rank(a.run_dir, rank, a.attempt, "exited", outcome=outcome)
+        record_rank(a.run_dir, rank, a.attempt, RankState.exited, outcome=outcome)
     except BaseException:
         traceback.print_exc(); code = 1
     sys.stdout.flush(); sys.stderr.flush()
