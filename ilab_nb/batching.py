@@ -204,7 +204,8 @@ def _chunk_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> tor
     "Summed float32 cross-entropy of one chunk of hidden states through the output embedding."
     return F.cross_entropy((h @ weight.t()).float(), y, reduction="sum")
 
-def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          chunk_tokens: int | None = None) -> torch.Tensor:
     "`token_loss_sum(hidden @ weight.T, labels)` a chunk of loss-bearing tokens at a time, never all logits at once."
     h, y = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1).to(hidden.device)
     keep = (y != -100).nonzero().squeeze(1)

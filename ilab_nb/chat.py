@@ -86,7 +86,8 @@ class ChatBox(W.VBox):
         self.busy, self.error = threading.Event(), None
         self.title = W.HTML(f"<b>{html.escape(title)}</b>" if title else "")
         self.transcript = W.HTML(layout=W.Layout(max_height="420px", overflow="auto")).add_class("ilab-chat-transcript")
-        self.input = W.Text(placeholder="Ask the model…", continuous_update=False, layout=W.Layout(flex="1 1 auto")).add_class("ilab-chat-input")
+        self.input = W.Text(placeholder="Ask the model…", continuous_update=False,
+                            layout=W.Layout(flex="1 1 auto")).add_class("ilab-chat-input")
         self.send_button = W.Button(description="Send", icon="paper-plane", button_style="primary").add_class("ilab-chat-send")
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True).add_class("ilab-chat-stop")
         self.clear_button = W.Button(description="Clear", icon="eraser").add_class("ilab-chat-clear")
@@ -126,7 +127,8 @@ def _answer(self:ChatBox, text: str):
         stopped = self.chat.stop_event.is_set()
         self.status.value = f"<span style='color:#5f6368'>{'stopped' if stopped else 'done'} · {time.time() - t0:.1f} s</span>"
     except Exception as e:
-        self.error = e; self.status.value = f"<span style='color:#d93025'>generation failed: {html.escape(f'{type(e).__name__}: {e}')}</span>"
+        self.error = e
+        self.status.value = f"<span style='color:#d93025'>generation failed: {html.escape(f'{type(e).__name__}: {e}')}</span>"
     finally:
         self.transcript.value = transcript_html(self.chat.messages)
         self.send_button.disabled, self.stop_button.disabled = False, True

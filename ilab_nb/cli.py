@@ -51,7 +51,8 @@ def format_runs(runs) -> str:
 def format_status(s) -> str:
     "A few lines on where the run of session `s` stands."
     st, pr = s.state, s.progress(); status = status_of(st)
-    lines = [f"run:      {s.run_id}", f"status:   {'state unreadable' if status == State.unreadable else status}  (attempt {st.get('attempt', 1)})",
+    shown = "state unreadable" if status == State.unreadable else status
+    lines = [f"run:      {s.run_id}", f"status:   {shown}  (attempt {st.get('attempt', 1)})",
              f"dir:      {s.run_dir}"]
     if pr["step"] is not None:
         lines.append(f"step:     {pr['step']}/{pr['total_steps'] or '?'}" +

@@ -129,7 +129,8 @@ _DESCRIPTIONS = dict(
     strategy="Distribution strategy: fsdp (sharded parameters), ddp (replicated), or single (one process).",
     device="Where to train: auto (CUDA when available, else CPU), cpu, or cuda.",
     devices="GPU indices to use (one per process); None = the first num_processes free GPUs.",
-    oversubscribe_cpus="Allow a CPU run more processes than this machine's CPU slots ($ILAB_NB_CPU_SLOTS or the core count); slower, and it holds every slot.",
+    oversubscribe_cpus="Allow a CPU run more processes than this machine's CPU slots ($ILAB_NB_CPU_SLOTS or the core count); "
+                       "slower, and it holds every slot.",
     precision="Parameter/compute precision: fp32, or bf16 mixed precision.",
     num_train_epochs="Number of passes over the training data (ignored when max_steps > 0).",
     max_steps="Total optimizer steps; > 0 overrides num_train_epochs, -1 = use num_train_epochs.",
@@ -158,7 +159,8 @@ _DESCRIPTIONS = dict(
     trust_remote_code="Allow model/tokenizer code from the model directory or hub repository to run.",
     accelerate_config="Path to your own `accelerate` config YAML passed to `accelerate launch --config_file`.",
     launcher_args="Extra arguments for `accelerate launch` (a list, or one string split like a shell).",
-    eval_prompts="Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), written as `samples` records.",
+    eval_prompts="Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), "
+                 "written as `samples` records.",
     eval_max_new_tokens="Longest answer, in new tokens, generated for each of eval_prompts.",
     report_to="Trackers that also get the train/eval records: none, tensorboard, mlflow, or a list (as in TrainingArguments).",
     logging_dir="TensorBoard's event-file directory; None = `tensorboard/` in the run directory.",
@@ -263,8 +265,10 @@ class SlurmOptions(BaseModel):
     mem: str | None = Field(None, description="Memory per node (--mem), e.g. '64G'.")
     qos: str | None = Field(None, description="Quality of service (--qos).")
     sbatch_lines: list[str] = Field([], description="Extra #SBATCH options, e.g. ['--exclusive', '--constraint=a100'].")
-    setup: list[str] = Field([], description="Shell lines run before training on the head node and on every node (module load, venv activate).")
-    requeue: bool = Field(False, description="Let SLURM requeue the job on preemption or node failure; it resumes from the latest complete checkpoint.")
+    setup: list[str] = Field([], description="Shell lines run before training on the head node and on every node "
+                                             "(module load, venv activate).")
+    requeue: bool = Field(False, description="Let SLURM requeue the job on preemption or node failure; it resumes from the "
+                                             "latest complete checkpoint.")
     python: str | None = Field(None, description="Python on the nodes; None = the interpreter that submits the job.")
 
     @field_validator("sbatch_lines", "setup", mode="before")
@@ -293,7 +297,8 @@ def _machine_problems(c) -> list:
     if c.slurm is not None and c.backend != "slurm":
         p.append(("slurm", "SLURM options are given but backend is 'local'; set backend='slurm' or drop slurm"))
     if c.slurm is not None and c.slurm.nodes is not None and c.slurm.nodes != m:
-        p.append(("slurm", f"slurm.nodes={c.slurm.nodes} but num_machines={m}: one SLURM node is one machine; set num_machines={c.slurm.nodes}"))
+        p.append(("slurm", f"slurm.nodes={c.slurm.nodes} but num_machines={m}: one SLURM node is one machine; "
+                  f"set num_machines={c.slurm.nodes}"))
     if c.slurm is not None and c.slurm.gpus_per_node and c.num_processes != m * c.slurm.gpus_per_node:
         p.append(("num_processes", f"num_processes={c.num_processes} but {m} node(s) x slurm.gpus_per_node={c.slurm.gpus_per_node} "
                   f"= {m * c.slurm.gpus_per_node} GPUs: one process per GPU; set num_processes={m * c.slurm.gpus_per_node}"))
@@ -432,7 +437,8 @@ def config_problems(c) -> list:
         p.append(("max_seq_len", f"max_seq_len ({c.max_seq_len}) must be <= max_tokens_per_batch ({c.max_tokens_per_batch}): "
                   "a micro-batch must hold the longest sample; raise max_tokens_per_batch or lower max_seq_len"))
     if c.cpu_offload and c.strategy != "fsdp":
-        p.append(("cpu_offload", f"offloading moves FSDP's shards to host memory; strategy is {c.strategy!r}: use strategy='fsdp' or drop cpu_offload"))
+        p.append(("cpu_offload", f"offloading moves FSDP's shards to host memory; strategy is {c.strategy!r}: "
+                  "use strategy='fsdp' or drop cpu_offload"))
     if c.cpu_offload and c.device == "cpu":
         p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
     return p + _machine_problems(c)

@@ -247,7 +247,8 @@ def draw(self: LossPlot, curves: dict) -> bytes:
 def png(self: LossPlot) -> bytes:
     "The canvas as it stands, as PNG bytes."
     canvas, buf = self.fig.canvas, io.BytesIO()  # the figure is opaque: RGB is a third quicker to encode than RGBA
-    PIL.Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1).convert("RGB").save(buf, "png", compress_level=1)
+    image = PIL.Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    image.convert("RGB").save(buf, "png", compress_level=1)
     return buf.getvalue()
 
 # %% ../nbs/08_dashboard.ipynb #4c422919
@@ -306,7 +307,8 @@ def samples_html(latest: dict, previous: dict | None = None) -> str:
         a, b = s["answer"], prev.get(s["prompt"])
         changed = previous is not None and a != b
         rows.append(f"<tr><td {td}>{html.escape(s['prompt'])}</td><td {td}>{'<b>' if changed else ''}{html.escape(a)}"
-                    f"{'</b>' if changed else ''}</td>" + (f"<td {td} style='color:#5f6368'>{html.escape(b or '')}</td>" if previous else "") + "</tr>")
+                    f"{'</b>' if changed else ''}</td>"
+                    + (f"<td {td} style='color:#5f6368'>{html.escape(b or '')}</td>" if previous else "") + "</tr>")
     cost = f" · generated in {latest['seconds']:.2f} s" if isinstance(latest.get("seconds"), (int, float)) else ""
     return (f"<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since the previous "
             f"evaluation{cost})</span><table style='border-collapse:collapse;width:100%'>{head}{''.join(rows)}</table></div>")
@@ -453,7 +455,8 @@ def _show_status(self:Dashboard, status: str, state: dict) -> bool:
     else:
         ch |= self._set(self.failure.layout, "none", "display")
     if active or status in TERMINAL:
-        ch |= self._set(self.progress, {State.completed: "success", State.failed: "danger", State.cancelled: "warning"}.get(status, "info"), "bar_style")
+        style = {State.completed: "success", State.failed: "danger", State.cancelled: "warning"}.get(status, "info")
+        ch |= self._set(self.progress, style, "bar_style")
     return ch
 
 # %% ../nbs/08_dashboard.ipynb #25da1281

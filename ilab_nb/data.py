@@ -129,7 +129,8 @@ def _input_output_messages(obj: dict) -> list:
     q, a = _text(obj, "input"), _text(obj, "output")
     s = obj.get("system")
     if s is not None and (not isinstance(s, str) or not s.strip()): raise _Bad("'system' must be a non-empty string when given")
-    return ([{"role": "system", "content": s}] if s is not None else []) + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    system = [{"role": "system", "content": s}] if s is not None else []
+    return system + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
 
 # %% ../nbs/01_data.ipynb #bca4da90
 def _row_messages(obj: Any) -> list:

@@ -36,8 +36,9 @@ def device_request(kind, num_processes, devices=None, gpu_count=None, oversubscr
     if kind == "cpu":
         n = cpu_slots(); req = {"kind": "cpu", "pool": [f"cpu-{i}" for i in range(n)], "need": min(num_processes, n)}
         if num_processes <= n: return req
-        if not oversubscribe: raise ValueError(f"{num_processes} CPU processes need {num_processes} CPU slots, but this machine has {n} "
-                                               "($ILAB_NB_CPU_SLOTS or the core count); lower num_processes or set oversubscribe_cpus=True.")
+        if not oversubscribe:
+            raise ValueError(f"{num_processes} CPU processes need {num_processes} CPU slots, but this machine has {n} "
+                             "($ILAB_NB_CPU_SLOTS or the core count); lower num_processes or set oversubscribe_cpus=True.")
         return {**req, "oversubscribed": True, "ranks": num_processes}
     if kind != "cuda": raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
     if devices: return {"kind": "cuda", "pool": [f"gpu-{i}" for i in devices], "need": len(devices)}
@@ -154,7 +155,8 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if cfg.get("accelerate_config"): cmd += ["--config_file", str(cfg["accelerate_config"])]
     else: cmd += ["--num_machines", str(cfg.get("num_machines") or 1), "--mixed_precision", "no", "--dynamo_backend", "no"]
-    if n > 1: cmd += ["--multi_gpu", "--num_processes", str(n), "--main_process_port", str(port or cfg.get("main_process_port") or free_port())]
+    if n > 1:
+        cmd += ["--multi_gpu", "--num_processes", str(n), "--main_process_port", str(port or cfg.get("main_process_port") or free_port())]
     elif cfg.get("device") == "cpu": cmd += ["--cpu", "--num_processes", "1"]
     else: cmd += ["--num_processes", "1"]
     cmd += machine_args(cfg)
@@ -536,7 +538,8 @@ def main(argv=None):
         if sup.proc is not None and sup.proc.poll() is None: sup._signal_group(signal.SIGKILL)
         kill_run_processes(sup.run_dir)
         sup._finish(State.failed, reason=f"Run {sup.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",
-                    log_tail=tail_lines(RunPaths(sup.run_dir).supervisor_log, 20), log_file=str(RunPaths(sup.run_dir).supervisor_log.relative_to(sup.run_dir)))
+                    log_tail=tail_lines(RunPaths(sup.run_dir).supervisor_log, 20),
+                    log_file=str(RunPaths(sup.run_dir).supervisor_log.relative_to(sup.run_dir)))
         return 1
 
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs

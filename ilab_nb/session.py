@@ -119,7 +119,8 @@ def check_runs_root(root) -> Path:
     try: fd, probe = tempfile.mkstemp(dir=p, prefix=".ilab_nb-probe-")
     except OSError as e:
         why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user (EACCES)",
-               errno.EPERM: "is not writable by this user (EPERM)"}.get(e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
+               errno.EPERM: "is not writable by this user (EPERM)"}.get(
+                   e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
         raise PreflightError(f"{what} {why}; choose a writable directory (runs_root= or $ILAB_NB_RUNS).") from None
     os.close(fd); os.unlink(probe)
     return p
@@ -166,7 +167,8 @@ import functools, json, subprocess
 
 _GPU_QUERY = ("import json, torch\n"
               "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
-              "print(json.dumps([dict(index=i, name=torch.cuda.get_device_name(i), total_bytes=torch.cuda.get_device_properties(i).total_memory,"
+              "print(json.dumps([dict(index=i, name=torch.cuda.get_device_name(i), "
+              "total_bytes=torch.cuda.get_device_properties(i).total_memory,"
               " capability=list(torch.cuda.get_device_capability(i))) for i in range(n)]))")
 
 @functools.lru_cache(maxsize=1)
@@ -174,7 +176,8 @@ def query_gpus(force: bool = False) -> list:
     "Visible CUDA devices (index, name, total_bytes, capability), asked of a subprocess so this process never initialises CUDA."
     if not force and not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")): return []   # no driver: no GPU
     r = subprocess.run([sys.executable, "-c", _GPU_QUERY], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0: raise PreflightError(f"could not query the CUDA devices (a subprocess running torch failed): {r.stderr.strip()[-500:]}")
+    if r.returncode != 0:
+        raise PreflightError(f"could not query the CUDA devices (a subprocess running torch failed): {r.stderr.strip()[-500:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 # %% ../nbs/07_session.ipynb #5bb493e3
@@ -511,7 +514,8 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
         if not (p / "config.json").exists():
             steps = [c["step"] for c in self.checkpoints]
             raise FileNotFoundError(f"Run {self.run_id} has no final model (status {self.status}); "
-                                    + (f"load a checkpoint instead: checkpoint= one of {steps} or 'latest'." if steps else "and no checkpoint yet."))
+                                    + (f"load a checkpoint instead: checkpoint= one of {steps} or 'latest'." if steps
+                                       else "and no checkpoint yet."))
         return p
     ckpts = self.checkpoints
     if checkpoint == "latest":

@@ -167,7 +167,8 @@ def sweep_table_html(sweep: Sweep) -> str:
                  f"<b style='color:{STATUS_COLOURS.get(st, '#5f6368')}'>{st}</b>", step,
                  _fmt(pr["loss"], ".4f"), _fmt(sm["best_eval_loss"], ".4f")]
         rows.append("<tr>" + "".join(_ROW.format(c) for c in cells) + "</tr>")
-    return ("<table style='border-collapse:collapse;font-size:13px'><tr>" + "".join(f"<th style='padding:2px 10px;text-align:left'>{h}</th>" for h in head)
+    return ("<table style='border-collapse:collapse;font-size:13px'><tr>"
+            + "".join(f"<th style='padding:2px 10px;text-align:left'>{h}</th>" for h in head)
             + "</tr>" + "".join(rows) + "</table>")
 
 # %% ../nbs/13_sweep.ipynb #4bb84a89

@@ -172,7 +172,8 @@ def wrap_model(model, strategy: str, env: DistEnv):
         from torch.distributed.fsdp import fully_shard
         block_names = set(getattr(model, "_no_split_modules", None) or [])
         blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-        if not blocks: raise RuntimeError(f"strategy='fsdp' needs the model's transformer blocks, but {type(model).__name__} names none in _no_split_modules.")
+        if not blocks: raise RuntimeError(f"strategy='fsdp' needs the model's transformer blocks, but {type(model).__name__} "
+                                          "names none in _no_split_modules.")
         for m in blocks: fully_shard(m)
         fully_shard(model)
         total, local = sum(p.numel() for p in model.parameters()), local_param_count(model)
@@ -234,7 +235,8 @@ def shard_model(model, cfg: TrainConfig, env: DistEnv) -> dict:
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-    if not blocks: raise RuntimeError(f"strategy='fsdp' needs the model's transformer blocks, but {type(model).__name__} names none in _no_split_modules.")
+    if not blocks: raise RuntimeError(f"strategy='fsdp' needs the model's transformer blocks, but {type(model).__name__} "
+                                      "names none in _no_split_modules.")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16"
           else MixedPrecisionPolicy())                    # bf16: gather and compute in bf16, keep fp32 master weights, reduce in fp32
     offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
@@ -368,7 +370,8 @@ def _file_index(sd: dict) -> dict[str, int]:
     return out
 
 def save_hf(model, tokenizer, out_dir: Path, env, state_dict=None):
-    "Write the model in Hugging Face format from the shards (each rank writes its slices, rank 0 joins them), config and tokenizer; every rank must call."
+    """Write the model in Hugging Face format from the shards (each rank writes its slices, rank 0 joins them), config and
+    tokenizer; every rank must call."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
