@@ -38,9 +38,10 @@ TERMINAL = frozenset({State.completed, State.failed, State.cancelled})
 ACTIVE = tuple(s for s in STATES if s not in TERMINAL)
 
 # %% ../nbs/00_rundir.ipynb #9d2bb6f8
-def status_of(st: dict, default: State = State.created) -> State:
+def status_of(st: dict, default: State = State.created) -> State | str:
     "The status a state dict says: its `status`, `unreadable` for a state that could not be read, else `default`."
-    return State(st["status"]) if st.get("status") else (State.unreadable if st.get("state_error") else default)
+    if s := st.get("status"): return State(s) if s in set(State) else s   # one this version does not know: as written
+    return State.unreadable if st.get("state_error") else default
 
 # %% ../nbs/00_rundir.ipynb #5f361ea3
 class Event(Name):
