@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['LAYOUTS', 'LOSS_CHUNK_BYTES', 'PACKED_ATTENTION', 'batch_cost', 'plan_epoch', 'plan_stats', 'collate',
-           'token_loss_sum', 'linear_token_loss_sum', 'packed_seq_info', 'varlen_available', 'packed_attention',
-           'register_packed_attention', 'choose_layout', 'attn_implementation_for']
+__all__ = ['LAYOUTS', 'LOSS_CHUNK_BYTES', 'PACKED_ATTENTION', 'VARLEN_KERNELS', 'batch_cost', 'plan_epoch', 'plan_stats',
+           'collate', 'token_loss_sum', 'linear_token_loss_sum', 'packed_seq_info', 'reference_varlen_attn',
+           'varlen_signature_ok', 'varlen_kernel', 'varlen_available', 'packed_attention', 'register_packed_attention',
+           'sdpa_while', 'packed_refusal', 'choose_layout', 'attn_implementation_for']
 
 # %% ../nbs/02_batching.ipynb #076206e3
 LAYOUTS = ("packed", "bucketed")
@@ -217,7 +218,7 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         total = total + _checkpoint(_chunk_ce_sum, h[i:i + n], weight, y[i:i + n], use_reentrant=False)
     return total
 
-# %% ../nbs/02_batching.ipynb #c2f878a4
+# %% ../nbs/02_batching.ipynb #42d88ff9
 PACKED_ATTENTION = "ilab_packed"
 
 def packed_seq_info(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -227,55 +228,138 @@ def packed_seq_info(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     cu = torch.cat([starts, torch.tensor([len(pos)], device=pos.device)]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
 
-def varlen_available(device_type: str) -> bool:
-    "Whether torch's built-in variable-length attention can run on `device_type` (CUDA builds of torch >= 2.9)."
-    if device_type != "cuda": return False
-    try: from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError: return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)   # flash kernels: Ampere on
+# %% ../nbs/02_batching.ipynb #fdd60e9e
+def _seq_attention(q, k, v, scale, window) -> torch.Tensor:
+    "sdpa of one sequence, `[H, Lq, D]` queries aligned to the end of `[H, Lk, D]` keys, within `window` = (left, right)."
+    left, right = window
+    if left < 0 and right == 0 and q.shape[1] == k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    i = torch.arange(q.shape[1], device=q.device)[:, None] + (k.shape[1] - q.shape[1])
+    j = torch.arange(k.shape[1], device=q.device)[None]
+    allowed = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=q.device)
+    if left >= 0: allowed &= j >= i - left
+    if right >= 0: allowed &= j <= i + right
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
 
-# %% ../nbs/02_batching.ipynb #6583e2c9
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                          window_size=(-1, -1)):
+    "torch 2.11's `varlen_attn`, `[T, H, D]` in and out, computed with sdpa per sequence (any dtype and device)."
+    if return_aux is not None: raise ValueError("reference_varlen_attn computes no auxiliary outputs (return_aux).")
+    if query.shape[1] != key.shape[1]:      # as torch 2.11: grouped-query attention needs enable_gqa (2.12)
+        raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={query.shape[1]} "
+                         f"and Hkv={key.shape[1]}.")
+    bq, bk = cu_seq_q.tolist(), (cu_seq_q if cu_seq_k is None else cu_seq_k).tolist()
+    outs = [_seq_attention(query[a:b].transpose(0, 1), key[c:d].transpose(0, 1), value[c:d].transpose(0, 1), scale,
+                           window_size).transpose(0, 1)
+            for a, b, c, d in zip(bq, bq[1:], bk, bk[1:])]
+    return torch.cat(outs)
+
+# %% ../nbs/02_batching.ipynb #0457e29d
+import inspect
+
+VARLEN_KERNELS: dict = {}       # device type -> a kernel with torch 2.11's varlen_attn signature, ahead of torch's own
+
+def varlen_signature_ok(fn) -> bool:
+    "Whether `fn` takes `scale` and `window_size` as keywords (torch >= 2.11's `varlen_attn`; 2.10's has neither)."
+    params = inspect.signature(fn).parameters
+    return "scale" in params and "window_size" in params
+
+def varlen_kernel(device_type: str):
+    "The variable-length attention kernel for `device_type` (torch's on CUDA, torch >= 2.11, capability >= 8.0), else None."
+    if device_type in VARLEN_KERNELS: return VARLEN_KERNELS[device_type]
+    if device_type != "cuda": return None
+    try: from torch.nn.attention.varlen import varlen_attn
+    except ImportError: return None                         # torch < 2.10
+    if not varlen_signature_ok(varlen_attn): return None    # torch 2.10: no scale, no causal window
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)): return None
+    return varlen_attn
+
+def varlen_available(device_type: str) -> bool:
+    "Whether a variable-length attention kernel runs on `device_type` (see `varlen_kernel`)."
+    return varlen_kernel(device_type) is not None
+
+# %% ../nbs/02_batching.ipynb #9641901c
+def _refuse_packed(what: str):
+    raise ValueError(f"packed attention ({PACKED_ATTENTION!r}) {what}; train this model with batching='bucketed'.")
+
+def _check_packed_call(query, key, attention_mask, dropout, kwargs):
+    "Refuse what one packed causal row cannot compute, naming it."
+    if query.shape[0] != 1: _refuse_packed(f"takes one packed row, got a batch of {query.shape[0]} (generation uses sdpa)")
+    if attention_mask is not None: _refuse_packed("takes no attention mask (a padded batch, or generation, uses sdpa)")
+    if query.shape[2] != key.shape[2]: _refuse_packed(f"needs as many keys as queries, got {query.shape[2]} queries and "
+                                                       f"{key.shape[2]} keys (a KV cache: generation uses sdpa)")
+    if dropout: _refuse_packed(f"has no attention dropout, and this model asks for {dropout}")
+    if kwargs.get("softcap") is not None: _refuse_packed("has no logit soft-capping, which this model uses")
+    if kwargs.get("s_aux") is not None: _refuse_packed("has no attention sinks (s_aux), which this model uses")
+
+# %% ../nbs/02_batching.ipynb #323cfbcd
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     "Causal attention within each packed sequence of a `[1, H, T, D]` row (the `AttentionInterface` signature)."
+    _check_packed_call(query, key, attention_mask, dropout, kwargs)
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None: cu, longest = packed_seq_info(kwargs["position_ids"])
-    if query.shape[0] != 1: raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}.")
-    groups = query.shape[1] // key.shape[1]            # grouped-query attention: repeat the key/value heads
-    if groups > 1: key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):      # the flash kernel's dtypes
-        from torch.nn.attention.varlen import varlen_attn
-        out = varlen_attn(q, k.contiguous(), v.contiguous(), cu.to(q.device), cu.to(q.device), longest, longest,
-                          scale=scaling, window_size=(-1, 0))          # (-1, 0): causal
-    else:
-        bounds = cu.tolist()
-        out = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                                        is_causal=True, scale=scaling).transpose(0, 1)
-                         for a, b in zip(bounds, bounds[1:])])
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):                 # rotary gives q, k in float32 under autocast: the compute dtype
+        dt = torch.get_autocast_dtype(dev); query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    kernel = varlen_kernel(dev) if query.dtype in (torch.bfloat16, torch.float16) else None    # flash: half types only
+    kernel = kernel or reference_varlen_attn
+    gqa = "enable_gqa" in inspect.signature(kernel).parameters
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not gqa: key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))      # [T, H, D]
+    window = (kwargs["sliding_window"] - 1, 0) if kwargs.get("sliding_window") else (-1, 0)   # (left, 0): causal
+    cu = cu.to(q.device)
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, **({"enable_gqa": True} if gqa else {}))
     return out[None], None                                             # [1, T, H, D], no attention weights
 
+# %% ../nbs/02_batching.ipynb #d1365cff
 def register_packed_attention() -> str:
     "Register `packed_attention` with transformers under `PACKED_ATTENTION` (idempotent); returns the name."
     from transformers import AttentionInterface
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     return PACKED_ATTENTION
 
-# %% ../nbs/02_batching.ipynb #d5303abb
+# %% ../nbs/02_batching.ipynb #f749588e
+from contextlib import contextmanager
+
+@contextmanager
+def sdpa_while(model):
+    "While inside, a model that trains with packed attention attends with sdpa (for `generate`); restored on the way out."
+    was = model.config._attn_implementation
+    if was != PACKED_ATTENTION: yield model; return
+    model.set_attn_implementation("sdpa")
+    try: yield model
+    finally: model.set_attn_implementation(was)
+
+# %% ../nbs/02_batching.ipynb #bc690859
+_SINK_MODELS = {"gpt_oss"}             # attention sinks (s_aux) in every layer
+
+def packed_refusal(model_config) -> str | None:
+    "Why packed attention cannot compute this model's attention (soft-capping, sinks, dropout), or None."
+    if model_config is None: return None
+    if getattr(model_config, "attn_logit_softcapping", None): return "it soft-caps attention logits (attn_logit_softcapping)"
+    if getattr(model_config, "model_type", None) in _SINK_MODELS: return "its attention has sinks (s_aux)"
+    if getattr(model_config, "attention_dropout", 0.0): return f"it uses attention dropout ({model_config.attention_dropout})"
+    return None
+
+# %% ../nbs/02_batching.ipynb #ad871453
 def _flash_attn_2_available() -> bool:
     "Whether transformers can use FlashAttention 2 (the `flash_attn` package on a CUDA build)."
     from transformers.utils import is_flash_attn_2_available
     return bool(is_flash_attn_2_available())
 
-def choose_layout(requested: str, device_type: str, precision: str = "bf16") -> str:
+def choose_layout(requested: str, device_type: str, precision: str = "bf16", model_config=None) -> str:
     "`packed` or `bucketed` as requested; `auto`: packed on CUDA with a variable-length kernel (bf16 compute), else bucketed."
     _check_layout(requested, ("auto",) + LAYOUTS)
+    why = packed_refusal(model_config)
+    if requested == "packed" and why: _refuse_packed(f"cannot compute this model's attention: {why}")
     if requested != "auto": return requested
     fast = device_type == "cuda" and precision == "bf16" and (varlen_available(device_type) or _flash_attn_2_available())
-    return "packed" if fast else "bucketed"
+    return "packed" if fast and not why else "bucketed"
 
 def attn_implementation_for(layout: str, device_type: str) -> str:
     "The attention implementation to load the model with for `layout` on `device_type`."
     _check_layout(layout)
-    if layout != "packed" or device_type != "cuda": return "sdpa"
-    if varlen_available(device_type): return register_packed_attention()   # float32 falls back to sdpa per sequence
-    return "flash_attention_2" if _flash_attn_2_available() else "sdpa"
+    if layout != "packed": return "sdpa"
+    if varlen_available(device_type): return register_packed_attention()   # float32 falls back to the reference
+    return "flash_attention_2" if device_type == "cuda" and _flash_attn_2_available() else "sdpa"
