@@ -14,22 +14,22 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
-from .core import patch
+from .core import patch, require_torch
 from .runstore import ends_mid_line, write_json_atomic
 from .rundir import CKPT_MARKER, SCHEMA_VERSION, TRAINER_STATE, Event, RankState, RunPaths, complete_checkpoints
 from . import data as D
 from . import batching as B
 
 # %% auto #0
-__all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'DistEnv', 'init_distributed', 'node_name',
-           'machines_in_effect', 'load_data', 'plan_steps', 'load_whole_model', 'checkpointing_in_effect', 'wrap_model',
-           'unwrap', 'local_param_count', 'build_empty_model', 'enable_checkpointing', 'tied_duplicates', 'materialize',
-           'shard_model', 'checkpoint_dir', 'fill_from_checkpoint', 'fill_from_rank0', 'setup_model', 'make_optimizer',
-           'make_scheduler', 'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints',
-           'load_checkpoint', 'chunked_loss_head', 'hidden_states_out', 'train_step', 'evaluate', 'all_reduce_sum',
-           'prompt_messages', 'reshard', 'generate_samples', 'write_samples', 'stop_requested', 'is_collective_error',
-           'record_rank', 'run', 'data_seen_by_ranks', 'write_final', 'Attempt', 'setup_attempt', 'quiet_progress_bars',
-           'main']
+__all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'DistEnv', 'process_group_backend', 'init_distributed',
+           'node_name', 'machines_in_effect', 'load_data', 'plan_steps', 'model_config', 'load_whole_model',
+           'checkpointing_in_effect', 'wrap_model', 'unwrap', 'local_param_count', 'build_empty_model',
+           'enable_checkpointing', 'tied_duplicates', 'materialize', 'run_mesh', 'shard_model', 'checkpoint_dir',
+           'fill_from_checkpoint', 'fill_from_rank0', 'setup_model', 'make_optimizer', 'make_scheduler',
+           'MetricsWriter', 'log_line', 'save_hf', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint',
+           'chunked_loss_head', 'hidden_states_out', 'train_step', 'evaluate', 'all_reduce_sum', 'prompt_messages',
+           'reshard', 'generate_samples', 'write_samples', 'stop_requested', 'is_collective_error', 'record_rank',
+           'run', 'data_seen_by_ranks', 'write_final', 'Attempt', 'setup_attempt', 'quiet_progress_bars', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -65,12 +65,19 @@ class DistEnv:
     machine_rank: int = 0
     nodes: tuple = ()
 
-# %% ../nbs/05_worker.ipynb #94a9e7d9
+# %% ../nbs/05_worker.ipynb #7e0d1b7e
+def process_group_backend(device_type: str, cpu_offload: bool = False) -> str:
+    "The process group's backend: gloo on CPU, nccl on CUDA, both when FSDP offloads to the CPU (its gradients live there)."
+    if device_type != "cuda": return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+# %% ../nbs/05_worker.ipynb #607068a3
 def init_distributed(cfg: TrainConfig) -> DistEnv:
     "Initialise the process group and return what is in effect; raise if it is not what `cfg` asked for."
     from accelerate import PartialState
     device_type = resolve_device(cfg)
-    state = PartialState(cpu=device_type == "cpu")
+    pg_backend = process_group_backend(device_type, cfg.cpu_offload)
+    state = PartialState(cpu=device_type == "cpu", **({"backend": pg_backend} if device_type == "cuda" else {}))
     world = state.num_processes
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
     if world != cfg.num_processes:
@@ -78,7 +85,7 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
                            f"(distributed type {state.distributed_type}). Launch with `accelerate launch --multi_gpu "
                            f"--num_processes {cfg.num_processes}` (ilab_nb's launcher does this).")
     if cfg.strategy == "fsdp" and world == 1 and backend is None:   # FSDP on one device (to offload, say): a group of one
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        backend = pg_backend
         if device_type == "cuda": torch.cuda.set_device(state.local_process_index)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if cfg.strategy in ("fsdp", "ddp") and world > 1 and backend is None:
@@ -146,6 +153,12 @@ def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str) -> list[
         epoch += 1
         if epochs_wanted is not None and epoch >= epochs_wanted: return steps
 
+# %% ../nbs/05_worker.ipynb #0451747a
+def model_config(cfg: TrainConfig):
+    "The model's Hugging Face config (its `config.json`, no weights read)."
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+
 # %% ../nbs/05_worker.ipynb #d5f071e1
 def load_whole_model(cfg: TrainConfig, layout: str, device_type: str):
     "The model, in float32, with the attention kernel the layout needs."
@@ -193,12 +206,12 @@ def local_param_count(model) -> int:
     "Parameters this rank holds (its shard under FSDP)."
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
-# %% ../nbs/05_worker.ipynb #db9821e8
+# %% ../nbs/05_worker.ipynb #f42b98c2
 def build_empty_model(cfg: TrainConfig, attn_implementation: str):
     "The model with float32 parameters on the meta device (no memory), real buffers, and its weights tied."
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    from transformers import AutoModelForCausalLM
+    config = model_config(cfg)
     with init_empty_weights(include_buffers=False):       # buffers (rotary inv_freq) are computed, parameters are not
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
                                                  attn_implementation=attn_implementation)
@@ -229,7 +242,13 @@ def materialize(model, device):
         for n, b in model.named_buffers(): b.copy_(buffers[n])
     return model
 
-# %% ../nbs/05_worker.ipynb #4e8ac0ac
+# %% ../nbs/05_worker.ipynb #e2256a8e
+def run_mesh(env: DistEnv):
+    "The one-dimensional device mesh of the run's ranks, on the run's device type (never the machine's accelerator)."
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(env.device_type, (env.world_size,))
+
+# %% ../nbs/05_worker.ipynb #6fbd27bd
 def shard_model(model, cfg: TrainConfig, env: DistEnv) -> dict:
     "FSDP2 on each block then the root, with the mixed-precision and offload policies `cfg` asks for; returns them."
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
@@ -240,10 +259,11 @@ def shard_model(model, cfg: TrainConfig, env: DistEnv) -> dict:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16"
           else MixedPrecisionPolicy())                    # bf16: gather and compute in bf16, keep fp32 master weights, reduce in fp32
     offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    mesh = run_mesh(env)
     for m in blocks:
         if cfg.torch_compile: m.compile()                  # per block, before sharding (as torchtitan does)
-        fully_shard(m, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)   # the root is needed at once in backward
+        fully_shard(m, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)   # the root is needed at once in backward
     return dict(mixed_precision=dict(param_dtype="bfloat16", reduce_dtype="float32", master="float32") if cfg.precision == "bf16" else None,
                 cpu_offload=cfg.cpu_offload, torch_compile="per block" if cfg.torch_compile else None, blocks=len(blocks))
 
@@ -393,7 +413,7 @@ def save_hf(model, tokenizer, out_dir: Path, env, state_dict=None):
         finally: hf.config.use_cache = False
         tokenizer.save_pretrained(out_dir)
 
-# %% ../nbs/05_worker.ipynb #39aaa0ed
+# %% ../nbs/05_worker.ipynb #4679da62
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, tokenizer, env, trainer_state: dict) -> Path:
     "Write `checkpoints/step-N` atomically: HF model, sharded model+optimizer state, per-rank extras, marker."
     import torch.distributed.checkpoint as dcp
@@ -407,7 +427,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, token
     save_hf(model, tokenizer, tmp, env)
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "distributed"))
-    torch.save(dict(scheduler=scheduler.state_dict(), step=step, rng=_rng_state()), tmp / "extra" / f"rank-{env.rank}.pt")
+    torch.save(dict(scheduler=scheduler.state_dict(), step=step, rng=_rng_state(env)), tmp / "extra" / f"rank-{env.rank}.pt")
     _barrier(env)
     if env.rank == 0:
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
@@ -424,14 +444,18 @@ def prune_checkpoints(run_dir: Path, limit: int | None):
     for p in old: shutil.rmtree(p)
     return old
 
-# %% ../nbs/05_worker.ipynb #2952bc8f
-def _rng_state():
-    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+# %% ../nbs/05_worker.ipynb #18a1ee93
+def _rng_state(env):
+    "This rank's RNG states: Python, NumPy, torch's CPU generator and its own GPU's (never every visible GPU's)."
+    cuda = torch.cuda.get_rng_state(env.device) if env.device_type == "cuda" else None
+    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(), cuda=cuda)
 
-def _set_rng_state(s):
+def _set_rng_state(s, env):
+    "Restore `_rng_state`; a GPU state goes to this rank's own GPU (old checkpoints kept a list of every GPU's)."
     random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+    cuda = s.get("cuda")
+    if isinstance(cuda, (list, tuple)): cuda = cuda[env.local_rank] if env.local_rank < len(cuda) else None
+    if cuda is not None and env.device_type == "cuda": torch.cuda.set_rng_state(cuda, env.device)
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     "Restore model, optimizer, scheduler and RNG from a complete checkpoint; returns its step."
@@ -446,7 +470,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     extra_path = ckpt / "extra" / f"rank-{env.rank}.pt"
     if not extra_path.exists(): extra_path = ckpt / "extra" / "rank-0.pt"   # resumed with another world size
     extra = torch.load(extra_path, weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"]); _set_rng_state(extra["rng"])
+    scheduler.load_state_dict(extra["scheduler"]); _set_rng_state(extra["rng"], env)
     return int(extra["step"])
 
 # %% ../nbs/05_worker.ipynb #48c29cfd
@@ -542,7 +566,7 @@ def reshard(model):
     for m in model.modules():
         if isinstance(m, FSDPModule): m.reshard()
 
-# %% ../nbs/05_worker.ipynb #8c18e5b6
+# %% ../nbs/05_worker.ipynb #2461dad3
 @torch.no_grad()
 def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autocast=nullcontext) -> list[dict]:
     "Greedy answers to `prompts`, `[{prompt, answer}]`; every rank must call it with the same prompts."
@@ -553,7 +577,7 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autoca
     try:
         x = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(env.device)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        with autocast():
+        with B.sdpa_while(hf), autocast():       # packed attention computes no cache and no padded batch
             out = hf.generate(**x, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad,
                               eos_token_id=tokenizer.eos_token_id, synced_gpus=env.world_size > 1)
         answers = tokenizer.batch_decode(out[:, x["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -603,7 +627,7 @@ def record_rank(run_dir, rank: int, attempt: int, status: str, **fields):
         d.mkdir(exist_ok=True); write_json_atomic(RunPaths(run_dir).rank_account(rank), rec)
     except OSError as e: print(f"[ilab_nb.worker] could not record rank {rank} {status}: {e}", file=sys.stderr, flush=True)
 
-# %% ../nbs/05_worker.ipynb #ed11e35e
+# %% ../nbs/05_worker.ipynb #02f183e5
 def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     "Train the run in `run_dir` to completion or to a stop request; returns `completed` or `stopped`."
     run_dir = Path(run_dir).resolve()
@@ -612,12 +636,13 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     metrics = MetricsWriter(RunPaths(run_dir).metrics, run_dir.name, attempt, enabled=rank == 0)
     record_rank(run_dir, rank, attempt, RankState.running)
     try:
+        require_torch()
         metrics = open_trackers(metrics, run_dir, cfg, rank)      # report_to: TensorBoard / MLflow get the same records
         env = init_distributed(cfg)
         env = dataclasses.replace(env, **machines_in_effect(cfg, env))
         if cfg.strategy == "single" and env.world_size != 1: raise RuntimeError("strategy='single' runs exactly one process.")
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
-        layout = B.choose_layout(cfg.batching, env.device_type, cfg.precision)
+        layout = B.choose_layout(cfg.batching, env.device_type, cfg.precision, model_config(cfg))
         return _train(run_dir, cfg, env, layout, metrics, resume)
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
