@@ -17,12 +17,12 @@ from .core import patch
 from .rundir import Event, RankState, RunPaths, State, tail_lines
 
 # %% auto #0
-__all__ = ['STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'DeviceSlots', 'machine_args', 'free_port',
-           'accelerate_command', 'launch_env', 'describe_exit', 'torchrun_failures', 'torchrun_root_cause',
-           'rank_records', 'failing_rank', 'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor',
-           'main']
+__all__ = ['ACCELERATE_CONFIG', 'STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'visible_devices',
+           'cuda_request', 'DeviceSlots', 'machine_args', 'free_port', 'accelerate_command', 'launch_env',
+           'write_accelerate_config', 'describe_exit', 'torchrun_failures', 'torchrun_root_cause', 'rank_records',
+           'failing_rank', 'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor', 'main']
 
-# %% ../nbs/06_launcher.ipynb #eb8fd883
+# %% ../nbs/06_launcher.ipynb #341b8dac
 def locks_dir(path=None) -> Path:
     "Directory of the machine's device locks and queue: `path`, else `$ILAB_NB_LOCKS`, else `~/.cache/ilab_nb/locks`."
     return Path(path or os.environ.get("ILAB_NB_LOCKS") or Path.home() / ".cache" / "ilab_nb" / "locks").expanduser().absolute()
@@ -31,8 +31,9 @@ def cpu_slots() -> int:
     "How many CPU processes may train at once on this machine: `$ILAB_NB_CPU_SLOTS`, else the core count."
     return max(1, int(os.environ.get("ILAB_NB_CPU_SLOTS") or os.cpu_count() or 1))
 
-def device_request(kind, num_processes, devices=None, gpu_count=None, oversubscribe=False) -> dict:
+def device_request(kind, num_processes, devices=None, gpus=None, oversubscribe=False) -> dict:
     "The slots a run needs: `{kind, pool, need}`; a CPU run takes one CPU slot per process, or every slot when `oversubscribe`."
+    if kind == "cuda": return cuda_request(num_processes, devices, gpus)
     if kind == "cpu":
         n = cpu_slots(); req = {"kind": "cpu", "pool": [f"cpu-{i}" for i in range(n)], "need": min(num_processes, n)}
         if num_processes <= n: return req
@@ -40,9 +41,26 @@ def device_request(kind, num_processes, devices=None, gpu_count=None, oversubscr
             raise ValueError(f"{num_processes} CPU processes need {num_processes} CPU slots, but this machine has {n} "
                              "($ILAB_NB_CPU_SLOTS or the core count); lower num_processes or set oversubscribe_cpus=True.")
         return {**req, "oversubscribed": True, "ranks": num_processes}
-    if kind != "cuda": raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
-    if devices: return {"kind": "cuda", "pool": [f"gpu-{i}" for i in devices], "need": len(devices)}
-    return {"kind": "cuda", "pool": [f"gpu-{i}" for i in range(gpu_count or num_processes)], "need": num_processes}
+    raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
+
+# %% ../nbs/06_launcher.ipynb #e8836372
+def visible_devices() -> list[str] | None:
+    "This process's `CUDA_VISIBLE_DEVICES` entries (indices or `GPU-`/`MIG-` UUIDs), or None when every GPU is visible."
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if mask is None else [d.strip() for d in mask.split(",") if d.strip()]
+
+def cuda_request(num_processes, devices=None, gpus=None) -> dict:
+    "The GPU slots of a run: visible indices `devices` (else the first `num_processes`), named and masked as the machine sees them."
+    gpus = {g["index"]: g for g in gpus or []}
+    mask = visible_devices()
+    chosen = list(devices) if devices else list(range(len(gpus) or num_processes))
+    def entry(i): return mask[i] if mask is not None and i < len(mask) else str(i)   # what the children's mask says
+    def name(i):
+        uuid = (gpus.get(i) or {}).get("uuid")
+        return f"gpu-{uuid}" if uuid else f"gpu-{entry(i)}"
+    pool = [name(i) for i in chosen]
+    return {"kind": "cuda", "pool": pool, "need": len(devices) if devices else num_processes,
+            "visible": {name(i): entry(i) for i in chosen}}
 
 # %% ../nbs/06_launcher.ipynb #afb096da
 class DeviceSlots:
@@ -143,7 +161,7 @@ def machine_args(cfg) -> list:
         out += ["--rdzv_conf", "is_host=" + (str(int(r == "0")) if r.isdigit() else f"$(( {r.lstrip('$')} == 0 ))")]
     return out
 
-# %% ../nbs/06_launcher.ipynb #83d18482
+# %% ../nbs/06_launcher.ipynb #ccc23a84
 def free_port() -> int:
     "A TCP port that is free on this machine right now."
     with socket.socket() as s:
@@ -154,7 +172,8 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     n = int(cfg.get("num_processes", 1))
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if cfg.get("accelerate_config"): cmd += ["--config_file", str(cfg["accelerate_config"])]
-    else: cmd += ["--num_machines", str(cfg.get("num_machines") or 1), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    else: cmd += ["--config_file", str(RunPaths(run_dir).accelerate_config), "--num_machines", str(cfg.get("num_machines") or 1),
+                  "--mixed_precision", "no", "--dynamo_backend", "no"]
     if n > 1:
         cmd += ["--multi_gpu", "--num_processes", str(n), "--main_process_port", str(port or cfg.get("main_process_port") or free_port())]
     elif cfg.get("device") == "cpu": cmd += ["--cpu", "--num_processes", "1"]
@@ -173,11 +192,34 @@ def _env(run_dir) -> dict:
     return {**os.environ, RUN_ENV: str(Path(run_dir).absolute()), "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([pkg_parent] + pp)}
 
-def launch_env(run_dir, kind, slots) -> dict:
-    "Environment of the launched processes: tagged with the run dir; `CUDA_VISIBLE_DEVICES` for CUDA slots."
+def launch_env(run_dir, request, slots) -> dict:
+    "Environment of the launched processes: tagged with the run dir; for CUDA slots, the mask entries of those GPUs."
     env = _env(run_dir)
-    if kind == "cuda": env["CUDA_VISIBLE_DEVICES"] = ",".join(s.split("-", 1)[1] for s in slots)
+    if request["kind"] == "cuda":
+        visible = request.get("visible") or {}       # requests written before GPUs had stable names: gpu-<index>
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible.get(s) or s.split("-", 1)[1] for s in slots)
     return env
+
+# %% ../nbs/06_launcher.ipynb #0c7f74eb
+ACCELERATE_CONFIG = """\
+# written by ilab_nb: the run's own accelerate config, so no user default config changes its launch;
+# the command line gives the processes, machines and port.
+compute_environment: LOCAL_MACHINE
+distributed_type: 'NO'
+mixed_precision: 'no'
+use_cpu: false
+debug: false
+gpu_ids: all
+num_machines: 1
+num_processes: 1
+"""
+
+def write_accelerate_config(run_dir) -> Path:
+    "Write the run's neutral accelerate config (`RunPaths.accelerate_config`) if it is not there; returns its path."
+    p = RunPaths(run_dir).accelerate_config
+    if not p.exists():
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp"); tmp.write_text(ACCELERATE_CONFIG); os.replace(tmp, p)
+    return p
 
 # %% ../nbs/06_launcher.ipynb #885b4471
 def describe_exit(code) -> str:
@@ -385,9 +427,10 @@ def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
         return self._conclude(offset, reader, events)
     finally: log.close()
 
-# %% ../nbs/06_launcher.ipynb #577068a8
+# %% ../nbs/06_launcher.ipynb #5c1c5809
 @patch
 def _launch(self:Supervisor, cfg, request, slots) -> tuple:
+    write_accelerate_config(self.run_dir)
     cmd = accelerate_command(self.run_dir, {**cfg, "device": request["kind"]}, self.attempt, self.resume,
                              worker_module=self.worker_module)
     self._beat(status=State.starting, slots=slots, command=cmd)
@@ -396,7 +439,7 @@ def _launch(self:Supervisor, cfg, request, slots) -> tuple:
     log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0)
     offset = log.tell()
     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
-                                 env=launch_env(self.run_dir, request["kind"], slots), process_group=0,
+                                 env=launch_env(self.run_dir, request, slots), process_group=0,
                                  close_fds=True, preexec_fn=_die_with_parent)
     self._beat(launcher={**ProcessRef.of(self.proc.pid).to_dict(), "pgid": self.proc.pid})
     self.running = False

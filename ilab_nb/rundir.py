@@ -98,6 +98,8 @@ class RunPaths:
     final_tmp = property(lambda self: self.root / ".tmp-final", doc="Where `final/` is written before its rename.")
     tensorboard = property(lambda self: self.root / "tensorboard", doc="TensorBoard's event files (unless `logging_dir` says).")
     mlflow_run = property(lambda self: self.root / "mlflow.json", doc="The MLflow run this run logs to, for a resumed attempt.")
+    accelerate_config = property(lambda self: self.root / "accelerate.yaml",
+                                 doc="The run's own `accelerate launch` config: no user default config applies.")
 
 # %% ../nbs/00_rundir.ipynb #f9d4aff1
 @patch

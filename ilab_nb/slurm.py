@@ -11,7 +11,8 @@ from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
 from .rundir import CKPT_MARKER, Event, RankState, RunPaths, State
 from .monitor import tail_lines
-from .launcher import accelerate_command, describe_exit, torchrun_failures, rank_records, STOP_GRACE_S
+from .launcher import (accelerate_command, describe_exit, torchrun_failures, rank_records, write_accelerate_config,
+                              STOP_GRACE_S)
 
 # %% auto #0
 __all__ = ['SHARED_FS', 'ENDED', 'SlurmError', 'slurm', 'fs_type', 'partition_hosts', 'check_shared', 'partitions',
@@ -174,6 +175,7 @@ def script_name(attempt) -> str: return RunPaths(".").slurm_script(attempt).name
 def submit(cfg: TrainConfig, run_dir, attempt=1, resume=None) -> str:
     "Write the batch script of this attempt into `run_dir`, submit it, and return the job id."
     p = Path(run_dir) / script_name(attempt)
+    write_accelerate_config(run_dir)                 # the nodes' accelerate launch reads no user default config
     p.write_text(sbatch_script(cfg, run_dir, attempt, resume)); p.chmod(0o755)
     out = slurm("sbatch", "--parsable", str(p)).strip()
     job = out.splitlines()[-1].split(";")[0] if out else ""
