@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools, inspect, typing
 
 # %% auto #0
-__all__ = ['patch_to', 'patch']
+__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'require_torch']
 
 # %% ../nbs/00_core.ipynb #5960fd12
 def patch_to(cls, as_prop: bool = False, cls_method: bool = False):
@@ -28,3 +28,19 @@ def patch(f=None, *, as_prop: bool = False, cls_method: bool = False):
     if cls is inspect.Parameter.empty: cls = None
     if not isinstance(cls, type): raise TypeError(f"@patch needs `{first.name}` annotated with a class in {f.__name__}")
     return patch_to(cls, as_prop=as_prop, cls_method=cls_method)(f)
+
+# %% ../nbs/00_core.ipynb #6ef3d54e
+import importlib.metadata, re
+
+TORCH_FLOOR = (2, 9)
+
+def _installed_version(name: str) -> str: return importlib.metadata.version(name)
+
+def require_torch(floor: tuple = TORCH_FLOOR):
+    "Raise a RuntimeError saying what needs it when the installed torch is older than `floor`."
+    v = _installed_version("torch")
+    have = tuple(int(x) for x in re.findall(r"\d+", v)[:2])
+    if have < tuple(floor):
+        raise RuntimeError(f"ilab_nb needs torch >= {'.'.join(map(str, floor))} (checkpoints are written by "
+                           "torch.distributed.checkpoint's HuggingFaceStorageWriter with save_distributed and "
+                           f"enable_consolidation); this environment has torch {v}. Upgrade torch.")
