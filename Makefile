@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test setup sync-check nbtest pytest browser-deps slurm-deps clean-venv
+.PHONY: demo test setup sync-check nbtest pytest browser-deps slurm-deps clean-venv gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
@@ -50,3 +50,24 @@ pytest: setup browser-deps slurm-deps
 	$(BIN)/python -m pytest tests -q -ra --durations=25
 
 test: sync-check nbtest pytest
+
+# The GPU check (tools/gpu_check.py: CUDA tests, a short run of each CUDA option, bench/bench_gpu.py, one summary).
+# The GPU machine to plan for has no network and lacks these packages, so their wheels are fetched here, for its
+# Python, into an ignored folder that travels with the working tree; the versions are this venv's.
+GPU_WHEELS := .gpu-wheels
+GPU_PY_VERSION ?= 3.12
+GPU_PKGS := pydantic pydantic_core annotated_types typing_inspection datasets dill multiprocess
+
+gpu-wheels: setup
+	@rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
+	  --platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $$($(BIN)/python -c "import importlib.metadata as m; \
+	  print(' '.join(f'{p}=={m.version(p)}' for p in '$(GPU_PKGS)'.split()))")
+	@ls $(GPU_WHEELS)
+
+# On the GPU machine, with its own Python and CUDA torch: the wheels into .gpu-site/, ilab_nb from the tree.
+GPU_PY ?= python3
+gpu-check:
+	@if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then rm -rf .gpu-site && \
+	  $(GPU_PY) -m pip install -q --no-index --no-deps --target .gpu-site $(GPU_WHEELS)/*.whl; fi
+	PYTHONPATH=$(CURDIR):$(CURDIR)/.gpu-site $(GPU_PY) tools/gpu_check.py --out gpu-check

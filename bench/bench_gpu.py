@@ -6,9 +6,11 @@ Prints tokens/s, MFU (with its formula) and peak device memory, and writes a mar
     python bench/bench_gpu.py                 # on a CUDA machine: all local GPUs; writes bench/results_gpu.md
     python bench/bench_gpu.py --tiny          # CPU smoke run (2 gloo ranks, tiny model, fp32): keeps the script alive
 
-MFU = (6 N + 12 L d s) x tokens/s / (devices x peak dense bf16 FLOP/s), with N the parameters outside the
-embedding, L layers, d hidden size and s the mean length of the sequences attended over (the PaLM appendix B count:
-6N for the matrix products forward and backward, 12 L d s for attention scores and values).
+MFU = (6 N + 12 L d s) x tokens/s / (devices x peak dense bf16 FLOP/s), with N the parameters in the matrix
+products of one token (every parameter but the input embedding's lookup; the output layer counted even where it is
+tied to the input embedding, as in this bench's model), L layers, d hidden size and s the mean length of the
+sequences attended over (the PaLM appendix B count: 6N for the matrix products forward and backward, 12 L d s for
+attention scores and values).
 """
 import argparse, datetime, json, os, sys, tempfile, time
 from contextlib import nullcontext
@@ -20,8 +22,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PEAK_BF16 = {"H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
-             "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+# Dense bf16 tensor-core peaks from the vendor's data sheets (the sparse figures are twice these). The longest name
+# that the device's name contains wins: "NVIDIA H200 NVL" is an H200 NVL (835), "NVIDIA H200" an SXM one (989).
+PEAK_BF16 = {"H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12,
+             "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+
+
+def peak_for(name):
+    "The dense bf16 peak of the GPU called `name` (torch.cuda.get_device_name), or None if unknown."
+    hits = [k for k in PEAK_BF16 if k in name]
+    return PEAK_BF16[max(hits, key=len)] if hits else None
+
+
+def matmul_params(model):
+    "Parameters in one token's matrix products: all but the input embedding (a lookup); a tied output layer counts."
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())          # a tied weight is one parameter, counted once
+    return total - emb.numel() + (head.numel() if head is emb else 0)
+
+
+def flops_per_token(n_matmul, layers, hidden, s_mean):
+    "Training FLOPs per token (forward and backward): 6 N for the matrix products, 12 L d s for attention."
+    return 6 * n_matmul + 12 * layers * hidden * s_mean
 
 
 def shapes(tiny):
@@ -37,9 +59,10 @@ def lengths(n, seed, hi):
 def peak_flops(tiny):
     if tiny or not torch.cuda.is_available(): return 1e12, "CPU: no meaningful peak, 1 TFLOP/s assumed"
     name = torch.cuda.get_device_name()
-    for k, v in PEAK_BF16.items():
-        if k in name: return v, f"{name}: {v / 1e12:.0f} TFLOP/s dense bf16"
-    return float(os.environ.get("PEAK_TFLOPS", "0")) * 1e12 or 1e12, f"{name}: unknown peak (set PEAK_TFLOPS)"
+    if os.environ.get("PEAK_TFLOPS"): return float(os.environ["PEAK_TFLOPS"]) * 1e12, f"{name}: PEAK_TFLOPS={os.environ['PEAK_TFLOPS']}"
+    v = peak_for(name)
+    if v: return v, f"{name}: {v / 1e12:.0f} TFLOP/s dense bf16"
+    return 1e12, f"{name}: unknown peak (set PEAK_TFLOPS)"
 
 
 def rank_main(a):
@@ -71,8 +94,7 @@ def rank_main(a):
         cfg = TrainConfig(model=str(model_dir), data=["unused"], device=device.type, num_processes=world, strategy="fsdp",
                           precision="bf16" if cuda else "fp32", batching=layout, max_tokens_per_batch=budget, max_seq_len=min(budget, 2048))
         model, info = W.setup_model(cfg, env, layout)
-        n_embed = model.get_input_embeddings().weight.numel()
-        N = sum(p.numel() for p in model.parameters()) - n_embed
+        N = matmul_params(model)
         opt = W.make_optimizer(model, cfg)
         plan = B.plan_epoch(lens, budget, world, layout, seed=0, epoch=0)[: a.steps + a.warmup]
         if cuda: torch.cuda.reset_peak_memory_stats(); torch.cuda.synchronize()
@@ -88,7 +110,7 @@ def rank_main(a):
         if cuda: torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         s_mean = attended / max(tok, 1)                      # token-weighted mean sequence length
-        fpt = 6 * N + 12 * L * d * s_mean
+        fpt = flops_per_token(N, L, d, s_mean)
         tps = tok / dt
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
         mems = [None] * world; dist.all_gather_object(mems, mem)
@@ -102,7 +124,8 @@ def rank_main(a):
         head = (f"# Training throughput, {'tiny Llama on CPU (smoke run)' if a.tiny else '~1B Llama'}, FSDP2\n\n"
                 f"`python bench/bench_gpu.py{' --tiny' if a.tiny else ''}`, {datetime.date.today()}, {world} x {dev}, torch {torch.__version__}, "
                 f"token budget {budget} per device per micro-batch, {rows[0]['steps']} timed steps after {a.warmup} warm-up.\n\n"
-                f"MFU = (6 N + 12 L d s) x tokens/s / ({world} x peak); N = {rows[0]['N']:,} parameters outside the embedding, "
+                f"MFU = (6 N + 12 L d s) x tokens/s / ({world} x peak); N = {rows[0]['N']:,} parameters in the matrix products "
+                f"(the tied output layer included, the input embedding's lookup not), "
                 f"L = {L}, d = {d}, s = token-weighted mean sequence length; peak: {peak_note}.\n\n"
                 "| layout | attention | tokens/s | MFU | FLOPs/token | s | peak device memory GiB | load | mixed precision |\n|---|---|---|---|---|---|---|---|---|\n")
         text = head + "\n".join(f"| {r['layout']} | {r['attn']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f} % | {r['flops_per_token']:.3g} | "

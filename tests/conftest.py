@@ -8,6 +8,38 @@ import pytest
 
 TRAIN_LINES = 200   # a slice of the demo's training data keeps tokenization and start-up short
 
+# A user's accelerate default config that would change every launch if `accelerate launch` read it: GPU ids that
+# override CUDA_VISIBLE_DEVICES (and refuse --multi_gpu with fewer than two), DeepSpeed for one-process launches,
+# fp16, four processes, inductor. Every launch of the suite runs under it (HF_HOME points at it), so every run that
+# does what its config says shows the launch depends on no default config.
+HOSTILE_ACCELERATE_DEFAULT = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+gpu_ids: '1'
+mixed_precision: fp16
+num_processes: 4
+num_machines: 1
+use_cpu: false
+debug: false
+dynamo_config:
+  dynamo_backend: INDUCTOR
+deepspeed_config:
+  zero_stage: 3
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hostile_accelerate_default(tmp_path_factory):
+    "HF_HOME with the hostile `accelerate/default_config.yaml` above, for every process the suite starts."
+    home = tmp_path_factory.mktemp("hf_home")
+    (home / "accelerate").mkdir()
+    (home / "accelerate" / "default_config.yaml").write_text(HOSTILE_ACCELERATE_DEFAULT)
+    old = os.environ.get("HF_HOME")
+    os.environ["HF_HOME"] = str(home)
+    yield home
+    if old is None: os.environ.pop("HF_HOME", None)
+    else: os.environ["HF_HOME"] = old
+
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):

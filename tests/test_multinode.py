@@ -3,7 +3,7 @@ gloo on CPU), built by the launcher's own `accelerate_command`, train one real F
 import json, os, subprocess, sys
 
 from ilab_nb.config import TrainConfig
-from ilab_nb.launcher import accelerate_command, free_port
+from ilab_nb.launcher import accelerate_command, free_port, write_accelerate_config
 
 
 def test_two_machines_one_process_each_shard_one_fsdp_run(tmp_path, demo, small_train):
@@ -16,6 +16,7 @@ def test_two_machines_one_process_each_shard_one_fsdp_run(tmp_path, demo, small_
     d = {**cfg.model_dump(mode="json"), "device": "cpu"}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ILAB_NB_RUN_DIR": str(rd)}
     machines = []
+    write_accelerate_config(rd)           # what the supervisor writes before a launch: no user default config applies
     for rank in (1, 0):      # the second machine first: it must wait for the first at the rendezvous
         cmd = accelerate_command(rd, {**d, "machine_rank": rank})
         assert cmd[cmd.index("--machine_rank") + 1] == str(rank) and cmd[cmd.index("--num_processes") + 1] == "2"

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from ilab_nb.config import TrainConfig
 from ilab_nb.demo import demo_assets
 from ilab_nb import worker
-from ilab_nb.launcher import free_port
+from ilab_nb.launcher import accelerate_command, free_port, write_accelerate_config
 
 BIN = Path(sys.executable).parent
 
@@ -35,10 +35,9 @@ def launch(rd: Path, nproc: int, *extra, expect_ok=True, in_process=False):
     if in_process:
         assert nproc == 1 and not extra
         return worker.run(rd)
-    if nproc > 1:
-        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-               "-m", "ilab_nb.worker", str(rd), *extra]
+    if nproc > 1:       # the launcher's own command line and neutral accelerate config (conftest's default is hostile)
+        write_accelerate_config(rd)
+        cmd = accelerate_command(rd, {"num_processes": nproc, "device": "cpu"})[:-2] + list(extra or ("--attempt", "1"))
     else:
         cmd = [sys.executable, "-m", "ilab_nb.worker", str(rd), *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
