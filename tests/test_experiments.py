@@ -7,7 +7,7 @@ import pytest
 
 from ilab_nb.monitor import RunMonitor
 from ilab_nb.rundir import schema_problems
-from ilab_nb.session import FineTuneSession
+from ilab_nb import FineTuneSession      # with the sweep grown onto it (ilab_nb.sweep)
 from conftest import wait_until
 
 pytestmark = pytest.mark.timeout(400)

@@ -123,18 +123,18 @@ def test_generation_from_a_packed_model_with_several_prompts_and_a_cache(monkeyp
 def test_gpu_slots_follow_the_parent_mask(monkeypatch, tmp_path, demo, small_train):
     """Under CUDA_VISIBLE_DEVICES=2,3 (faked GPU query), a run on visible GPU 1 locks that GPU by its UUID and its
     processes see the machine's GPU 3; bf16 is judged on that GPU only, not on an older GPU 0."""
-    from ilab_nb import session as S
+    from ilab_nb import session as S, preflight as P
     from ilab_nb.launcher import launch_env
     gpus = [dict(index=0, name="Tesla V100", total_bytes=32 * 2**30, capability=[7, 0], uuid="GPU-old"),
             dict(index=1, name="NVIDIA H200", total_bytes=140 * 2**30, capability=[9, 0], uuid="GPU-new")]
-    monkeypatch.setattr(S, "query_gpus", lambda force=False: gpus)
+    monkeypatch.setattr(P, "query_gpus", lambda force=False: gpus)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     s = S.FineTuneSession(model=str(demo.model_dir), data=str(small_train), device="cuda", devices=[1], num_processes=1,
                           strategy="single", precision="bf16", runs_root=tmp_path / "runs")
     req = s._request()
     assert req["pool"] == ["gpu-GPU-new"] and req["need"] == 1, req
     assert launch_env(tmp_path, req, req["pool"])["CUDA_VISIBLE_DEVICES"] == "3"
-    with pytest.raises(S.PreflightError, match=r"Tesla V100 \(GPU 0"):
+    with pytest.raises(P.PreflightError, match=r"Tesla V100 \(GPU 0"):
         S.FineTuneSession(model=str(demo.model_dir), data=str(small_train), device="cuda", num_processes=1,
                           strategy="single", precision="bf16", runs_root=tmp_path / "runs")
 

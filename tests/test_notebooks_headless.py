@@ -1,8 +1,8 @@
-"""The tutorial (nbs/11_tutorial.ipynb) executed headless with nbclient, storing widget state, as a user's
+"""The tutorial (nbs/12_tutorial.ipynb) executed headless with nbclient, storing widget state, as a user's
 kernel would run it: real runs (2 CPU processes each), the live dashboards, stop, resume, compare, load_model.
 
 nbdev_test skips the tutorial's training cells (`#| notest`); this test runs all of them. The executed
-notebook is written to artifacts/11_tutorial.executed.ipynb (git-ignored) for inspection."""
+notebook is written to artifacts/12_tutorial.executed.ipynb (git-ignored) for inspection."""
 import base64
 import re
 import os
@@ -33,7 +33,7 @@ def widget_models(nb, name):
 
 def test_tutorial_executes_headless_with_live_widgets(runs_root, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    nb = nbformat.read(ROOT / "nbs" / "11_tutorial.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "nbs" / "12_tutorial.ipynb", as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True,
                             resources={"metadata": {"path": str(ROOT / "nbs")}})
     t0 = time.perf_counter()
@@ -41,7 +41,7 @@ def test_tutorial_executes_headless_with_live_widgets(runs_root, monkeypatch):
         client.execute()
     finally:
         (ROOT / "artifacts").mkdir(exist_ok=True)
-        nbformat.write(nb, ROOT / "artifacts" / "11_tutorial.executed.ipynb")
+        nbformat.write(nb, ROOT / "artifacts" / "12_tutorial.executed.ipynb")
     print(f"\n[measured] tutorial executed in {time.perf_counter() - t0:.1f} s")
 
     # the dashboards' progress bars: the resumed run, the second run and the attached one end complete (value == max)
