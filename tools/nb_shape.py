@@ -3,8 +3,8 @@
     python tools/nb_shape.py            # one line per notebook and a total
     python tools/nb_shape.py --worst 10 # also the longest exported cells
 
-Counts, per notebook: exported cells, their median and largest size (non-blank lines), how many are over 40
-lines, the share followed straight away by a check (the next code cell is not exported and asserts or calls a
+Counts, per notebook: exported cells, their median and largest size (non-blank lines), how many are over 30
+lines (the book's limit; data tables excepted by eye), the share followed straight away by a check (the next code cell is not exported and asserts or calls a
 test helper), and classes that subclass themselves (`class X(X):`) in the generated library. Outside
 `ilab_nb/rundir.py` (the run directory's contract), it lists every string constant that is a state name or
 names a file of the run directory: modules use `State` and `RunPaths` (and `Event`) instead.
@@ -58,13 +58,13 @@ def main():
         if not c: continue
         allc += [(nb.name, *x) for x in c]
         sizes = [n for n, _, _ in c]
-        rows.append((nb.name, len(c), statistics.median(sizes), max(sizes), sum(n > 40 for n in sizes),
+        rows.append((nb.name, len(c), statistics.median(sizes), max(sizes), sum(n > 30 for n in sizes),
                      sum(k for _, k, _ in c) / len(c)))
-    print(f"{'notebook':24} {'cells':>5} {'median':>6} {'max':>4} {'>40':>4} {'checked':>7}")
+    print(f"{'notebook':24} {'cells':>5} {'median':>6} {'max':>4} {'>30':>4} {'checked':>7}")
     for r in rows: print(f"{r[0]:24} {r[1]:5d} {r[2]:6.1f} {r[3]:4d} {r[4]:4d} {r[5]:7.0%}")
     sizes = [x[1] for x in allc]
     selfsub = sorted({m for p in Path("ilab_nb").glob("*.py") for m in re.findall(r"class (\w+)\(\1\)", p.read_text())})
-    print(f"\nall: {len(allc)} exported cells, median {statistics.median(sizes):.1f} lines, {sum(n > 40 for n in sizes)} over 40, "
+    print(f"\nall: {len(allc)} exported cells, median {statistics.median(sizes):.1f} lines, {sum(n > 30 for n in sizes)} over 30, "
           f"{sum(x[2] for x in allc) / len(allc):.0%} followed by a check; classes subclassing themselves: {selfsub or 'none'}")
     lits = contract_literals()
     print(f"state names and run-directory files spelled as literals outside rundir.py: {len(lits)}")
