@@ -12,51 +12,79 @@ from .core import require_torch
 from .launcher import cpu_slots
 
 # %% auto #0
-__all__ = ['PreflightError', 'tensor_sizes', 'check_disk', 'check_model', 'used_gpus', 'check_bf16', 'preflight_device',
-           'mount_of', 'check_runs_root', 'check_cpu_slots', 'resolve_hub_model', 'query_gpus', 'count_params',
-           'memory_estimate', 'check_memory', 'cluster_device', 'backend_preflight', 'preflight']
+__all__ = ['PreflightError', 'mount_of', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus', 'used_gpus',
+           'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_sizes', 'count_params', 'memory_estimate',
+           'check_memory', 'check_disk', 'cluster_device', 'backend_preflight', 'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
     "A problem found before the run was started (devices, disk, model)."
 
-# %% ../nbs/07_preflight.ipynb #f0edc35a
+# %% ../nbs/07_preflight.ipynb #4c52cdf3
+def mount_of(path) -> tuple:
+    "`(mount point, filesystem type)` of the filesystem that holds the existing `path`."
+    import psutil
+    p, best = os.path.realpath(path), ("/", "")
+    for part in psutil.disk_partitions(all=True):
+        m = part.mountpoint
+        if (p == m or p.startswith(m.rstrip("/") + "/")) and len(m) >= len(best[0]): best = (m, part.fstype)
+    return best
+
+# %% ../nbs/07_preflight.ipynb #dca63311
+_VIRTUAL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
+               "pstore", "efivarfs", "fusectl", "binfmt_misc", "mqueue", "autofs"}
+
+# %% ../nbs/07_preflight.ipynb #3fc9ac47
+def check_runs_root(root) -> Path:
+    "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
+    root = Path(root).expanduser().absolute(); p = root
+    while not os.path.lexists(p): p = p.parent
+    what = f"runs_root {root}" + (f": {p}" if p != root else "")
+    if p.is_symlink() and not p.exists():
+        raise PreflightError(f"{what} is a symbolic link to {os.readlink(p)}, which does not exist; choose another runs_root.")
+    if not p.is_dir():
+        raise PreflightError(f"{what} is a file, not a directory; choose a directory for the runs (runs_root= or $ILAB_NB_RUNS).")
+    mount, fs = mount_of(p)
+    if fs in _VIRTUAL_FS:
+        raise PreflightError(f"runs_root {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; "
+                             "choose a directory on a disk (runs_root= or $ILAB_NB_RUNS).")
+    try: fd, probe = tempfile.mkstemp(dir=p, prefix=".ilab_nb-probe-")
+    except OSError as e:
+        why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user (EACCES)",
+               errno.EPERM: "is not writable by this user (EPERM)"}.get(
+                   e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
+        raise PreflightError(f"{what} {why}; choose a writable directory (runs_root= or $ILAB_NB_RUNS).") from None
+    os.close(fd); os.unlink(probe)
+    return p
+
+# %% ../nbs/07_preflight.ipynb #17bc56c1
+def resolve_hub_model(model, timeout=5.0) -> str:
+    "`model` if it is a local path; for a hub id its folder in the local HF cache, else the id once the hub knows it."
+    from ilab_nb.data import _HUB_ID
+    if Path(model).expanduser().exists() or not _HUB_ID.match(model): return model
+    import huggingface_hub as hf
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    try: return hf.snapshot_download(model, local_files_only=True)
+    except HFValidationError as e: raise PreflightError(f"model={model!r} is not a local directory (relative paths are taken from "
+                                                         f"{Path.cwd()}) nor a valid hub id ({e}).") from None
+    except Exception: pass      # not in the cache
+    where = (f"model={model!r} is not a local directory (relative paths are taken from {Path.cwd()}) and not in the "
+             f"Hugging Face cache ({hf.constants.HF_HUB_CACHE})")
+    fix = "download the model where there is network and pass its local directory."
+    offline = hf.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")  # also set after import
+    if offline: raise PreflightError(f"{where}, and HF_HUB_OFFLINE is set, so the hub was not asked: {fix}")
+    try: hf.model_info(model, timeout=timeout)
+    except RepositoryNotFoundError: raise PreflightError(f"{where}, and the hub ({hf.constants.ENDPOINT}) has no public model of that "
+                                                         "name: check the name, or pass a local directory.") from None
+    except HfHubHTTPError: pass  # the hub answered (gated, rate-limited, ...): loading the tokenizer says more
+    except Exception as e: raise PreflightError(f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: "
+                                                f"{type(e).__name__}: {e}): {fix}") from None
+    return model
+
+# %% ../nbs/07_preflight.ipynb #ed2d8cfd
 def _weights_bytes(model_dir) -> int:
     p = Path(model_dir)
     return sum(f.stat().st_size for pat in ("*.safetensors", "*.bin", "*.pt") for f in p.glob(pat)) if p.is_dir() else 0
-
-def tensor_sizes(model_dir) -> dict:
-    "`{name: number of elements}` of every tensor in the model's safetensors files, read from their headers only."
-    import struct
-    out = {}
-    for f in sorted(Path(model_dir).expanduser().glob("*.safetensors")):
-        with open(f, "rb") as fh:      # the format: an 8-byte little-endian length, then that many bytes of JSON
-            n = struct.unpack("<Q", fh.read(8))[0]
-            if n > f.stat().st_size: raise ValueError(f"{f} is not a safetensors file (its header length is {n} bytes)")
-            header = json.loads(fh.read(n))
-        out.update({k: math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return out
-
-def _free_bytes(path) -> int:
-    p = Path(path).absolute()
-    while not p.exists(): p = p.parent
-    return shutil.disk_usage(p).free
-
-# %% ../nbs/07_preflight.ipynb #2ce05cf0
-def check_disk(cfg, runs_root) -> dict:
-    "Estimate the disk the run's checkpoints and final model need and compare it to what is free under `runs_root`."
-    w = _weights_bytes(cfg.model)
-    try: n = sum(tensor_sizes(cfg.model).values()) or w // 2
-    except Exception: n = w // 2                 # .bin files or an unreadable header: assume 16-bit files (the common case)
-    keep = cfg.save_total_limit or (min(3, max(1, cfg.max_steps // cfg.save_steps)) if cfg.save_steps and cfg.max_steps > 0 else 2)
-    per_ckpt, final = 16 * n, 4 * n
-    need, free = final + (keep + 1) * per_ckpt, _free_bytes(runs_root)
-    if need > free:
-        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {need / 2**30:.1f} GiB for {keep} checkpoint(s) "
-                             f"of {per_ckpt / 2**30:.2f} GiB and the final model ({final / 2**30:.2f} GiB in float32, "
-                             f"{n / 1e9:.2f}B parameters), but {free / 2**30:.1f} GiB is free. "
-                             "Free some space, choose another runs_root, or set save_total_limit.")
-    return {"weights_bytes": w, "params": n, "checkpoints_kept": keep, "need_bytes": need, "free_bytes": free}
 
 # %% ../nbs/07_preflight.ipynb #7eaf1ea1
 def check_model(cfg):
@@ -71,12 +99,31 @@ def check_model(cfg):
     if Path(cfg.model).expanduser().is_dir() and _weights_bytes(cfg.model) == 0:
         raise PreflightError(f"{cfg.model} has no weight files (*.safetensors or *.bin); save the model there with save_pretrained.")
 
-# %% ../nbs/07_preflight.ipynb #e9293cb5
+# %% ../nbs/07_preflight.ipynb #b9053ee4
+_GPU_QUERY = ("import json, torch\n"
+              "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+              "print(json.dumps([dict(index=i, name=torch.cuda.get_device_name(i), "
+              "total_bytes=torch.cuda.get_device_properties(i).total_memory,"
+              " capability=list(torch.cuda.get_device_capability(i)),"
+              " uuid=str(getattr(torch.cuda.get_device_properties(i), 'uuid', '') or '')) for i in range(n)]))")
+
+# %% ../nbs/07_preflight.ipynb #95f66694
+@functools.lru_cache(maxsize=1)
+def query_gpus(force: bool = False) -> list:
+    "Visible CUDA devices (index, name, total_bytes, capability, uuid), asked of a subprocess: this process never initialises CUDA."
+    if not force and not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")): return []   # no driver: no GPU
+    r = subprocess.run([sys.executable, "-c", _GPU_QUERY], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise PreflightError(f"could not query the CUDA devices (a subprocess running torch failed): {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+# %% ../nbs/07_preflight.ipynb #17216db4
 def used_gpus(cfg, gpus) -> list:
     "The GPUs of `gpus` (the query's, visible indices) the run trains on: `devices`, else the first `num_processes`."
     if cfg.devices: return [g for g in gpus if g["index"] in cfg.devices]
     return list(gpus)[:cfg.num_processes]
 
+# %% ../nbs/07_preflight.ipynb #c150f005
 def check_bf16(cfg, kind, gpus):
     "Refuse `precision='bf16'` on CPU, or when a GPU the run uses only emulates bf16 (compute capability < 8.0)."
     if cfg.precision != "bf16": return
@@ -106,45 +153,6 @@ def preflight_device(cfg) -> tuple:
     check_bf16(cfg, kind, gpus)
     return kind, n
 
-# %% ../nbs/07_preflight.ipynb #679cb617
-import errno, tempfile
-from .launcher import cpu_slots
-
-_VIRTUAL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
-               "pstore", "efivarfs", "fusectl", "binfmt_misc", "mqueue", "autofs"}
-
-def mount_of(path) -> tuple:
-    "`(mount point, filesystem type)` of the filesystem that holds the existing `path`."
-    import psutil
-    p, best = os.path.realpath(path), ("/", "")
-    for part in psutil.disk_partitions(all=True):
-        m = part.mountpoint
-        if (p == m or p.startswith(m.rstrip("/") + "/")) and len(m) >= len(best[0]): best = (m, part.fstype)
-    return best
-
-# %% ../nbs/07_preflight.ipynb #3fc9ac47
-def check_runs_root(root) -> Path:
-    "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
-    root = Path(root).expanduser().absolute(); p = root
-    while not os.path.lexists(p): p = p.parent
-    what = f"runs_root {root}" + (f": {p}" if p != root else "")
-    if p.is_symlink() and not p.exists():
-        raise PreflightError(f"{what} is a symbolic link to {os.readlink(p)}, which does not exist; choose another runs_root.")
-    if not p.is_dir():
-        raise PreflightError(f"{what} is a file, not a directory; choose a directory for the runs (runs_root= or $ILAB_NB_RUNS).")
-    mount, fs = mount_of(p)
-    if fs in _VIRTUAL_FS:
-        raise PreflightError(f"runs_root {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; "
-                             "choose a directory on a disk (runs_root= or $ILAB_NB_RUNS).")
-    try: fd, probe = tempfile.mkstemp(dir=p, prefix=".ilab_nb-probe-")
-    except OSError as e:
-        why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user (EACCES)",
-               errno.EPERM: "is not writable by this user (EPERM)"}.get(
-                   e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
-        raise PreflightError(f"{what} {why}; choose a writable directory (runs_root= or $ILAB_NB_RUNS).") from None
-    os.close(fd); os.unlink(probe)
-    return p
-
 # %% ../nbs/07_preflight.ipynb #b3c19ca9
 def check_cpu_slots(cfg, kind) -> dict:
     "`{cpu_slots, oversubscribed}` of a CPU run, refusing more processes than slots without `oversubscribe_cpus`."
@@ -158,50 +166,20 @@ def check_cpu_slots(cfg, kind) -> dict:
                              f"{cfg.num_processes} processes on {n} slot(s) anyway (slower; the run holds every slot).")
     return {"cpu_slots": n, "oversubscribed": cfg.num_processes > n}
 
-# %% ../nbs/07_preflight.ipynb #17bc56c1
-def resolve_hub_model(model, timeout=5.0) -> str:
-    "`model` if it is a local path; for a hub id its folder in the local HF cache, else the id once the hub knows it."
-    from ilab_nb.data import _HUB_ID
-    if Path(model).expanduser().exists() or not _HUB_ID.match(model): return model
-    import huggingface_hub as hf
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
-    try: return hf.snapshot_download(model, local_files_only=True)
-    except HFValidationError as e: raise PreflightError(f"model={model!r} is not a local directory (relative paths are taken from "
-                                                         f"{Path.cwd()}) nor a valid hub id ({e}).") from None
-    except Exception: pass      # not in the cache
-    where = (f"model={model!r} is not a local directory (relative paths are taken from {Path.cwd()}) and not in the "
-             f"Hugging Face cache ({hf.constants.HF_HUB_CACHE})")
-    fix = "download the model where there is network and pass its local directory."
-    offline = hf.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")  # also set after import
-    if offline: raise PreflightError(f"{where}, and HF_HUB_OFFLINE is set, so the hub was not asked: {fix}")
-    try: hf.model_info(model, timeout=timeout)
-    except RepositoryNotFoundError: raise PreflightError(f"{where}, and the hub ({hf.constants.ENDPOINT}) has no public model of that "
-                                                         "name: check the name, or pass a local directory.") from None
-    except HfHubHTTPError: pass  # the hub answered (gated, rate-limited, ...): loading the tokenizer says more
-    except Exception as e: raise PreflightError(f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: "
-                                                f"{type(e).__name__}: {e}): {fix}") from None
-    return model
+# %% ../nbs/07_preflight.ipynb #c33f2adc
+def tensor_sizes(model_dir) -> dict:
+    "`{name: number of elements}` of every tensor in the model's safetensors files, read from their headers only."
+    import struct
+    out = {}
+    for f in sorted(Path(model_dir).expanduser().glob("*.safetensors")):
+        with open(f, "rb") as fh:      # the format: an 8-byte little-endian length, then that many bytes of JSON
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if n > f.stat().st_size: raise ValueError(f"{f} is not a safetensors file (its header length is {n} bytes)")
+            header = json.loads(fh.read(n))
+        out.update({k: math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return out
 
-# %% ../nbs/07_preflight.ipynb #3d0606c3
-import functools, json, subprocess
-
-_GPU_QUERY = ("import json, torch\n"
-              "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
-              "print(json.dumps([dict(index=i, name=torch.cuda.get_device_name(i), "
-              "total_bytes=torch.cuda.get_device_properties(i).total_memory,"
-              " capability=list(torch.cuda.get_device_capability(i)),"
-              " uuid=str(getattr(torch.cuda.get_device_properties(i), 'uuid', '') or '')) for i in range(n)]))")
-
-@functools.lru_cache(maxsize=1)
-def query_gpus(force: bool = False) -> list:
-    "Visible CUDA devices (index, name, total_bytes, capability, uuid), asked of a subprocess: this process never initialises CUDA."
-    if not force and not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")): return []   # no driver: no GPU
-    r = subprocess.run([sys.executable, "-c", _GPU_QUERY], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        raise PreflightError(f"could not query the CUDA devices (a subprocess running torch failed): {r.stderr.strip()[-500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-# %% ../nbs/07_preflight.ipynb #f6b42ef9
+# %% ../nbs/07_preflight.ipynb #ae4418b3
 def count_params(model_dir) -> dict:
     "Parameters in the model's safetensors files, read from their headers only: total, largest block, and outside the blocks."
     import re
@@ -213,6 +191,7 @@ def count_params(model_dir) -> dict:
         else: root += n
     return dict(total=sum(sizes.values()), block=max(blocks.values(), default=0), root=root)
 
+# %% ../nbs/07_preflight.ipynb #bcb785fe
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False) -> dict:
     "Bytes per rank on the device and in host memory for training `params` (from `count_params`), before activations."
     n, w = params["total"], (world_size if strategy == "fsdp" else 1)
@@ -242,7 +221,29 @@ def check_memory(cfg, kind: str, gpus: list = ()) -> dict | None:
             "cpu_offload=True, or precision='bf16'; or set ignore_memory_estimate=True to start anyway.")
     return est
 
-# %% ../nbs/07_preflight.ipynb #11cddb48
+# %% ../nbs/07_preflight.ipynb #2fb709d8
+def _free_bytes(path) -> int:
+    p = Path(path).absolute()
+    while not p.exists(): p = p.parent
+    return shutil.disk_usage(p).free
+
+# %% ../nbs/07_preflight.ipynb #2ce05cf0
+def check_disk(cfg, runs_root) -> dict:
+    "Estimate the disk the run's checkpoints and final model need and compare it to what is free under `runs_root`."
+    w = _weights_bytes(cfg.model)
+    try: n = sum(tensor_sizes(cfg.model).values()) or w // 2
+    except Exception: n = w // 2                 # .bin files or an unreadable header: assume 16-bit files (the common case)
+    keep = cfg.save_total_limit or (min(3, max(1, cfg.max_steps // cfg.save_steps)) if cfg.save_steps and cfg.max_steps > 0 else 2)
+    per_ckpt, final = 16 * n, 4 * n
+    need, free = final + (keep + 1) * per_ckpt, _free_bytes(runs_root)
+    if need > free:
+        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {need / 2**30:.1f} GiB for {keep} checkpoint(s) "
+                             f"of {per_ckpt / 2**30:.2f} GiB and the final model ({final / 2**30:.2f} GiB in float32, "
+                             f"{n / 1e9:.2f}B parameters), but {free / 2**30:.1f} GiB is free. "
+                             "Free some space, choose another runs_root, or set save_total_limit.")
+    return {"weights_bytes": w, "params": n, "checkpoints_kept": keep, "need_bytes": need, "free_bytes": free}
+
+# %% ../nbs/07_preflight.ipynb #0c9a44b7
 def cluster_device(cfg) -> tuple:
     "(`'cpu'`|`'cuda'`, GPUs per node) that the nodes of a cluster run of `cfg` train on."
     g = cfg.slurm.gpus_per_node if cfg.slurm else None
@@ -250,6 +251,7 @@ def cluster_device(cfg) -> tuple:
     if cfg.device == "cuda": raise PreflightError("device='cuda' on SLURM needs slurm.gpus_per_node (GPUs per node, one process each).")
     return "cpu", 0
 
+# %% ../nbs/07_preflight.ipynb #1452d5c7
 def backend_preflight(cfg, runs_root) -> dict:
     "Checks of the backend that will run `cfg` (SLURM: sbatch, partition, nodes, shared runs root)."
     if cfg.backend == "local":
