@@ -24,16 +24,18 @@ from .core import patch
 __all__ = ['DataSources', 'ConfigError', 'InMemoryData', 'data_sources', 'SlurmOptions', 'config_problems', 'TrainConfig',
            'load_config']
 
-# %% ../nbs/00_config.ipynb #5cd73d1b
+# %% ../nbs/00_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f" — did you mean '{close[0]}'?" if close else f" (valid fields: {', '.join(valid)})"
     return f"unknown field '{key}'{hint}"
 
+# %% ../nbs/00_config.ipynb #4c7b1033
 def _show(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
 
+# %% ../nbs/00_config.ipynb #081f4dae
 class ConfigError(ValueError):
     "An invalid training config: `.errors` lists the problems, the message shows one per line."
     def __init__(self, errors: list[dict], source: str | None = None, key_lines: dict[str, int] | None = None):
@@ -50,28 +52,7 @@ class ConfigError(ValueError):
 
     def __reduce__(self): return (ConfigError, (self.errors, self.source, self.key_lines))
 
-    @classmethod
-    def from_validation_error(cls, err: ValidationError, source: str | None = None, key_lines=None) -> "ConfigError":
-        "Translate pydantic's errors into `field: message` problems."
-        valid = list(TrainConfig.model_fields)
-        out = []
-        for e in err.errors():
-            field = ".".join(str(p) for p in e["loc"])
-            if e["type"] == "extra_forbidden":
-                names = [f"slurm.{k}" for k in SlurmOptions.model_fields] if field.startswith("slurm.") else valid
-                out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, names), input=e.get("input")))
-            elif e["type"] == "config_conflict":   # raised by TrainConfig._check_combinations: one entry per problem
-                out += [dict(field=f, type="conflict", msg=m, input=None) for f, m in e["ctx"]["problems"]]
-            elif e["type"] == "missing":
-                desc = TrainConfig.model_fields[field].description if field in TrainConfig.model_fields else ""
-                out.append(dict(field=field, type="missing", msg=f"required field is missing ({desc})", input=None))
-            else:
-                msg = e["msg"].removeprefix("Value error, ")
-                if "input" in e and not isinstance(e["input"], dict): msg += f" (got {_show(e['input'])})"
-                out.append(dict(field=field, type=e["type"], msg=msg, input=e.get("input")))
-        return cls(out, source=source, key_lines=key_lines)
-
-# %% ../nbs/00_config.ipynb #8493be98
+# %% ../nbs/00_config.ipynb #c6285caa
 def _yaml_key_lines(text: str) -> dict[str, int]:
     "1-based line of each top-level key of a YAML mapping (empty when it cannot tell)."
     try: node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -79,6 +60,7 @@ def _yaml_key_lines(text: str) -> dict[str, int]:
     if not isinstance(node, yaml.MappingNode): return {}
     return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
 
+# %% ../nbs/00_config.ipynb #6aff9ad1
 def _json_key_lines(text: str) -> dict[str, int]:
     "1-based line of the first occurrence of each `\"key\":` (a good guess for flat JSON configs)."
     out = {}
@@ -86,9 +68,11 @@ def _json_key_lines(text: str) -> dict[str, int]:
         out.setdefault(m.group(1), text.count("\n", 0, m.start()) + 1)
     return out
 
+# %% ../nbs/00_config.ipynb #3709df65
 def _file_error(path, msg: str) -> ConfigError:
     return ConfigError([dict(field=None, type="file", msg=msg, input=str(path))], source=str(path))
 
+# %% ../nbs/00_config.ipynb #a585ba65
 def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int]]:
     "The mapping in a YAML/JSON file (format from the suffix unless `fmt`) and the line of each key."
     p = Path(path).expanduser()
@@ -117,7 +101,7 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
         raise _file_error(path, f"{path}: the top level must be a mapping of field: value, not {type(d).__name__}")
     return d, lines
 
-# %% ../nbs/00_config.ipynb #227ef302
+# %% ../nbs/00_config.ipynb #0b08574d
 _DESCRIPTIONS = dict(
     model="Model to fine-tune: a local Hugging Face model directory or a hub id.",
     data=("Training data: chat files (JSONL, JSON array, Parquet), directories of them, glob patterns, a directory saved "
@@ -166,10 +150,11 @@ _DESCRIPTIONS = dict(
     logging_dir="TensorBoard's event-file directory; None = `tensorboard/` in the run directory.",
 )
 
+# %% ../nbs/00_config.ipynb #c2e0e010
 def _f(name: str, default: Any = ..., **kw) -> Any:
     return Field(default, description=_DESCRIPTIONS[name], **kw)
 
-# %% ../nbs/00_config.ipynb #faee1b31
+# %% ../nbs/00_config.ipynb #7980d558
 class InMemoryData:
     "Chat data held by this process (a datasets.Dataset, a pandas DataFrame or a list of dicts), named for messages."
     def __init__(self, obj, kind: str, name: str): self.obj, self.kind, self.name, self.records = obj, kind, name, None
@@ -182,6 +167,7 @@ class InMemoryData:
         from pydantic_core import core_schema
         return core_schema.is_instance_schema(cls)
 
+# %% ../nbs/00_config.ipynb #a2bc1b02
 def _memory_kind(v) -> str | None:
     "'Dataset', 'DataFrame' or None; a DatasetDict or a streamed dataset is refused with what to do."
     ds, pd = sys.modules.get("datasets"), sys.modules.get("pandas")
@@ -195,6 +181,7 @@ def _memory_kind(v) -> str | None:
                          "e.g. datasets.Dataset.from_list(list(it.take(n)))")
     return None
 
+# %% ../nbs/00_config.ipynb #204ee13d
 def data_sources(v, field: str = "data") -> list:
     "What `data=`/`eval_data=` was given, as a list of paths (str) and `InMemoryData`."
     label = "the " if field == "data" else f"the {field} "
@@ -213,9 +200,10 @@ def data_sources(v, field: str = "data") -> list:
                                "a datasets.Dataset, a pandas DataFrame or a list of dicts")
     return out
 
+# %% ../nbs/00_config.ipynb #8ea8403f
 DataSources = Annotated[list[str | InMemoryData], BeforeValidator(lambda v, info: data_sources(v, info.field_name))]
 
-# %% ../nbs/00_config.ipynb #0c0b0fce
+# %% ../nbs/00_config.ipynb #219c7503
 _TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
 
 def _check_trackers_installed(names: list[str]) -> list[str]:
@@ -228,6 +216,7 @@ def _check_trackers_installed(names: list[str]) -> list[str]:
     if len(set(names)) != len(names): raise ValueError("a tracker is named twice")
     return names
 
+# %% ../nbs/00_config.ipynb #cbab0d53
 def _check_eval_prompts(prompts):
     "`prompts` if each is a non-empty string or a list of role/content messages ending with a user turn."
     if prompts is None: return prompts
@@ -382,31 +371,36 @@ class _ExperimentFields(_MachineFields):
     report_to: list[Literal["tensorboard", "mlflow"]] = _f("report_to", [])
     logging_dir: str | None = _f("logging_dir", None)
 
-# %% ../nbs/00_config.ipynb #69fbbba4
+# %% ../nbs/00_config.ipynb #a09466ad
 def _as_list(v): return [v] if isinstance(v, (str, os.PathLike)) else v
 
+# %% ../nbs/00_config.ipynb #3d9dde51
 def _fspaths(v):
     if isinstance(v, os.PathLike): return os.fspath(v)
     if isinstance(v, (list, tuple)): return [os.fspath(p) if isinstance(p, os.PathLike) else p for p in v]
     return v
 
+# %% ../nbs/00_config.ipynb #e4c83e68
 def _split_args(v): return shlex.split(v) if isinstance(v, str) else v
 
+# %% ../nbs/00_config.ipynb #7cf57a08
 def _report_to_list(v):
     if v is None or v == "none" or v == ["none"]: return []
     return [v] if isinstance(v, str) else v
 
-# %% ../nbs/00_config.ipynb #f2f42ae0
+# %% ../nbs/00_config.ipynb #5e28f9ad
 def _positive_steps(v: int) -> int:
     if v == 0 or v < -1: raise ValueError("must be a positive number of steps, or -1 to train for num_train_epochs")
     return v
 
+# %% ../nbs/00_config.ipynb #6f9a61bd
 def _distinct_gpus(v):
     if v is None: return v
     if any(d < 0 for d in v): raise ValueError("GPU indices must be >= 0")
     if len(set(v)) != len(v): raise ValueError("GPU indices must be distinct")
     return v
 
+# %% ../nbs/00_config.ipynb #562ac8e2
 def _existing_file(v):
     if v is not None and not Path(v).expanduser().is_file():
         raise ValueError(f"file not found (looked in {Path.cwd()}); give the path of an existing accelerate config YAML")
@@ -473,12 +467,31 @@ class TrainConfig(_ExperimentFields):
             if name in self.__dict__: self.__dict__[name] = old   # pydantic keeps the value when a model validator fails
             raise ConfigError.from_validation_error(e) from None
 
-# %% ../nbs/00_config.ipynb #9c3e26f9
+# %% ../nbs/00_config.ipynb #e3c51f2f
 @patch(cls_method=True)
-def from_kwargs(cls:TrainConfig, **kw: Any) -> TrainConfig:
-    "Build a config from keyword arguments."
-    return cls.from_dict(kw)
+def from_validation_error(cls:ConfigError, err: ValidationError, source: str | None = None, key_lines=None) -> "ConfigError":
+    "Translate pydantic's errors into `field: message` problems."
+    valid = list(TrainConfig.model_fields)
+    out = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            names = [f"slurm.{k}" for k in SlurmOptions.model_fields] if field.startswith("slurm.") else valid
+            out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, names), input=e.get("input")))
+        elif e["type"] == "config_conflict":   # raised by TrainConfig._check_combinations: one entry per problem
+            out += [dict(field=f, type="conflict", msg=m, input=None) for f, m in e["ctx"]["problems"]]
+        elif e["type"] == "missing":
+            desc = TrainConfig.model_fields[field].description if field in TrainConfig.model_fields else ""
+            out.append(dict(field=field, type="missing", msg=f"required field is missing ({desc})", input=None))
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            if "input" in e and not isinstance(e["input"], dict): msg += f" (got {_show(e['input'])})"
+            out.append(dict(field=field, type=e["type"], msg=msg, input=e.get("input")))
+    return cls(out, source=source, key_lines=key_lines)
 
+
+
+# %% ../nbs/00_config.ipynb #f7f485ed
 @patch(cls_method=True)
 def from_dict(cls:TrainConfig, d: dict, source: str | None = None) -> TrainConfig:
     "Build a config from a mapping; `source` (e.g. a file name) is named in errors."
@@ -486,6 +499,12 @@ def from_dict(cls:TrainConfig, d: dict, source: str | None = None) -> TrainConfi
         raise ConfigError([dict(field=None, type="file", msg=f"a config must be a mapping, not {type(d).__name__}", input=None)], source)
     try: return cls(**{str(k): v for k, v in d.items()})
     except ConfigError as e: raise ConfigError(e.errors, source) from None
+
+# %% ../nbs/00_config.ipynb #bacb96e0
+@patch(cls_method=True)
+def from_kwargs(cls:TrainConfig, **kw: Any) -> TrainConfig:
+    "Build a config from keyword arguments."
+    return cls.from_dict(kw)
 
 # %% ../nbs/00_config.ipynb #57037bda
 @patch(cls_method=True)
@@ -496,7 +515,7 @@ def from_file(cls:TrainConfig, path: str | os.PathLike, **overrides: Any) -> Tra
     try: return cls.from_dict({**d, **overrides})
     except ConfigError as e: raise ConfigError(e.errors, str(path), lines) from None
 
-# %% ../nbs/00_config.ipynb #3d74ce21
+# %% ../nbs/00_config.ipynb #90bc199f
 @patch(cls_method=True)
 def read_json(cls:TrainConfig, path: str | os.PathLike) -> TrainConfig:
     "Read a config written by `to_json` (e.g. a run directory's `config.json`)."
@@ -504,6 +523,7 @@ def read_json(cls:TrainConfig, path: str | os.PathLike) -> TrainConfig:
     try: return cls.from_dict(d)
     except ConfigError as e: raise ConfigError(e.errors, str(path), lines) from None
 
+# %% ../nbs/00_config.ipynb #484517c5
 @patch
 def to_json(self:TrainConfig, path: str | os.PathLike) -> Path:
     "Write `model_dump(mode='json')` to `path` (indent 2); returns the path."
