@@ -17,17 +17,9 @@ from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_
 from .preflight import PreflightError, preflight
 
 # %% auto #0
-__all__ = ['DevicesBusyError', 'FineTuneSession', 'write_memory_data']
+__all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError']
 
-# %% ../nbs/08_session.ipynb #2c8e58c6
-class DevicesBusyError(RuntimeError):
-    "The devices of a run started with `queue=False` are held or promised to another run."
-
-# %% ../nbs/08_session.ipynb #425272e3
-def _resolve_paths(cfg, config):
-    if isinstance(config, (str, os.PathLike)): cfg = cfg.resolved(Path(config).expanduser().absolute().parent)
-    return cfg.resolved(Path.cwd())
-
+# %% ../nbs/08_session.ipynb #a826efa4
 class FineTuneSession:
     """One background fine-tuning run of a Hugging Face causal LM.
 
@@ -55,7 +47,12 @@ class FineTuneSession:
         self.run_dir = self.store.run_dir(self.run_id)
         self.monitor = RunMonitor(self.run_dir)
 
-# %% ../nbs/08_session.ipynb #830aba83
+# %% ../nbs/08_session.ipynb #ebeab7bf
+def _resolve_paths(cfg, config):
+    if isinstance(config, (str, os.PathLike)): cfg = cfg.resolved(Path(config).expanduser().absolute().parent)
+    return cfg.resolved(Path.cwd())
+
+# %% ../nbs/08_session.ipynb #3f41b0de
 @patch(cls_method=True)
 def attach(cls:FineTuneSession, run_id, runs_root=None) -> FineTuneSession:
     "The session of an existing run, from any process (every metric recorded so far is readable)."
@@ -72,6 +69,7 @@ def attach(cls:FineTuneSession, run_id, runs_root=None) -> FineTuneSession:
     self.monitor.poll()
     return self
 
+# %% ../nbs/08_session.ipynb #55cbb589
 @patch(cls_method=True)
 def list_runs(cls:FineTuneSession, runs_root=None) -> list:
     "Every run under the runs root, oldest first: `{run_id, status, attempt, step, total_steps, loss, created_at, reason}`."
@@ -100,13 +98,14 @@ def write_memory_data(cfg, run_dir) -> TrainConfig:
                       for s in srcs]
     return cfg.model_copy(update=upd) if upd else cfg
 
-# %% ../nbs/08_session.ipynb #20454a74
+# %% ../nbs/08_session.ipynb #eab9de29
 @patch
 def _request(self:FineTuneSession) -> dict:
     kind = (self.preflight or {}).get("device") or ("cpu" if self.config.device == "cpu" else "cuda")
     return device_request(kind, self.config.num_processes, self.config.devices, (self.preflight or {}).get("gpus"),
                           oversubscribe=self.config.oversubscribe_cpus)
 
+# %% ../nbs/08_session.ipynb #86f14071
 @patch
 def start(self:FineTuneSession) -> FineTuneSession:
     "Start the run in the background and return at once."
@@ -125,6 +124,10 @@ def start(self:FineTuneSession) -> FineTuneSession:
     self._spawn(1)
     return self
 
+# %% ../nbs/08_session.ipynb #2c8e58c6
+class DevicesBusyError(RuntimeError):
+    "The devices of a run started with `queue=False` are held or promised to another run."
+
 # %% ../nbs/08_session.ipynb #33a43263
 @patch
 def _spawn(self:FineTuneSession, attempt, resume=None):
@@ -136,28 +139,31 @@ def _spawn(self:FineTuneSession, attempt, resume=None):
     try: self.store.write_state(self.run_id, supervisor=ref.to_dict())
     except StateError: pass   # it already finished
 
-# %% ../nbs/08_session.ipynb #fda0f0f2
+# %% ../nbs/08_session.ipynb #db9c5078
 @patch(as_prop=True)
 def state(self:FineTuneSession) -> dict:
     "The run's `state.json` after finalizing it if its supervisor is gone ({} before `start()`)."
     return self.store.refresh(self.run_id) if self.store.exists(self.run_id) else {}
 
+# %% ../nbs/08_session.ipynb #d12ddc3a
 @patch(as_prop=True)
 def status(self:FineTuneSession) -> str:
     "`created` (not started), `queued`, `starting`, `running`, `completed`, `failed`, `cancelled` (or `unreadable`)."
     return status_of(self.state)
 
+# %% ../nbs/08_session.ipynb #1806f19e
 @patch(as_prop=True)
 def reason(self:FineTuneSession):
     "Why the run failed or was cancelled (None otherwise)."
     return self.state.get("reason")
 
-# %% ../nbs/08_session.ipynb #b66f9b08
+# %% ../nbs/08_session.ipynb #e83219fa
 @patch
 def progress(self:FineTuneSession) -> dict:
     "`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` of the run so far."
     self.monitor.poll(); return self.monitor.progress()
 
+# %% ../nbs/08_session.ipynb #beeca34b
 @patch
 def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
     "Block until the run ends (tqdm bar when `progress`, default: in a terminal); returns the final status."
@@ -187,7 +193,7 @@ def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
     finally:
         if bar is not None: bar.close()
 
-# %% ../nbs/08_session.ipynb #fe0b1b29
+# %% ../nbs/08_session.ipynb #ca9ab779
 @patch
 def metrics(self:FineTuneSession, as_frame=False, kinds=("train", "eval")):
     "Train and eval records so far, in time order (`as_frame=True`: a pandas DataFrame)."
@@ -200,11 +206,13 @@ def metrics(self:FineTuneSession, as_frame=False, kinds=("train", "eval")):
         return pd.DataFrame(recs)
     return recs
 
+# %% ../nbs/08_session.ipynb #20b42ea2
 @patch
 def logs(self:FineTuneSession, n=50, rank=None) -> str:
     "The last `n` lines of the most relevant log (the failing rank's, else rank 0's, else the supervisor's), or of `rank`."
     return "\n".join(self.monitor.log_tail(n, rank))
 
+# %% ../nbs/08_session.ipynb #a68e451b
 @patch(as_prop=True)
 def checkpoints(self:FineTuneSession) -> list:
     "Complete checkpoints: `{step, epoch, path, metrics}`, oldest first."
@@ -256,7 +264,7 @@ def resume(self:FineTuneSession) -> FineTuneSession:
     self._spawn(attempt, resume=ckpts[-1]["path"])
     return self
 
-# %% ../nbs/08_session.ipynb #63d94686
+# %% ../nbs/08_session.ipynb #44368007
 @patch
 def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     "The directory `load_model(checkpoint)` would load."
@@ -280,6 +288,7 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     if not (p / "config.json").exists(): raise FileNotFoundError(f"{p} is not a model directory (no config.json).")
     return p
 
+# %% ../nbs/08_session.ipynb #8acd2f89
 @patch
 def load_model(self:FineTuneSession, checkpoint=None, **kwargs):
     "`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path)."
@@ -289,7 +298,7 @@ def load_model(self:FineTuneSession, checkpoint=None, **kwargs):
     model = AutoModelForCausalLM.from_pretrained(p, trust_remote_code=trc, **kwargs)
     return model, AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
 
-# %% ../nbs/08_session.ipynb #9924123c
+# %% ../nbs/08_session.ipynb #74f96fe8
 @patch
 def __repr__(self:FineTuneSession):
     st = self.state; status = status_of(st)
@@ -300,6 +309,7 @@ def __repr__(self:FineTuneSession):
     if st.get("reason") and status != State.completed: s += f", reason={st['reason']!r}"
     return s + f", run_dir='{self.run_dir}')"
 
+# %% ../nbs/08_session.ipynb #b12ac0da
 @patch
 def dashboard(self:FineTuneSession, **kwargs):
     "The live ipywidgets dashboard of this run."
@@ -307,6 +317,7 @@ def dashboard(self:FineTuneSession, **kwargs):
     return Dashboard(RunMonitor(self.run_dir), on_stop=lambda: self.stop(wait=False), on_resume=self.resume,
                      status_fn=lambda: self.status, **kwargs)
 
+# %% ../nbs/08_session.ipynb #640c661b
 @patch
 def _ipython_display_(self:FineTuneSession):
     from IPython.display import display
@@ -315,6 +326,7 @@ def _ipython_display_(self:FineTuneSession):
     if d is None: print(repr(self))
     else: display(d)
 
+# %% ../nbs/08_session.ipynb #29362335
 @patch(cls_method=True)
 def compare(cls:FineTuneSession, runs, labels=None, **kwargs):
     "Overlay the loss curves of several runs (sessions, run dirs or monitors): see `ilab_nb.dashboard.compare`."
