@@ -22,15 +22,17 @@ __all__ = ['ACCELERATE_CONFIG', 'STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cp
            'write_accelerate_config', 'describe_exit', 'torchrun_failures', 'torchrun_root_cause', 'rank_records',
            'failing_rank', 'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor', 'main']
 
-# %% ../nbs/06_launcher.ipynb #341b8dac
+# %% ../nbs/06_launcher.ipynb #2f274475
 def locks_dir(path=None) -> Path:
     "Directory of the machine's device locks and queue: `path`, else `$ILAB_NB_LOCKS`, else `~/.cache/ilab_nb/locks`."
     return Path(path or os.environ.get("ILAB_NB_LOCKS") or Path.home() / ".cache" / "ilab_nb" / "locks").expanduser().absolute()
 
+# %% ../nbs/06_launcher.ipynb #38ee3038
 def cpu_slots() -> int:
     "How many CPU processes may train at once on this machine: `$ILAB_NB_CPU_SLOTS`, else the core count."
     return max(1, int(os.environ.get("ILAB_NB_CPU_SLOTS") or os.cpu_count() or 1))
 
+# %% ../nbs/06_launcher.ipynb #a036de0e
 def device_request(kind, num_processes, devices=None, gpus=None, oversubscribe=False) -> dict:
     "The slots a run needs: `{kind, pool, need}`; a CPU run takes one CPU slot per process, or every slot when `oversubscribe`."
     if kind == "cuda": return cuda_request(num_processes, devices, gpus)
@@ -43,12 +45,13 @@ def device_request(kind, num_processes, devices=None, gpus=None, oversubscribe=F
         return {**req, "oversubscribed": True, "ranks": num_processes}
     raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
 
-# %% ../nbs/06_launcher.ipynb #e8836372
+# %% ../nbs/06_launcher.ipynb #d0e475a8
 def visible_devices() -> list[str] | None:
     "This process's `CUDA_VISIBLE_DEVICES` entries (indices or `GPU-`/`MIG-` UUIDs), or None when every GPU is visible."
     mask = os.environ.get("CUDA_VISIBLE_DEVICES")
     return None if mask is None else [d.strip() for d in mask.split(",") if d.strip()]
 
+# %% ../nbs/06_launcher.ipynb #91320841
 def cuda_request(num_processes, devices=None, gpus=None) -> dict:
     "The GPU slots of a run: visible indices `devices` (else the first `num_processes`), named and masked as the machine sees them."
     gpus = {g["index"]: g for g in gpus or []}
@@ -81,7 +84,7 @@ def holder(self:DeviceSlots, name) -> dict | None:
     except Timeout: return read_json(self.dir / f"{name}.holder", {}) or {"run_id": "an unknown process"}
     lk.release(); return None
 
-# %% ../nbs/06_launcher.ipynb #0bda0ea5
+# %% ../nbs/06_launcher.ipynb #11219e31
 @patch
 def enqueue(self:DeviceSlots, run_id, request, owner=None) -> Path:
     "Write a ticket for `run_id` asking for `request`, owned by process `owner` (default: this one)."
@@ -91,6 +94,7 @@ def enqueue(self:DeviceSlots, run_id, request, owner=None) -> Path:
                               "time": time.time()})
     return p
 
+# %% ../nbs/06_launcher.ipynb #62777e3c
 @patch
 def tickets(self:DeviceSlots) -> list:
     "Live queue tickets, oldest first (dead ones are removed)."
@@ -103,7 +107,7 @@ def tickets(self:DeviceSlots) -> list:
         t["path"] = str(p); out.append(t)
     return out
 
-# %% ../nbs/06_launcher.ipynb #462810d1
+# %% ../nbs/06_launcher.ipynb #6e499fd2
 @patch
 def try_acquire(self:DeviceSlots, run_id, request, ticket=None, owner=None) -> list | None:
     "Take `request['need']` slots of its pool if it is this ticket's turn; returns the slot names, or None."
@@ -128,6 +132,7 @@ def try_acquire(self:DeviceSlots, run_id, request, ticket=None, owner=None) -> l
         if ticket is not None: Path(ticket).unlink(missing_ok=True)
         return [n for n, _ in got]
 
+# %% ../nbs/06_launcher.ipynb #a06fba26
 @patch
 def release(self:DeviceSlots):
     "Release every slot this object holds (dying releases them too)."
@@ -161,12 +166,13 @@ def machine_args(cfg) -> list:
         out += ["--rdzv_conf", "is_host=" + (str(int(r == "0")) if r.isdigit() else f"$(( {r.lstrip('$')} == 0 ))")]
     return out
 
-# %% ../nbs/06_launcher.ipynb #ccc23a84
+# %% ../nbs/06_launcher.ipynb #cc5b33d9
 def free_port() -> int:
     "A TCP port that is free on this machine right now."
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
+# %% ../nbs/06_launcher.ipynb #c8361424
 def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_module="ilab_nb.worker") -> list:
     "The `accelerate launch` argv for one attempt of the run in `run_dir` (`cfg`: the config.json dict + `device`)."
     n = int(cfg.get("num_processes", 1))
@@ -184,6 +190,7 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     if resume: cmd += ["--resume", str(resume)]
     return cmd
 
+# %% ../nbs/06_launcher.ipynb #5db16fc4
 def _env(run_dir) -> dict:
     "This environment, tagged with the run dir, and importing the same `ilab_nb` as this process."
     import ilab_nb
@@ -192,6 +199,7 @@ def _env(run_dir) -> dict:
     return {**os.environ, RUN_ENV: str(Path(run_dir).absolute()), "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([pkg_parent] + pp)}
 
+# %% ../nbs/06_launcher.ipynb #01732740
 def launch_env(run_dir, request, slots) -> dict:
     "Environment of the launched processes: tagged with the run dir; for CUDA slots, the mask entries of those GPUs."
     env = _env(run_dir)
@@ -200,7 +208,7 @@ def launch_env(run_dir, request, slots) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible.get(s) or s.split("-", 1)[1] for s in slots)
     return env
 
-# %% ../nbs/06_launcher.ipynb #0c7f74eb
+# %% ../nbs/06_launcher.ipynb #721ac020
 ACCELERATE_CONFIG = """\
 # written by ilab_nb: the run's own accelerate config, so no user default config changes its launch;
 # the command line gives the processes, machines and port.
@@ -214,6 +222,7 @@ num_machines: 1
 num_processes: 1
 """
 
+# %% ../nbs/06_launcher.ipynb #d44ccb90
 def write_accelerate_config(run_dir) -> Path:
     "Write the run's neutral accelerate config (`RunPaths.accelerate_config`) if it is not there; returns its path."
     p = RunPaths(run_dir).accelerate_config
@@ -221,7 +230,7 @@ def write_accelerate_config(run_dir) -> Path:
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp"); tmp.write_text(ACCELERATE_CONFIG); os.replace(tmp, p)
     return p
 
-# %% ../nbs/06_launcher.ipynb #885b4471
+# %% ../nbs/06_launcher.ipynb #bc18559d
 def describe_exit(code) -> str:
     "`exited with code 1`, or `was killed by signal SIGKILL` for negative codes."
     if code is None: return "ended in an unknown way"
@@ -233,6 +242,7 @@ def describe_exit(code) -> str:
         except ValueError: pass
     return f"exited with code {code}"
 
+# %% ../nbs/06_launcher.ipynb #633d3fcb
 def torchrun_failures(text) -> list[dict]:
     "Every rank in torchrun's last failure report in `text`: `{rank, exitcode, root}` (root: its first observed)."
     i = text.rfind("Root Cause (first observed failure)")
@@ -244,6 +254,7 @@ def torchrun_failures(text) -> list[dict]:
             out.append({"rank": int(m.group(1)), "exitcode": int(m.group(2)), "root": root})
     return out
 
+# %% ../nbs/06_launcher.ipynb #f4fbf49f
 def torchrun_root_cause(text) -> dict | None:
     "`{rank, exitcode}` of torchrun's 'Root Cause (first observed failure)' report in `text`, if any."
     return next(({"rank": f["rank"], "exitcode": f["exitcode"]} for f in torchrun_failures(text) if f["root"]), None)
@@ -287,19 +298,22 @@ def classify_exit(code, stop_requested=False, forced=False, events=(), superviso
     if stop_requested and forced: return State.cancelled
     return State.failed
 
-# %% ../nbs/06_launcher.ipynb #c73b9e01
-STOP_GRACE_S = 60.0    # after a stop request, how long the worker gets to checkpoint and exit before SIGTERM
-TERM_GRACE_S = 10.0    # after SIGTERM, how long before SIGKILL
-
+# %% ../nbs/06_launcher.ipynb #4587fc4c
 def _die_with_parent():
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     except Exception: pass
 
+# %% ../nbs/06_launcher.ipynb #15171653
 def _log(msg):
     try: print(f"[supervisor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
     except OSError: pass      # a full disk must not take the supervisor down with its log
+
+# %% ../nbs/06_launcher.ipynb #5a9d39a1
+STOP_GRACE_S = 60.0    # after a stop request, how long the worker gets to checkpoint and exit before SIGTERM
+
+TERM_GRACE_S = 10.0    # after SIGTERM, how long before SIGKILL
 
 class Supervisor:
     "Owns one attempt of one run: queue, launch, heartbeat, stop, exit classification."
@@ -315,7 +329,16 @@ class Supervisor:
 
     def _on_signal(self, signum, frame): self.signum = signum
 
-# %% ../nbs/06_launcher.ipynb #e49ff1ad
+# %% ../nbs/06_launcher.ipynb #1e518617
+@patch
+def _write_failed(self:Supervisor, e, what):
+    "Note a failed write (the first one that hit a full disk names `what`); keep the heartbeat by touching `.heartbeat`."
+    if getattr(e, "errno", None) == errno.ENOSPC and self.nospace is None:
+        self.nospace = what; _log(f"No space left on device while writing {what}; retrying")
+    try: os.utime(RunPaths(self.run_dir).heartbeat)
+    except OSError: pass
+
+# %% ../nbs/06_launcher.ipynb #f723bbc2
 @patch
 def _write(self:Supervisor, **kw):
     "Merge `kw` into the state; if the write fails (a full disk), keep the fields pending and touch `.heartbeat`."
@@ -326,19 +349,13 @@ def _write(self:Supervisor, **kw):
         self._write_failed(e, RunPaths(self.run_dir).state.name); self.pending = kw; return None
     self.pending = {}; return st
 
+# %% ../nbs/06_launcher.ipynb #5f3d5eda
 @patch
 def _beat(self:Supervisor, **kw):
     if kw or time.time() - self.last_hb >= HEARTBEAT_S:
         self._write(heartbeat_at=time.time(), **kw); self.last_hb = time.time()
 
-@patch
-def _write_failed(self:Supervisor, e, what):
-    "Note a failed write (the first one that hit a full disk names `what`); keep the heartbeat by touching `.heartbeat`."
-    if getattr(e, "errno", None) == errno.ENOSPC and self.nospace is None:
-        self.nospace = what; _log(f"No space left on device while writing {what}; retrying")
-    try: os.utime(RunPaths(self.run_dir).heartbeat)
-    except OSError: pass
-
+# %% ../nbs/06_launcher.ipynb #8f85e07b
 @patch
 def _event(self:Supervisor, event, **fields):
     "Append a lifecycle event unless the disk (or the run directory) refuses; never raise."
@@ -355,6 +372,30 @@ def _stop_requested(self:Supervisor):
         self._event(Event.stop_requested, attempt=self.attempt, by=body.get("by"))
         self._beat(stop_requested_at=self.stop_at)
     return self.stop_at is not None
+
+# %% ../nbs/06_launcher.ipynb #03b45963
+def disk_full_reason(reason, what, run_id) -> str:
+    "`reason` rewritten to lead with `No space left on device while writing <what>`."
+    rest = (reason or "").split(" failed: ", 1)[-1] if reason else ""
+    return f"Run {run_id} failed: No space left on device while writing {what}" + (f"; {rest}" if rest else ".")
+
+# %% ../nbs/06_launcher.ipynb #62783b6a
+_NOSPACE = re.compile(r"No space left on device|Errno 28|StorageFull")
+
+# %% ../nbs/06_launcher.ipynb #bfd33be8
+@patch
+def _nospace_what(self:Supervisor) -> str | None:
+    "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
+    texts = [str(e.get("error") or "") for e in self.events if e.get("event") == Event.failed]
+    for p in RunPaths(self.run_dir).rank_logs(): texts += tail_lines(p, 40)
+    for t in texts:
+        if _NOSPACE.search(t):
+            m = re.search(r"'(/[^']+)'", t)
+            if m:
+                try: return str(Path(m.group(1)).relative_to(self.run_dir))
+                except ValueError: return m.group(1)
+            return self.nospace or "the run directory (rank output)"
+    return self.nospace
 
 # %% ../nbs/06_launcher.ipynb #be32a06b
 @patch
@@ -398,34 +439,20 @@ def wait_for_devices(self:Supervisor, request) -> list | None:
         if got: return got
         self._beat(); time.sleep(max(self.poll_s, 0.5))
 
-# %% ../nbs/06_launcher.ipynb #fcb8c221
+# %% ../nbs/06_launcher.ipynb #366a8663
 @patch
-def run(self:Supervisor) -> int:
-    "Supervise the attempt to its end; returns 0 unless the run failed."
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, self._on_signal)
-    st = self.store.read_state(self.run_id)
-    RunPaths(self.run_dir).heartbeat.touch()     # while there is space: on a full disk the heartbeat becomes its mtime
-    p = RunPaths(self.run_dir)
-    try: self._beat(supervisor=self.me.to_dict(), supervisor_log=str(p.supervisor_log.relative_to(p.root)))
-    except StateError: _log("run is already final; nothing to do"); return 0
-    _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
-    cfg = read_json(RunPaths(self.run_dir).config, {}) or {}
-    request = st.get("request") or device_request("cpu", int(cfg.get("num_processes", 1)))
-    slots = self.wait_for_devices(request)
-    if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == State.cancelled else 1
-    try: return self._launch_and_watch(cfg, request, slots)
-    finally: self.slots.release()
+def _signal_group(self:Supervisor, sig):
+    try: os.killpg(self.proc.pid, sig)
+    except (ProcessLookupError, PermissionError): pass
 
+# %% ../nbs/06_launcher.ipynb #4e93c58d
 @patch
-def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
-    log, offset = self._launch(cfg, request, slots)
-    reader, events = MetricsReader(RunPaths(self.run_dir).metrics), self.events
-    try:
-        while self.proc.poll() is None:
-            if (code := self._watch(reader, events)) is not None: return code
-            time.sleep(self.poll_s)
-        return self._conclude(offset, reader, events)
-    finally: log.close()
+def _gone(self:Supervisor) -> int:
+    "The run directory was deleted: kill the run's process group and tagged processes; write nothing."
+    _log("the run directory was deleted: killing the run")
+    self._signal_group(signal.SIGKILL); self.proc.wait()
+    kill_run_processes(self.run_dir)
+    return 1
 
 # %% ../nbs/06_launcher.ipynb #5c1c5809
 @patch
@@ -469,27 +496,6 @@ def _watch(self:Supervisor, reader, events) -> int | None:
         self.proc.wait(); kill_run_processes(self.run_dir); return 1
     return None
 
-# %% ../nbs/06_launcher.ipynb #63afd9bd
-@patch
-def _conclude(self:Supervisor, offset, reader, events) -> int:
-    code = self.proc.returncode
-    left = kill_run_processes(self.run_dir)     # every process of the run is tagged; none may outlive it
-    if left: _log(f"killed {left} leftover process(es) of the run")
-    events += [r for r in reader.read_new() if r.get("attempt") == self.attempt and r.get("kind") == "event"]
-    status = classify_exit(code, self.stop_at is not None, self.forced, events, self.signum)
-    if status == State.completed: self._finish(status, exit_code=code)
-    elif status == State.cancelled:
-        self._finish(status, exit_code=code, forced=self.forced,
-                     reason="stopped on request" + (" (forced after the grace period)" if self.forced else ""))
-    else: self._finish(status, exit_code=code, **self._failure(code, offset, events))
-    return 0 if status != State.failed else 1
-
-# %% ../nbs/06_launcher.ipynb #366a8663
-@patch
-def _signal_group(self:Supervisor, sig):
-    try: os.killpg(self.proc.pid, sig)
-    except (ProcessLookupError, PermissionError): pass
-
 # %% ../nbs/06_launcher.ipynb #7d8e0b16
 @patch
 def _failure(self:Supervisor, code, offset, events) -> dict:
@@ -513,35 +519,50 @@ def _failure(self:Supervisor, code, offset, events) -> dict:
     return {"reason": f"Run {self.run_id} failed: " + "; ".join(why) + f". See {log}.", "failed_rank": rank,
             "log_tail": tail_lines(log, 20), "log_file": str(log.relative_to(self.run_dir))}
 
-# %% ../nbs/06_launcher.ipynb #60454cf3
-_NOSPACE = re.compile(r"No space left on device|Errno 28|StorageFull")
-
-def disk_full_reason(reason, what, run_id) -> str:
-    "`reason` rewritten to lead with `No space left on device while writing <what>`."
-    rest = (reason or "").split(" failed: ", 1)[-1] if reason else ""
-    return f"Run {run_id} failed: No space left on device while writing {what}" + (f"; {rest}" if rest else ".")
-
+# %% ../nbs/06_launcher.ipynb #63afd9bd
 @patch
-def _nospace_what(self:Supervisor) -> str | None:
-    "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
-    texts = [str(e.get("error") or "") for e in self.events if e.get("event") == Event.failed]
-    for p in RunPaths(self.run_dir).rank_logs(): texts += tail_lines(p, 40)
-    for t in texts:
-        if _NOSPACE.search(t):
-            m = re.search(r"'(/[^']+)'", t)
-            if m:
-                try: return str(Path(m.group(1)).relative_to(self.run_dir))
-                except ValueError: return m.group(1)
-            return self.nospace or "the run directory (rank output)"
-    return self.nospace
+def _conclude(self:Supervisor, offset, reader, events) -> int:
+    code = self.proc.returncode
+    left = kill_run_processes(self.run_dir)     # every process of the run is tagged; none may outlive it
+    if left: _log(f"killed {left} leftover process(es) of the run")
+    events += [r for r in reader.read_new() if r.get("attempt") == self.attempt and r.get("kind") == "event"]
+    status = classify_exit(code, self.stop_at is not None, self.forced, events, self.signum)
+    if status == State.completed: self._finish(status, exit_code=code)
+    elif status == State.cancelled:
+        self._finish(status, exit_code=code, forced=self.forced,
+                     reason="stopped on request" + (" (forced after the grace period)" if self.forced else ""))
+    else: self._finish(status, exit_code=code, **self._failure(code, offset, events))
+    return 0 if status != State.failed else 1
 
+# %% ../nbs/06_launcher.ipynb #60d989c1
 @patch
-def _gone(self:Supervisor) -> int:
-    "The run directory was deleted: kill the run's process group and tagged processes; write nothing."
-    _log("the run directory was deleted: killing the run")
-    self._signal_group(signal.SIGKILL); self.proc.wait()
-    kill_run_processes(self.run_dir)
-    return 1
+def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
+    log, offset = self._launch(cfg, request, slots)
+    reader, events = MetricsReader(RunPaths(self.run_dir).metrics), self.events
+    try:
+        while self.proc.poll() is None:
+            if (code := self._watch(reader, events)) is not None: return code
+            time.sleep(self.poll_s)
+        return self._conclude(offset, reader, events)
+    finally: log.close()
+
+# %% ../nbs/06_launcher.ipynb #eb54bc0c
+@patch
+def run(self:Supervisor) -> int:
+    "Supervise the attempt to its end; returns 0 unless the run failed."
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, self._on_signal)
+    st = self.store.read_state(self.run_id)
+    RunPaths(self.run_dir).heartbeat.touch()     # while there is space: on a full disk the heartbeat becomes its mtime
+    p = RunPaths(self.run_dir)
+    try: self._beat(supervisor=self.me.to_dict(), supervisor_log=str(p.supervisor_log.relative_to(p.root)))
+    except StateError: _log("run is already final; nothing to do"); return 0
+    _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
+    cfg = read_json(RunPaths(self.run_dir).config, {}) or {}
+    request = st.get("request") or device_request("cpu", int(cfg.get("num_processes", 1)))
+    slots = self.wait_for_devices(request)
+    if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == State.cancelled else 1
+    try: return self._launch_and_watch(cfg, request, slots)
+    finally: self.slots.release()
 
 # %% ../nbs/06_launcher.ipynb #7385f4a8
 def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None, worker_module=None) -> ProcessRef:
