@@ -34,7 +34,7 @@ def default_runs_root(root=None) -> Path:
     if root is None: root = os.environ.get("ILAB_NB_RUNS") or Path.home() / ".cache" / "ilab_nb" / "runs"
     return Path(root).expanduser().absolute()
 
-# %% ../nbs/03_runstore.ipynb #25bceb3f
+# %% ../nbs/03_runstore.ipynb #3a9f5729
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 def validate_run_id(run_id) -> str:
@@ -44,6 +44,7 @@ def validate_run_id(run_id) -> str:
                          "starting with a letter or digit (no '/', no '..', no leading '.').")
     return run_id
 
+# %% ../nbs/03_runstore.ipynb #03c158c6
 def new_run_id(name=None) -> str:
     "A new sortable run id: `YYYYMMDD-HHMMSS-xxxxxx[-name]`."
     rid = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
@@ -52,7 +53,7 @@ def new_run_id(name=None) -> str:
         if slug: rid += "-" + slug
     return validate_run_id(rid)
 
-# %% ../nbs/03_runstore.ipynb #dec1addd
+# %% ../nbs/03_runstore.ipynb #9bc7e70a
 @dataclass(frozen=True)
 class ProcessRef:
     "A process identified by pid and start time, robust to pid reuse."
@@ -71,20 +72,24 @@ class ProcessRef:
 
     def to_dict(self) -> dict: return asdict(self)
 
-    def process(self) -> "psutil.Process | None":
-        "The live `psutil.Process` this refers to, or None."
-        try:
-            p = psutil.Process(self.pid)
-            if abs(p.create_time() - self.create_time) > 0.05: return None
-            if p.status() == psutil.STATUS_ZOMBIE: return None
-            return p
-        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError): return None
+# %% ../nbs/03_runstore.ipynb #f301f3d9
+@patch
+def process(self:ProcessRef) -> "psutil.Process | None":
+    "The live `psutil.Process` this refers to, or None."
+    try:
+        p = psutil.Process(self.pid)
+        if abs(p.create_time() - self.create_time) > 0.05: return None
+        if p.status() == psutil.STATUS_ZOMBIE: return None
+        return p
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError): return None
 
-    def alive(self) -> bool:
-        "True only if the same process (pid and start time) is still running."
-        return self.process() is not None
+# %% ../nbs/03_runstore.ipynb #b8875086
+@patch
+def alive(self:ProcessRef) -> bool:
+    "True only if the same process (pid and start time) is still running."
+    return self.process() is not None
 
-# %% ../nbs/03_runstore.ipynb #3e880d30
+# %% ../nbs/03_runstore.ipynb #745c3f9a
 def write_json_atomic(path, obj):
     "Replace `path` with `obj` as JSON atomically (tmp file, fsync, rename, fsync dir)."
     path = Path(path); tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
@@ -100,6 +105,7 @@ def write_json_atomic(path, obj):
         finally: os.close(fd)
     except OSError: pass
 
+# %% ../nbs/03_runstore.ipynb #29abba40
 def ends_mid_line(path) -> bool:
     "Whether the file at `path` ends without a newline: its last writer was killed mid-line."
     try:
@@ -108,6 +114,7 @@ def ends_mid_line(path) -> bool:
             f.seek(-1, 2); return f.read(1) != b"\n"
     except OSError: return False
 
+# %% ../nbs/03_runstore.ipynb #027f0697
 def append_jsonl(path, obj):
     "Append one JSON object as one line (one write call), on a line of its own even after a torn last line."
     line = json.dumps(obj, default=str) + "\n"
@@ -121,7 +128,7 @@ def dir_lock(path):
     try: fcntl.flock(fd, fcntl.LOCK_EX); yield path
     finally: os.close(fd)
 
-# %% ../nbs/03_runstore.ipynb #a5f5efec
+# %% ../nbs/03_runstore.ipynb #e86d58ea
 RUN_ENV = "ILAB_NB_RUN_DIR"
 
 def run_processes(run_dir, launcher=None) -> list:
@@ -138,6 +145,7 @@ def run_processes(run_dir, launcher=None) -> list:
         except (psutil.Error, ProcessLookupError, PermissionError, OSError): pass
     return found
 
+# %% ../nbs/03_runstore.ipynb #9ccb5df0
 def kill_run_processes(run_dir, launcher=None, sig=signal.SIGKILL, timeout=5.0) -> int:
     "Send `sig` to every process of the run; wait up to `timeout` s for them to go. Returns how many were signalled."
     procs = run_processes(run_dir, launcher)
@@ -147,7 +155,7 @@ def kill_run_processes(run_dir, launcher=None, sig=signal.SIGKILL, timeout=5.0) 
     if procs: psutil.wait_procs(procs, timeout=timeout)
     return len(procs)
 
-# %% ../nbs/03_runstore.ipynb #d7eda3ad
+# %% ../nbs/03_runstore.ipynb #73ecd504
 class RunStore:
     "Run directories under a persistent root, with atomic `state.json` and append-only `events.jsonl`."
     def __init__(self, root=None):
@@ -161,18 +169,20 @@ class RunStore:
 
     def exists(self, run_id) -> bool: return RunPaths(self.run_dir(run_id)).state.exists()
 
-    def create_run(self, run_id) -> Path:
-        "Create the directory of a new run (and its logs/ and control/); refuses an existing one."
-        d = self.run_dir(run_id)
-        self.root.mkdir(parents=True, exist_ok=True)
-        try: d.mkdir()
-        except FileExistsError: raise FileExistsError(
-            f"Run {run_id!r} already exists in {self.root}; attach to it with FineTuneSession.attach({run_id!r}) "
-            "or choose another run_id.") from None
-        for sub in ("logs", "control", "checkpoints"): getattr(RunPaths(d), sub).mkdir()
-        return d
+# %% ../nbs/03_runstore.ipynb #c2d412c8
+@patch
+def create_run(self:RunStore, run_id) -> Path:
+    "Create the directory of a new run (and its logs/ and control/); refuses an existing one."
+    d = self.run_dir(run_id)
+    self.root.mkdir(parents=True, exist_ok=True)
+    try: d.mkdir()
+    except FileExistsError: raise FileExistsError(
+        f"Run {run_id!r} already exists in {self.root}; attach to it with FineTuneSession.attach({run_id!r}) "
+        "or choose another run_id.") from None
+    for sub in ("logs", "control", "checkpoints"): getattr(RunPaths(d), sub).mkdir()
+    return d
 
-# %% ../nbs/03_runstore.ipynb #b2b39fe4
+# %% ../nbs/03_runstore.ipynb #41d3b3db
 @patch
 def read_state(self:RunStore, run_id) -> dict:
     "The run's `state.json`; rebuilt from its last good copy and events if unreadable ({} if it has none)."
@@ -181,6 +191,7 @@ def read_state(self:RunStore, run_id) -> dict:
     if not p.state.exists() and not p.state_prev.exists(): return {}
     return rebuild_state(p.root)
 
+# %% ../nbs/03_runstore.ipynb #9da7f557
 @patch
 def write_state(self:RunStore, run_id, *, new_attempt=False, **fields) -> dict:
     "Merge `fields` into the run's state atomically; returns the new state. Raises `StateError` out of a terminal state."
@@ -208,7 +219,7 @@ def write_state(self:RunStore, run_id, *, new_attempt=False, **fields) -> dict:
         write_json_atomic(p.state, st)
     return st
 
-# %% ../nbs/03_runstore.ipynb #156c71f1
+# %% ../nbs/03_runstore.ipynb #dd515ed7
 @patch
 def append_event(self:RunStore, run_id, event, **fields) -> dict:
     "Append a lifecycle event `{time, event, ...}` to the run's `events.jsonl`."
@@ -216,6 +227,7 @@ def append_event(self:RunStore, run_id, event, **fields) -> dict:
     append_jsonl(RunPaths(self.run_dir(run_id)).events, rec)
     return rec
 
+# %% ../nbs/03_runstore.ipynb #0ea73d8c
 @patch
 def events(self:RunStore, run_id) -> list:
     "Every lifecycle event of the run."
@@ -227,6 +239,7 @@ def events(self:RunStore, run_id) -> list:
         except ValueError: pass
     return out
 
+# %% ../nbs/03_runstore.ipynb #4cd38184
 @patch
 def list_runs(self:RunStore) -> list:
     "Run ids under the root, oldest first (every run directory, with a state or not)."
@@ -234,11 +247,12 @@ def list_runs(self:RunStore) -> list:
     return sorted(d.name for d in self.root.iterdir()
                   if RUN_ID_RE.fullmatch(d.name) and not d.name.endswith(".") and d.is_dir())
 
-# %% ../nbs/03_runstore.ipynb #f413b068
+# %% ../nbs/03_runstore.ipynb #5794d589
 _EVENT_STATUS = {Event.created: State.queued, Event.resumed: State.queued, Event.starting: State.starting,
                  Event.running: State.running, Event.completed: State.completed, Event.failed: State.failed,
                  Event.cancelled: State.cancelled}
 
+# %% ../nbs/03_runstore.ipynb #bfb4d53e
 def rebuild_state(run_dir) -> dict:
     "A run's state from `state.json.prev` and later events; `{'state_error': why}` if neither helps."
     d = Path(run_dir); p = RunPaths(d); st = read_json(p.state_prev)
@@ -267,7 +281,7 @@ def rebuild_state(run_dir) -> dict:
     st.update(run_id=d.name, rebuilt_from=src)
     return st
 
-# %% ../nbs/03_runstore.ipynb #4aa18210
+# %% ../nbs/03_runstore.ipynb #abb4741c
 def _why_dead(st, now, stale_s, spawn_grace_s):
     sup = ProcessRef.from_dict(st.get("supervisor"))
     if sup is None:
@@ -280,6 +294,7 @@ def _why_dead(st, now, stale_s, spawn_grace_s):
         return f"its supervisor (pid {sup.pid}) stopped sending heartbeats {now - hb:.0f} s ago"
     return None
 
+# %% ../nbs/03_runstore.ipynb #9b5c09a5
 def _beat_at(d, st):
     "The supervisor's last sign of life: its heartbeat, or the mtime of `.heartbeat` (a full disk cannot stop a touch)."
     hb = st.get("heartbeat_at")
@@ -287,6 +302,7 @@ def _beat_at(d, st):
     try: return max(hb, RunPaths(d).heartbeat.stat().st_mtime)
     except OSError: return hb
 
+# %% ../nbs/03_runstore.ipynb #2af81f70
 def refresh_local(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> dict:
     "The state of a run on this machine after finalizing it as `failed` if its supervisor is gone or hung (written if the disk allows)."
     st = self.read_state(run_id); d = self.run_dir(run_id)
