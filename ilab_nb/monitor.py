@@ -67,23 +67,26 @@ class RunMonitor:
     @property
     def malformed(self) -> int: return self._reader.malformed
 
-# %% ../nbs/04_monitor.ipynb #16be89ea
+# %% ../nbs/04_monitor.ipynb #491d560a
 @patch(as_prop=True)
 def train_records(self:RunMonitor) -> list:
     "Train records that stand (steps replayed by a resumed attempt are the new attempt's)."
     return standing_records(self.records, ("train",))
 
+# %% ../nbs/04_monitor.ipynb #8b998506
 @patch(as_prop=True)
 def eval_records(self:RunMonitor) -> list:
     "Eval records that stand."
     return standing_records(self.records, ("eval",))
 
+# %% ../nbs/04_monitor.ipynb #7fbcf746
 @patch(as_prop=True)
 def header(self:RunMonitor):
     "The header of the latest attempt (None before one is written)."
     hs = [r for r in self.records if r.get("kind") == "header"]
     return hs[-1] if hs else None
 
+# %% ../nbs/04_monitor.ipynb #21d9fc49
 @patch(as_prop=True)
 def events(self:RunMonitor) -> list:
     "Every `event` record (checkpoint, stopped, completed, failed)."
@@ -124,12 +127,13 @@ def checkpoints(self:RunMonitor) -> list:
         out.append({"step": int(ts.get("step", checkpoint_step(d))), "epoch": ts.get("epoch"), "path": str(d), "metrics": metrics})
     return sorted(out, key=lambda c: c["step"])
 
-# %% ../nbs/04_monitor.ipynb #8f395a61
+# %% ../nbs/04_monitor.ipynb #e10bd5e9
 @patch
 def log_files(self:RunMonitor) -> list:
     "Existing log files: supervisor.log, then rank-N.log in rank order."
     return [p for p in [self.paths.supervisor_log] if p.exists()] + self.paths.rank_logs()
 
+# %% ../nbs/04_monitor.ipynb #b0c3e753
 @patch
 def log_path(self:RunMonitor, rank=None) -> Path:
     "The log of `rank`; for None the most relevant one: the failing rank's, else rank 0's, else the supervisor's."
