@@ -30,12 +30,13 @@ CHAT_TEMPLATE = (
     "{% else %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
-# %% ../nbs/11_demo.ipynb #67276cb2
+# %% ../nbs/11_demo.ipynb #990ba975
 def read_chat_jsonl(path: str | os.PathLike) -> list[list[dict]]:
     "The `messages` list of every conversation of a chat JSONL file (validated by `ilab_nb.data.load_chat_records`)."
     from ilab_nb.data import load_chat_records
     return [r["messages"] for r in load_chat_records(path)]
 
+# %% ../nbs/11_demo.ipynb #e5a99a67
 def build_tokenizer(train_file: str | os.PathLike, vocab_size: int = 800):
     "A byte-level BPE tokenizer trained on the conversations in `train_file`, wrapped for transformers."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -65,7 +66,7 @@ def build_model(tokenizer, seed: int = 0):
     model.generation_config = GenerationConfig(**ids, do_sample=False, max_new_tokens=16)
     return model
 
-# %% ../nbs/11_demo.ipynb #839016c0
+# %% ../nbs/11_demo.ipynb #eb0b8d6a
 DEMO_VERSION = 1   # bump when the build below changes, so existing demo folders are rebuilt
 
 @dataclass(frozen=True)
@@ -81,18 +82,22 @@ class DemoAssets:
         return {**DEMO_CONFIG, "model": str(self.model_dir), "data": [str(self.train_file)],
                 "eval_data": [str(self.eval_file)], **overrides}
 
+# %% ../nbs/11_demo.ipynb #5fb93e77
 def _assets(root: Path) -> DemoAssets:
     return DemoAssets(root, root / "model", root / "data" / "train.jsonl", root / "data" / "eval.jsonl")
 
+# %% ../nbs/11_demo.ipynb #51a05a24
 def _fingerprint() -> dict:
     h = hashlib.sha256()
     for name in ("train.jsonl", "eval.jsonl"): h.update((shipped_data_dir() / name).read_bytes())
     return {"version": DEMO_VERSION, "data_sha256": h.hexdigest()}
 
+# %% ../nbs/11_demo.ipynb #89ee3fbb
 def _is_complete(root: Path) -> bool:
     try: return json.loads((root / "COMPLETE").read_text(encoding="utf-8")) == _fingerprint()
     except (OSError, ValueError): return False
 
+# %% ../nbs/11_demo.ipynb #fa0feef5
 _OWN_ENTRIES = {"data", "model", "COMPLETE"}
 
 def _check_replaceable(root: Path) -> None:
@@ -101,7 +106,7 @@ def _check_replaceable(root: Path) -> None:
         raise FileExistsError(f"demo_assets: {root} exists and is not a demo folder (it holds files other than "
                               f"{', '.join(sorted(_OWN_ENTRIES))}); pass a new or empty path, or delete that folder")
 
-# %% ../nbs/11_demo.ipynb #c74503cf
+# %% ../nbs/11_demo.ipynb #4a59dde4
 def _build(root: Path, seed: int = 0) -> None:
     "Write data, tokenizer, model and (last) the `COMPLETE` marker into the empty folder `root`."
     a = _assets(root)
@@ -112,14 +117,10 @@ def _build(root: Path, seed: int = 0) -> None:
     build_model(tokenizer, seed).save_pretrained(a.model_dir)
     (root / "COMPLETE").write_text(json.dumps(_fingerprint()), encoding="utf-8")
 
-def demo_assets(path: str | os.PathLike | None = None, force: bool = False) -> DemoAssets:
-    "Build (or reuse) the demo's tiny Llama, tokenizer and chat data under `path`; return their paths."
-    root = Path(path if path is not None else Path.home() / ".cache" / "ilab_nb" / "demo").expanduser().absolute()
-    if not force and _is_complete(root): return _assets(root)
-    _check_replaceable(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
+# %% ../nbs/11_demo.ipynb #9e3ef54f
+def _build_in_place(root: Path, force: bool) -> None:
     with FileLock(str(root.parent / f".{root.name}.lock")):
-        if not force and _is_complete(root): return _assets(root)   # another process built it meanwhile
+        if not force and _is_complete(root): return   # another process built it meanwhile
         _check_replaceable(root)
         tmp = root.parent / f".{root.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -131,9 +132,18 @@ def demo_assets(path: str | os.PathLike | None = None, force: bool = False) -> D
             os.replace(tmp, root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+# %% ../nbs/11_demo.ipynb #205e4b3c
+def demo_assets(path: str | os.PathLike | None = None, force: bool = False) -> DemoAssets:
+    "Build (or reuse) the demo's tiny Llama, tokenizer and chat data under `path`; return their paths."
+    root = Path(path if path is not None else Path.home() / ".cache" / "ilab_nb" / "demo").expanduser().absolute()
+    if not force and _is_complete(root): return _assets(root)
+    _check_replaceable(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    _build_in_place(root, force)
     return _assets(root)
 
-# %% ../nbs/11_demo.ipynb #b5736fa8
+# %% ../nbs/11_demo.ipynb #7c2d08ab
 def _load(model, tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if isinstance(model, (str, os.PathLike)):
@@ -142,39 +152,53 @@ def _load(model, tokenizer):
     if tokenizer is None: raise ValueError("evaluate_answers got a model object but no tokenizer: pass tokenizer=")
     return model, tokenizer
 
+# %% ../nbs/11_demo.ipynb #c6adf393
 def answer_prompts(conversations: list[list[dict]]) -> list[dict]:
     "One item per assistant turn: the messages before it (`context`), the `question` and the `expected` answer."
     return [dict(conversation=i, turn=k, context=c[:k], question=c[k - 1]["content"], expected=m["content"])
             for i, c in enumerate(conversations) for k, m in enumerate(c) if m["role"] == "assistant"]
 
-# %% ../nbs/11_demo.ipynb #8ad1bf9a
+# %% ../nbs/11_demo.ipynb #91ebd309
+def _generate_answers(model, tokenizer, items: list, max_new_tokens: int, batch_size: int) -> None:
+    "Set `answer` and `correct` of each item (from `answer_prompts`): greedy answers in left-padded batches."
+    for s in range(0, len(items), batch_size):
+        chunk = items[s:s + batch_size]
+        texts = [tokenizer.apply_chat_template(it["context"], tokenize=False, add_generation_prompt=True)
+                 for it in chunk]
+        x = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        out = model.generate(**x, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        answers = tokenizer.batch_decode(out[:, x["input_ids"].shape[1]:], skip_special_tokens=True)
+        for it, ans in zip(chunk, answers):
+            it["answer"] = ans.strip(); it["correct"] = it["answer"] == it["expected"]
+
+# %% ../nbs/11_demo.ipynb #17ffdcea
 @torch.no_grad()
 def evaluate_answers(model, tokenizer=None, eval_file: str | os.PathLike | None = None, limit: int | None = None,
                      max_new_tokens: int = 10, batch_size: int = 64) -> dict:
     "Exact-match accuracy of greedy answers to every assistant turn of the first `limit` eval conversations."
     model, tokenizer = _load(model, tokenizer)
-    conversations = read_chat_jsonl(eval_file or shipped_data_dir() / "eval.jsonl")[:limit]
-    items = answer_prompts(conversations)
+    items = answer_prompts(read_chat_jsonl(eval_file or shipped_data_dir() / "eval.jsonl")[:limit])
     was_training, side = model.training, tokenizer.padding_side
     model.eval(); tokenizer.padding_side = "left"
     try:
-        for s in range(0, len(items), batch_size):
-            chunk = items[s:s + batch_size]
-            texts = [tokenizer.apply_chat_template(it["context"], tokenize=False, add_generation_prompt=True)
-                     for it in chunk]
-            x = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            out = model.generate(**x, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            answers = tokenizer.batch_decode(out[:, x["input_ids"].shape[1]:], skip_special_tokens=True)
-            for it, ans in zip(chunk, answers):
-                it["answer"] = ans.strip(); it["correct"] = it["answer"] == it["expected"]
+        _generate_answers(model, tokenizer, items, max_new_tokens, batch_size)
     finally:
         model.train(was_training); tokenizer.padding_side = side
     examples = [{k: it[k] for k in ("conversation", "turn", "question", "expected", "answer", "correct")} for it in items]
     correct = sum(e["correct"] for e in examples)
     return dict(accuracy=correct / max(len(examples), 1), n=len(examples), correct=correct, examples=examples)
 
-# %% ../nbs/11_demo.ipynb #ff747ffb
+# %% ../nbs/11_demo.ipynb #1397ac58
+def _conversation_loss(model, tokenizer, c: list) -> tuple:
+    "(summed cross-entropy, count) over the assistant tokens of one conversation."
+    r = tokenizer.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids = torch.tensor([r["input_ids"]], device=model.device)
+    mask = torch.tensor(r["assistant_masks"][1:], dtype=torch.bool, device=model.device)
+    logits = model(input_ids=ids).logits[0, :-1]
+    return torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum").item(), int(mask.sum())
+
+# %% ../nbs/11_demo.ipynb #e92dca62
 @torch.no_grad()
 def answer_loss(model, tokenizer=None, eval_file: str | os.PathLike | None = None, limit: int | None = None) -> float:
     "Mean cross-entropy per assistant token (answers and their end-of-turn token) over the eval conversations."
@@ -183,12 +207,8 @@ def answer_loss(model, tokenizer=None, eval_file: str | os.PathLike | None = Non
     total, count = 0.0, 0
     try:
         for c in read_chat_jsonl(eval_file or shipped_data_dir() / "eval.jsonl")[:limit]:
-            r = tokenizer.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-            ids = torch.tensor([r["input_ids"]], device=model.device)
-            mask = torch.tensor(r["assistant_masks"][1:], dtype=torch.bool, device=model.device)
-            logits = model(input_ids=ids).logits[0, :-1]
-            total += torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum").item()
-            count += int(mask.sum())
+            t, n = _conversation_loss(model, tokenizer, c)
+            total, count = total + t, count + n
     finally:
         model.train(was_training)
     if count == 0: raise ValueError("answer_loss found no assistant tokens: it needs a chat template that marks "
