@@ -42,6 +42,18 @@ def reset_hwm():
     with open("/proc/self/clear_refs", "w") as f: f.write("5")
 
 
+def old_path(model_dir, world):
+    "The path before sharded loading (kept here, not in the library): from_pretrained on every rank, then fully_shard."
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    m.config.use_cache = False
+    mesh = init_device_mesh("cpu", (world,))
+    for block in m.model.layers: fully_shard(block, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
 p = argparse.ArgumentParser(); p.add_argument("model"); p.add_argument("--path", choices=["before", "after"]); p.add_argument("--out")
 a = p.parse_args()
 dist.init_process_group("gloo")
@@ -54,7 +66,7 @@ base_rss, base_anon = status("VmRSS"), status("RssAnon")
 reset_hwm(); anon = AnonPeak()
 t0 = time.time()
 if a.path == "before":
-    model = W.wrap_model(W.load_whole_model(cfg, "bucketed", "cpu"), "fsdp", env)
+    model = old_path(a.model, world)
 else:
     model, _ = W.setup_model(cfg, env, "bucketed")
 dist.barrier(); trim()

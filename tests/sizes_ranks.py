@@ -1,6 +1,7 @@
-"""Run by tests/test_sizes.py under torchrun (2 gloo ranks): one training step's loss and gradients through the
-old loading path (from_pretrained on every rank, fully_shard, full float32 logits) and the new one (meta device,
-sharded read, chunked loss), then the new sharded Hugging Face save. Rank 0 writes what it saw to a JSON file."""
+"""Run by tests/test_sizes.py under torchrun (2 gloo ranks): one training step's loss and gradients through a
+reference kept here (from_pretrained on every rank, fully_shard, full float32 logits) and the worker's set-up
+(`setup_model`: meta device, fully_shard, sharded read, chunked loss), then the worker's sharded Hugging Face save.
+Rank 0 writes what it saw to a JSON file."""
 import json, sys
 from pathlib import Path
 
@@ -28,7 +29,18 @@ def step(model, loss_fn):
     total = loss.detach().clone(); dist.all_reduce(total)
     return float(total), grads
 
-old = W.wrap_model(W.load_whole_model(cfg, "bucketed", "cpu"), "fsdp", env)
+def old_path(model_dir):
+    "The reference: every rank loads the whole float32 model with from_pretrained, then fully_shard per block and the root."
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    m.config.use_cache = False
+    mesh = init_device_mesh("cpu", (world,))
+    for block in m.model.layers: fully_shard(block, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+old = old_path(model_dir)
 def old_loss(m):
     logits = m(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     return B.token_loss_sum(logits.float(), batch["labels"])
