@@ -101,7 +101,7 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
         raise _file_error(path, f"{path}: the top level must be a mapping of field: value, not {type(d).__name__}")
     return d, lines
 
-# %% ../nbs/00_config.ipynb #0b08574d
+# %% ../nbs/00_config.ipynb #438bdd76
 _DESCRIPTIONS = dict(
     model="Model to fine-tune: a local Hugging Face model directory or a hub id.",
     data=("Training data: chat files (JSONL, JSON array, Parquet), directories of them, glob patterns, a directory saved "
@@ -148,6 +148,9 @@ _DESCRIPTIONS = dict(
     eval_max_new_tokens="Longest answer, in new tokens, generated for each of eval_prompts.",
     report_to="Trackers that also get the train/eval records: none, tensorboard, mlflow, or a list (as in TrainingArguments).",
     logging_dir="TensorBoard's event-file directory; None = `tensorboard/` in the run directory.",
+    lora=("Train LoRA adapters instead of every weight: a mapping of peft.LoraConfig fields (r, lora_alpha, lora_dropout, "
+          "target_modules: all linear layers of the blocks by default, use_rslora, ...) or a peft.LoraConfig; None = full fine-tuning."),
+    merge_lora="After a LoRA run, merge the adapters into the base and write the merged model as final/ (the adapters stay in final/adapter/).",
 )
 
 # %% ../nbs/00_config.ipynb #c2e0e010
@@ -371,6 +374,12 @@ class _ExperimentFields(_MachineFields):
     report_to: list[Literal["tensorboard", "mlflow"]] = _f("report_to", [])
     logging_dir: str | None = _f("logging_dir", None)
 
+# %% ../nbs/00_config.ipynb #4f562c4b
+class _AdapterFields(_ExperimentFields):
+    "Full fine-tuning or LoRA adapters, and what a LoRA run leaves as its final model."
+    lora: dict[str, Any] | None = _f("lora", None)
+    merge_lora: bool = _f("merge_lora", True)
+
 # %% ../nbs/00_config.ipynb #a09466ad
 def _as_list(v): return [v] if isinstance(v, (str, os.PathLike)) else v
 
@@ -398,6 +407,49 @@ def _distinct_gpus(v):
     if v is None: return v
     if any(d < 0 for d in v): raise ValueError("GPU indices must be >= 0")
     if len(set(v)) != len(v): raise ValueError("GPU indices must be distinct")
+    return v
+
+# %% ../nbs/00_config.ipynb #25de875a
+_LORA_REFUSED = {
+    "task_type": "a causal LM always gets CAUSAL_LM",
+    "modules_to_save": "fully trained extra modules (embeddings, head) are not supported with lora= yet; train every weight instead",
+    "use_dora": "DoRA's magnitude vectors are not supported with lora= yet",
+    "bias": None,                      # only its default, "none": trainable biases would sit in the frozen base's FSDP units
+    "init_lora_weights": None,         # True, False or "gaussian": the others (pissa, olora, loftq, ...) read the base's weights
+}
+
+_LORA_INTERNAL = {"peft_type", "peft_version", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping"}
+_LORA_COMMON = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
+_LORA_ALIASES = {"rank": "r", "lora_r": "r", "lora_rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+                 "target": "target_modules", "lora_target": "target_modules", "targets": "target_modules"}  # other tools' names
+
+def _lora_fields(v):
+    "A mapping of `peft.LoraConfig` fields (or a `LoraConfig`) as a plain dict of the given fields, checked."
+    if v is None: return None
+    from dataclasses import fields
+    from peft import LoraConfig
+    if isinstance(v, LoraConfig):
+        v = {f.name: getattr(v, f.name) for f in fields(LoraConfig) if f.init and getattr(v, f.name) != getattr(LoraConfig(), f.name)}
+        v.pop("task_type", None)
+    if not isinstance(v, dict): raise ValueError("must be a mapping of peft.LoraConfig fields, e.g. lora={'r': 16}, or a peft.LoraConfig")
+    known = sorted(f.name for f in fields(LoraConfig) if f.init and f.name not in _LORA_INTERNAL)
+    for k in v:
+        if k in known: continue
+        near = _LORA_ALIASES.get(k) or next(iter(difflib.get_close_matches(str(k), known, n=1, cutoff=0.6)), None)
+        raise ValueError(f"unknown LoraConfig field '{k}'" + (f" — did you mean '{near}'?" if near else
+                         f" (e.g. {', '.join(_LORA_COMMON)}; see peft.LoraConfig)"))
+    if v.get("bias", "none") != "none": raise ValueError("bias: only 'none' (the base's biases stay frozen)")
+    if v.get("init_lora_weights", True) not in (True, False, "gaussian"):
+        raise ValueError(f"init_lora_weights={v['init_lora_weights']!r}: use True, False or 'gaussian' (the others read the base's weights)")
+    for k, why in _LORA_REFUSED.items():
+        if why and k in v and v[k] not in (None, False): raise ValueError(f"{k}: {why}")
+    for k, ok, want in (("r", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "a whole number >= 1"),
+                        ("lora_alpha", lambda x: isinstance(x, (int, float)) and x > 0, "a number > 0"),
+                        ("lora_dropout", lambda x: isinstance(x, (int, float)) and 0 <= x < 1, "in [0, 1)")):
+        if k in v and not ok(v[k]): raise ValueError(f"{k}={v[k]!r}: must be {want}")
+    v = {k: sorted(x) if isinstance(x, set) else x for k, x in v.items()}
+    try: LoraConfig(**v)
+    except (TypeError, ValueError) as e: raise ValueError(f"peft.LoraConfig refuses it: {e}") from None
     return v
 
 # %% ../nbs/00_config.ipynb #562ac8e2
@@ -437,8 +489,8 @@ def config_problems(c) -> list:
         p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
     return p + _machine_problems(c)
 
-# %% ../nbs/00_config.ipynb #00dc9916
-class TrainConfig(_ExperimentFields):
+# %% ../nbs/00_config.ipynb #31e83408
+class TrainConfig(_AdapterFields):
     "Every setting of one fine-tuning run, validated."
     _lists = field_validator("data", "eval_data", mode="before")(_as_list)
     _paths = field_validator("data", "eval_data", "model", "accelerate_config", "logging_dir", mode="before")(_fspaths)
@@ -449,6 +501,7 @@ class TrainConfig(_ExperimentFields):
     _steps = field_validator("max_steps")(_positive_steps)
     _gpus = field_validator("devices")(_distinct_gpus)
     _accelerate = field_validator("accelerate_config")(_existing_file)
+    _lora = field_validator("lora", mode="before")(_lora_fields)
 
     @model_validator(mode="after")
     def _check_combinations(self):
