@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test setup sync-check nbtest pytest browser-deps slurm-deps clean-venv gpu-wheels gpu-check
+.PHONY: demo test test-fast setup sync-check nbtest pytest browser-deps slurm-deps clean-venv gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,11 @@ pytest: setup browser-deps slurm-deps
 	$(BIN)/python -m pytest tests -q -ra --durations=25
 
 test: sync-check nbtest pytest
+
+# The checks that start no process (no run, command line, kernel, browser or cluster: the tests without the
+# `processes` marker, which tests/conftest.py enforces) and the library's sync with the notebooks: a couple of minutes.
+test-fast: sync-check
+	$(BIN)/python -m pytest tests -q -ra -m "not processes" --durations=10
 
 # The GPU check (tools/gpu_check.py: CUDA tests, a short run of each CUDA option, bench/bench_gpu.py, one summary).
 # The GPU machine to plan for has no network and lacks these packages, so their wheels are fetched here, for its

@@ -1,12 +1,20 @@
-"""Shared fixtures: the demo assets (built once per test session), a fresh runs root with its own device locks,
-and a guard that no process of a test's runs outlives the test."""
-import os, signal, time
+"""Shared fixtures and helpers: the demo assets (built once per test session), a slice of their training data, a fresh
+runs root with its own device locks, the `ilab-nb` command line, the 2-rank CPU fields, the runs shared by several
+tests (`demo_run`: the one run that proves learning; `tracked_run`: a finished FSDP run with trackers and samples),
+a guard that no process of a test's runs outlives the test, and one that every test starting a process is marked
+`processes` (`make test-fast` runs the others)."""
+import os, signal, subprocess, sys, time
 from pathlib import Path
 
 import psutil
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 TRAIN_LINES = 200   # a slice of the demo's training data keeps tokenization and start-up short
+
+# The fields of a short 2-rank CPU run of the demo model (the tests add max_steps and what they check).
+FIELDS = dict(num_processes=2, device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1,
+              learning_rate=1e-3)
 
 # A user's accelerate default config that would change every launch if `accelerate launch` read it: GPU ids that
 # override CUDA_VISIBLE_DEVICES (and refuse --multi_gpu with fewer than two), DeepSpeed for one-process launches,
@@ -27,6 +35,52 @@ deepspeed_config:
   zero_stage: 3
 """
 
+
+# --- the `processes` marker: every test that starts a process carries it -------------------------------------------
+
+SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system",
+                          "os.exec"})
+_current = {"nodeid": None}
+_started: dict = {}      # nodeid -> what it started (the audit events' first argument)
+
+# Tests in files this suite's maintainers do not edit here, known to start processes (their own marker is welcome).
+PROCESSES_ELSEWHERE = {
+    "tests/test_sizes.py::test_sharded_load_and_save_equal_the_whole_model_path",
+    "tests/test_sizes.py::test_preflight_never_asks_torch_cuda_in_the_calling_process",
+}
+
+
+def _audit(event, args):
+    if event in SPAWN_EVENTS and _current["nodeid"] is not None:
+        _started.setdefault(_current["nodeid"], []).append(f"{event} {str(args[0] if args else '')[:80]}")
+
+
+sys.addaudithook(_audit)      # observes only: every process still starts as it would
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid.split("[")[0] in PROCESSES_ELSEWHERE: item.add_marker(pytest.mark.processes)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current["nodeid"] = item.nodeid     # a session or module fixture set up for this test counts as this test's
+    yield
+    _current["nodeid"] = None
+
+
+@pytest.fixture(autouse=True)
+def processes_are_marked(request):
+    "A test that started a process (or whose fixtures did) and is not marked `processes` fails, naming what it started."
+    yield
+    started = _started.pop(request.node.nodeid, [])
+    if started and request.node.get_closest_marker("processes") is None:
+        pytest.fail(f"{request.node.nodeid} started {len(started)} process(es) ({'; '.join(started[:3])}) but is not "
+                    "marked `@pytest.mark.processes`: `make test-fast` (-m 'not processes') would run it", pytrace=False)
+
+
+# --- the environment of every launch ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session", autouse=True)
 def hostile_accelerate_default(tmp_path_factory):
@@ -57,6 +111,22 @@ def small_train(demo, tmp_path_factory):
     return p
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread in this process, as the launched ranks have (OMP_NUM_THREADS=1): on two busy shared cores, two
+    threads ran the in-process worker and generation several times slower."""
+    import torch
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_session(demo, data, runs_root, **kw):
+    "A FineTuneSession of the demo model on `data` with FIELDS (overridden by `kw`), not started."
+    from ilab_nb.session import FineTuneSession
+    return FineTuneSession(demo.model_dir, data, runs_root=runs_root, **{**FIELDS, **kw})
+
+
 def run_processes_under(root) -> list:
     "Live processes tagged (ILAB_NB_RUN_DIR) with a run directory under `root`."
     root, out = str(Path(root).absolute()), []
@@ -68,19 +138,26 @@ def run_processes_under(root) -> list:
     return out
 
 
-@pytest.fixture
-def runs_root(tmp_path, monkeypatch):
-    "A fresh runs root (and device-lock directory, and 2 CPU slots); every process of its runs is killed afterwards."
-    root = tmp_path / "runs"
-    monkeypatch.setenv("ILAB_NB_RUNS", str(root))
-    monkeypatch.setenv("ILAB_NB_LOCKS", str(tmp_path / "locks"))
-    monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "2")
-    yield root
+def kill_processes_under(root):
+    "SIGKILL every live process of the runs under `root` and reap what can be reaped."
     left = run_processes_under(root)
     for p in left:
         try: p.send_signal(signal.SIGKILL)
         except psutil.Error: pass
     psutil.wait_procs(left, timeout=10)
+
+
+def runs_env(root: Path) -> dict:
+    "The variables that give runs under `root` their own device locks and 2 CPU slots."
+    return {"ILAB_NB_RUNS": str(root / "runs"), "ILAB_NB_LOCKS": str(root / "locks"), "ILAB_NB_CPU_SLOTS": "2"}
+
+
+@pytest.fixture
+def runs_root(tmp_path, monkeypatch):
+    "A fresh runs root (and device-lock directory, and 2 CPU slots); every process of its runs is killed afterwards."
+    for k, v in runs_env(tmp_path).items(): monkeypatch.setenv(k, v)
+    yield tmp_path / "runs"
+    kill_processes_under(tmp_path / "runs")
 
 
 def wait_until(pred, timeout, poll=0.2, what="condition"):
@@ -93,20 +170,59 @@ def wait_until(pred, timeout, poll=0.2, what="condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+# --- the command line ------------------------------------------------------------------------------------------------
+
+CLI = [sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())"]   # `ilab-nb`, this checkout
+
+
+def cli_env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+
+
+def ilab(*args, timeout=200, check=None, env=None, **kw) -> subprocess.CompletedProcess:
+    "Run `ilab-nb ARGS` in its own process and return the CompletedProcess; `check`: the exit code it must have."
+    r = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env or cli_env(), **kw)
+    if check is not None: assert r.returncode == check, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
+    return r
+
+
+# --- runs shared by several tests ------------------------------------------------------------------------------------
+
 DEMO_STEPS = 160   # enough for the demo model to answer about 9 in 10 held-out questions (91 % measured)
 
 
 @pytest.fixture(scope="session")
 def demo_run(demo, tmp_path_factory):
     """`ilab-nb demo` run once per test session, for real (2 CPU ranks, DEMO_STEPS steps): `(CompletedProcess, run_dir)`.
-    The CLI test reads what it printed; the browser test chats with the model it trained."""
-    import subprocess, sys
+    The suite's one proof of learning: the CLI test reads what it printed; the browser test chats with its model."""
     tmp = tmp_path_factory.mktemp("demo-run")
-    env = {**os.environ, "ILAB_NB_RUNS": str(tmp / "runs"), "ILAB_NB_LOCKS": str(tmp / "locks"), "ILAB_NB_CPU_SLOTS": "2",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", "demo", "--path", str(demo.root),
-           "--runs-root", str(tmp / "runs"), "--eval-limit", "40", f"max_steps={DEMO_STEPS}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    r = ilab("demo", "--path", demo.root, "--runs-root", tmp / "runs", "--eval-limit", "40", f"max_steps={DEMO_STEPS}",
+             timeout=600, env=cli_env(**runs_env(tmp)))
+    (REPO / "artifacts").mkdir(exist_ok=True)
+    (REPO / "artifacts" / "demo_run.txt").write_text(r.stdout)      # git-ignored: its figures, for inspection
     runs = sorted((tmp / "runs").iterdir()) if (tmp / "runs").exists() else []
     assert r.returncode == 0 and len(runs) == 1, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
     return r, runs[0]
+
+
+PROMPTS = ["What is the capital of Nutoland?", [{"role": "system", "content": "Answer in one word."},
+                                                 {"role": "user", "content": "What money do people use in Tarbristan?"}]]
+
+
+@pytest.fixture(scope="session")
+def tracked_run(demo, small_train, tmp_path_factory):
+    """One finished 2-rank FSDP run with eval prompts (PROMPTS), evaluations every 2 steps, TensorBoard and MLflow:
+    the trackers', the samples', the chat's and the schema's tests read it."""
+    root = tmp_path_factory.mktemp("tracked")
+    mp = pytest.MonkeyPatch()
+    for k, v in runs_env(root).items(): mp.setenv(k, v)
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    try:
+        s = make_session(demo, small_train, root / "runs", max_steps=4, eval_split=0.1, eval_steps=2, eval_prompts=PROMPTS,
+                         eval_max_new_tokens=6, report_to=["tensorboard", "mlflow"])
+        s.start()
+        assert s.wait(timeout=300) == "completed", s.logs()
+    finally:
+        mp.undo()
+        kill_processes_under(root / "runs")
+    return s

@@ -1,23 +1,13 @@
 """The `ilab-nb` command line, run as real subprocesses against real runs (2 CPU ranks, the demo model)."""
-import json, os, re, subprocess, sys, time
-from pathlib import Path
+import json, re, subprocess
 
 import pytest
 import yaml
 
 from ilab_nb.runstore import RunStore, run_processes
-from conftest import DEMO_STEPS, wait_until
+from conftest import CLI, DEMO_STEPS, cli_env, ilab, wait_until
 
-pytestmark = pytest.mark.timeout(400)
-REPO = Path(__file__).resolve().parents[1]
-
-
-def ilab(*args, timeout=200, check=None):
-    "Run `ilab-nb ARGS` (as `python -m ilab_nb.cli`-equivalent console script) and return the CompletedProcess."
-    cmd = [sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if check is not None: assert r.returncode == check, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    return r
+pytestmark = [pytest.mark.timeout(400), pytest.mark.processes]
 
 
 @pytest.fixture
@@ -33,9 +23,8 @@ def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, ru
     run_id = r.stdout.split()[0]
     assert run_id.endswith("-cli") and (runs_root / run_id / "config.json").exists()
     assert json.loads((runs_root / run_id / "config.json").read_text())["max_steps"] == 300   # the override was honoured
-    follower = subprocess.Popen([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())",
-                                 "logs", run_id, "-f", "-n", "5", "--runs-root", str(runs_root)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    follower = subprocess.Popen([*CLI, "logs", run_id, "-f", "-n", "5", "--runs-root", str(runs_root)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
     try:
         wait_until(lambda: "running" in ilab("status", run_id, "--runs-root", runs_root, check=0).stdout, 150,
                    poll=1, what="status running")

@@ -491,6 +491,7 @@ def test_construction_with_bad_rows_in_memory_writes_nothing(demo, runs_root):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_a_run_from_a_dataframe_end_to_end(demo, runs_root):
     from conftest import wait_until
     from ilab_nb.monitor import RunMonitor

@@ -12,19 +12,16 @@ from ilab_nb.demo import (CHAT_TEMPLATE, DEMO_CONFIG, DemoAssets, answer_loss, a
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    "The test machines are shared: one thread (two threads on two busy cores ran generation ~10x slower)."
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # the test machines are shared (conftest)
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> DemoAssets:
-    return demo_assets(tmp_path_factory.mktemp("demo") / "assets")
+def assets(demo) -> DemoAssets:
+    "The suite's demo assets (conftest's `demo`, built once per session); the tests below only read them."
+    return demo
 
 
+@pytest.mark.processes
 def test_shipped_data_is_what_the_generator_writes(tmp_path):
     subprocess.run([sys.executable, str(REPO / "tools" / "make_demo_data.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=60)

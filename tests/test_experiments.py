@@ -1,37 +1,17 @@
 """Issue 11, with real processes: trackers (TensorBoard's and MLflow's own readers), sample answers at each
-evaluation under FSDP, sweeps through the device queue, and chatting with a run's model."""
-import json, os, subprocess, sys, textwrap
-from pathlib import Path
+evaluation under FSDP, sweeps through the device queue, and chatting with a run's model. The finished run they read
+is conftest's `tracked_run` (2-rank FSDP, eval prompts, TensorBoard and MLflow), shared with tests/test_schema.py."""
+import io, json, subprocess, sys
 
+import pandas as pd
 import pytest
 
 from ilab_nb.monitor import RunMonitor
 from ilab_nb.rundir import schema_problems
 from ilab_nb import FineTuneSession      # with the sweep grown onto it (ilab_nb.sweep)
-from conftest import wait_until
+from conftest import PROMPTS, cli_env, ilab, wait_until
 
 pytestmark = pytest.mark.timeout(400)
-
-FIELDS = dict(num_processes=2, device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1,
-              learning_rate=1e-3)
-PROMPTS = ["What is the capital of Nutoland?", [{"role": "system", "content": "Answer in one word."},
-                                                 {"role": "user", "content": "What money do people use in Tarbristan?"}]]
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tracked_run(demo, small_train, tmp_path_factory):
-    "One finished 2-rank FSDP run with eval prompts, TensorBoard and MLflow (shared by the tests below)."
-    root = tmp_path_factory.mktemp("tracked")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ILAB_NB_RUNS", str(root / "runs")); mp.setenv("ILAB_NB_LOCKS", str(root / "locks"))
-    mp.setenv("ILAB_NB_CPU_SLOTS", "2"); mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    s = FineTuneSession(demo.model_dir, small_train, runs_root=root / "runs", max_steps=4, eval_split=0.1, eval_steps=2,
-                        eval_prompts=PROMPTS, eval_max_new_tokens=6, report_to=["tensorboard", "mlflow"], **FIELDS)
-    s.start()
-    assert s.wait(timeout=300) == "completed", s.logs()
-    yield s
-    mp.undo()
 
 
 def _jsonl(s, kind):
@@ -39,6 +19,7 @@ def _jsonl(s, kind):
     return [r for r in m.records if r.get("kind") == kind]
 
 
+@pytest.mark.processes
 def test_tensorboard_scalars_equal_metrics_jsonl(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tracked_run.run_dir / "tensorboard")); acc.Reload()
@@ -49,6 +30,7 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tracked_run):
         assert all(v == pytest.approx(w, rel=1e-6) for (_, v), (_, w) in zip(got, want))   # TensorBoard stores float32
 
 
+@pytest.mark.processes
 def test_mlflow_metric_history_equals_metrics_jsonl(tracked_run):
     from mlflow.tracking import MlflowClient
     from ilab_nb.trackers import mlflow_tracking_uri
@@ -64,6 +46,7 @@ def test_mlflow_metric_history_equals_metrics_jsonl(tracked_run):
     assert run.data.params["learning_rate"] == "0.001" and run.data.params["num_processes"] == "2"
 
 
+@pytest.mark.processes
 def test_samples_at_each_evaluation(tracked_run):
     samples, evals = _jsonl(tracked_run, "samples"), _jsonl(tracked_run, "eval")
     assert [r["step"] for r in samples] == [r["step"] for r in evals] == [0, 2, 4]
@@ -73,18 +56,15 @@ def test_samples_at_each_evaluation(tracked_run):
         assert schema_problems(r, "samples") == []
 
 
-def test_missing_tracker_is_an_error_at_construction(demo, small_train, runs_root):
-    code = textwrap.dedent(f"""
-        import sys; sys.modules["mlflow"] = None     # as if the extra were not installed
-        from ilab_nb.session import FineTuneSession
-        try: FineTuneSession({str(demo.model_dir)!r}, {str(small_train)!r}, runs_root={str(runs_root)!r}, report_to="mlflow", device="cpu")
-        except ValueError as e: print("ERR", e)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert "ERR" in out.stdout and "report_to" in out.stdout and "pip install 'ilab_nb[mlflow]'" in out.stdout, out.stdout + out.stderr
+def test_missing_tracker_is_an_error_at_construction(demo, small_train, runs_root, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)     # as if the extra were not installed (find_spec says None)
+    with pytest.raises(ValueError, match="report_to") as e:
+        FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, report_to="mlflow", device="cpu")
+    assert "pip install 'ilab_nb[mlflow]'" in str(e.value), str(e.value)
     assert not runs_root.exists() or not any(runs_root.iterdir())
 
 
+@pytest.mark.processes
 def test_chat_box_streams_and_stops(tracked_run, demo):
     "The chat box answers over the run's final model; over the untrained demo model it streams a long answer and Stop ends it."
     from ilab_nb.chat import ChatBox
@@ -108,16 +88,16 @@ def test_chat_box_streams_and_stops(tracked_run, demo):
     assert len(tok(long.chat.messages[-1]["content"])["input_ids"]) < 400
 
 
+@pytest.mark.processes
 def test_cli_chat(tracked_run):
-    out = subprocess.run([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", "chat", tracked_run.run_id, "--runs-root", str(tracked_run.store.root),
-                          "--max-new-tokens", "4", "--checkpoint", "latest"],
-                         input="What is the capital of Nutoland?\n/reset\nHi\n/quit\n", capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = ilab("chat", tracked_run.run_id, "--runs-root", tracked_run.store.root, "--max-new-tokens", "4", "--checkpoint", "latest",
+               input="What is the capital of Nutoland?\n/reset\nHi\n/quit\n", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("model> ") == 2 and "(conversation reset)" in out.stdout
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.processes
 def test_sweep_2x2_through_the_queue(demo, small_train, runs_root):
     from ilab_nb.sweep import Sweep
     sw = FineTuneSession.sweep(demo.model_dir, small_train, runs_root=runs_root, name="lr", learning_rate=[1e-3, 3e-3],
@@ -135,8 +115,7 @@ def test_sweep_2x2_through_the_queue(demo, small_train, runs_root):
     # the sweep directory is not a run, and a new process attaching sees the same table
     assert set(FineTuneSession.list_runs(runs_root) and [r["run_id"] for r in FineTuneSession.list_runs(runs_root)]) == set(sw.run_ids)
     code = f"from ilab_nb.sweep import Sweep; print(Sweep.attach({sw.sweep_id!r}, {str(runs_root)!r}).results().to_json())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    import pandas as pd, io
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env())
     other = pd.read_json(io.StringIO(out.stdout.strip().splitlines()[-1]))
     assert other.run_id.tolist() == df.run_id.tolist() and other.final_loss.tolist() == pytest.approx(df.final_loss.tolist())
     assert Sweep.list_sweeps(runs_root) == [sw.sweep_id]

@@ -1,37 +1,30 @@
 """Issue 7, faults of the run directory itself, with real processes: a full disk mid-run (a real small tmpfs as the
 runs root), a corrupt `state.json`, a run directory deleted while its ranks train, a run id with a trailing
 newline, and the message of a forced `stop()`."""
-import errno, json, os, shutil, signal, subprocess, sys
+import errno, os, shutil, signal, subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
 from ilab_nb.launcher import DeviceSlots
 from ilab_nb.runstore import ProcessRef, RunStore, RUN_ENV, read_json, run_processes, validate_run_id
 from ilab_nb.session import FineTuneSession
 import ilab_nb.session as session_mod
-from conftest import wait_until, run_processes_under
+from conftest import ilab, kill_processes_under, make_session, wait_until
 
 pytestmark = pytest.mark.timeout(1200)   # generous: a loaded 2-core machine starts ranks slowly
 
-FIELDS = dict(num_processes=2, device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1,
-              learning_rate=1e-3)
 START_UP = 300         # s allowed from start() to the first metric (a loaded 2-core machine)
-REPO = Path(__file__).resolve().parents[1]
 KEPT = ("supervisor", "launcher", "request", "preflight", "num_processes", "device")
 
 
 def make(demo, small_train, runs_root, **kw):
-    return FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, **{**FIELDS, **kw})
+    return make_session(demo, small_train, runs_root, **kw)
 
 
 def cli(*args, runs_root):
     "The `ilab-nb` command line in its own process: (return code, stdout + stderr)."
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", *args,
-                        "--runs-root", str(runs_root)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = ilab(*args, "--runs-root", runs_root, timeout=120)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -63,6 +56,7 @@ def test_run_id_with_a_trailing_newline_is_refused(demo, small_train, runs_root)
     assert RunStore(runs_root).list_runs() == []
 
 
+@pytest.mark.processes
 def test_stop_on_the_default_path_says_how_long_it_waited(runs_root, monkeypatch):
     # A run whose supervisor (a live process of ours, tagged with the run) never answers the stop request.
     store = RunStore(runs_root); rid = "deaf"; d = store.create_run(rid)
@@ -76,6 +70,7 @@ def test_stop_on_the_default_path_says_how_long_it_waited(runs_root, monkeypatch
     assert deaf.wait(timeout=10) == -signal.SIGKILL
 
 
+@pytest.mark.processes
 def test_unreadable_state_and_a_run_dir_without_state_are_listed(runs_root):
     store = RunStore(runs_root); store.create_run("broken"); store.create_run("bare")
     store.write_state("broken", status="queued", attempt=1)
@@ -89,6 +84,7 @@ def test_unreadable_state_and_a_run_dir_without_state_are_listed(runs_root):
     with pytest.raises(RuntimeError, match="unreadable"): s.wait(timeout=30)
 
 
+@pytest.mark.processes
 def test_deleted_run_dir_stops_the_run_then_a_corrupt_state_is_rebuilt(demo, small_train, runs_root):
     # Item 3: a 2-rank run whose directory is deleted while it trains.
     b = make(demo, small_train, runs_root, max_steps=100000).start()
@@ -142,11 +138,7 @@ def tmpfs_runs_root(runs_root):
     if r.returncode != 0: pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try: yield runs_root
     finally:
-        left = run_processes_under(runs_root)
-        for p in left:
-            try: p.send_signal(signal.SIGKILL)
-            except psutil.Error: pass
-        psutil.wait_procs(left, timeout=10)
+        kill_processes_under(runs_root)
         if subprocess.run(["umount", str(runs_root)]).returncode != 0: subprocess.run(["umount", "-l", str(runs_root)])
 
 
@@ -164,6 +156,7 @@ def fill(path) -> int:
 def files_of(d): return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.processes
 def test_disk_full_mid_run(demo, small_train, tmpfs_runs_root):
     root = tmpfs_runs_root
     s = make(demo, small_train, root, num_processes=1, strategy="single", max_steps=100000, save_steps=2).start()

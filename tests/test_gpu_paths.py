@@ -172,6 +172,7 @@ def test_declared_floors_are_the_ones_the_code_checks(monkeypatch):
     core.require_torch()
 
 
+@pytest.mark.processes
 def test_gpu_check_dry_run_runs_every_stage(tmp_path):
     "The GPU check's CPU form: every stage's code runs (the first run trains, the others are preflighted), one summary."
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],

@@ -1,11 +1,14 @@
 """Two "machines" without SLURM: two `accelerate launch` groups on 127.0.0.1 (num_machines=2, one process each,
 gloo on CPU), built by the launcher's own `accelerate_command`, train one real FSDP run to the end."""
-import json, os, subprocess, sys
+import json, os, subprocess
+
+import pytest
 
 from ilab_nb.config import TrainConfig
 from ilab_nb.launcher import accelerate_command, free_port, write_accelerate_config
 
 
+@pytest.mark.processes
 def test_two_machines_one_process_each_shard_one_fsdp_run(tmp_path, demo, small_train):
     rd = tmp_path / "run"
     for sub in ("logs", "checkpoints"): (rd / sub).mkdir(parents=True)      # as RunStore.create_run makes them

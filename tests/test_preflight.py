@@ -9,11 +9,10 @@ import pytest
 
 from ilab_nb.launcher import free_port
 from ilab_nb.session import FineTuneSession, PreflightError
-from conftest import run_processes_under, wait_until
+from conftest import FIELDS, make_session, run_processes_under, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
-FIELDS = dict(device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1, learning_rate=1e-3)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,32 +24,32 @@ def listing(d): return sorted(p.name for p in Path(d).iterdir())
 def test_more_cpu_processes_than_slots_is_refused_with_the_numbers(demo, small_train, runs_root, tmp_path, monkeypatch):
     before = listing(tmp_path)
     with pytest.raises(PreflightError) as e:       # the fixture sets ILAB_NB_CPU_SLOTS=2
-        FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=4, **FIELDS)
+        make_session(demo, small_train, runs_root, num_processes=4)
     msg = str(e.value)
     assert "asks for 4 CPU processes, but this machine has 2 CPU slot(s) ($ILAB_NB_CPU_SLOTS)" in msg, msg
     assert "oversubscribe_cpus=True" in msg and "lower num_processes to 2" in msg, msg
     monkeypatch.delenv("ILAB_NB_CPU_SLOTS")
     n = os.cpu_count()
     with pytest.raises(PreflightError) as e:
-        FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=n + 1, **FIELDS)
+        make_session(demo, small_train, runs_root, num_processes=n + 1)
     assert f"asks for {n + 1} CPU processes, but this machine has {n} CPU slot(s) (its core count)" in str(e.value), str(e.value)
     assert listing(tmp_path) == before and not runs_root.exists()
 
 
 def test_start_never_launches_more_ranks_than_slots(demo, small_train, runs_root, monkeypatch):
-    s = FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=2, **FIELDS)
+    s = make_session(demo, small_train, runs_root, num_processes=2)
     monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "1")     # the machine's slots shrank between construction and start()
     with pytest.raises(ValueError, match="2 CPU processes need 2 CPU slots, but this machine has 1"):
         s.start()
     assert not runs_root.exists() and not run_processes_under(runs_root)
 
 
+@pytest.mark.processes
 def test_oversubscribed_run_holds_every_slot_and_launches_its_ranks(demo, small_train, runs_root):
     """3 ranks on 2 CPU slots with oversubscribe_cpus: the supervisor holds both slots, the request in state.json says it
     over-subscribes, and accelerate is launched with 3 processes. (Training it to the end, measured once: completed, world
     size 3, in 107 s on this 2-core machine under a load of 13 — too slow for the suite, so the run is stopped once launched.)"""
-    s = FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, num_processes=3, oversubscribe_cpus=True,
-                        max_steps=2, **FIELDS)
+    s = make_session(demo, small_train, runs_root, num_processes=3, oversubscribe_cpus=True, max_steps=2)
     assert s.preflight["cpu_slots"] == 2 and s.preflight["oversubscribed"] is True and not runs_root.exists()
     s.start()
     st = wait_until(lambda: (lambda st: st if st.get("command") else None)(s.state), 120, what="the supervisor to launch the ranks")
@@ -73,7 +72,7 @@ def test_unusable_runs_root_is_refused_at_construction(case, demo, small_train, 
                    }[case]
     before = listing(tmp_path)
     with pytest.raises(PreflightError) as e:
-        FineTuneSession(demo.model_dir, small_train, runs_root=root, num_processes=2, **FIELDS)
+        make_session(demo, small_train, root, num_processes=2)
     for w in words: assert w in str(e.value), str(e.value)
     assert "choose" in str(e.value) and listing(tmp_path) == before
 
@@ -90,12 +89,13 @@ def read_only_dir(tmp_path):
     finally: subprocess.run(["umount", str(d)], check=True)
 
 
+@pytest.mark.processes        # mount and umount, as root
 @pytest.mark.parametrize("below", [False, True], ids=["the root itself", "below it"])
 def test_read_only_runs_root_is_refused_at_construction(below, read_only_dir, demo, small_train):
     d, why = read_only_dir
     root = d / "runs" if below else d
     with pytest.raises(PreflightError) as e:
-        FineTuneSession(demo.model_dir, small_train, runs_root=root, num_processes=2, **FIELDS)
+        make_session(demo, small_train, root, num_processes=2)
     assert f"runs_root {root}" + (f": {d}" if below else "") + f" {why}" in str(e.value), str(e.value)
     assert listing(d) == []
 
@@ -113,6 +113,7 @@ HUB_SCRIPT = """
 """
 
 
+@pytest.mark.processes
 def test_hub_id_without_network_fails_fast_with_a_sentence(small_train, tmp_path):
     hf = tmp_path / "hf"     # an empty Hugging Face cache, in a fresh process (the hub library reads HF_HOME at import)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
@@ -136,6 +137,6 @@ def test_hub_id_in_the_local_cache_runs_from_its_snapshot(demo, small_train, run
     shutil.copytree(demo.model_dir, snap)
     (snap.parents[1] / "refs").mkdir(); (snap.parents[1] / "refs" / "main").write_text(snap.name)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))   # as HF_HOME would at import
-    s = FineTuneSession("someorg/tiny", small_train, runs_root=runs_root, num_processes=2, **FIELDS)
+    s = FineTuneSession("someorg/tiny", small_train, runs_root=runs_root, **FIELDS)
     assert s.config.model == str(snap) and s.preflight["model_id"] == "someorg/tiny"
     assert s.preflight["weights_bytes"] > 0 and not runs_root.exists()

@@ -26,19 +26,13 @@ def problems_in(run_dir) -> list:
     return out, kinds
 
 
-def test_every_record_of_a_real_run_matches_the_schema(demo, small_train, runs_root, tmp_path):
-    from ilab_nb import FineTuneSession
-    evals = tmp_path / "eval.jsonl"                      # 20 conversations: three evaluations cost little
-    evals.write_text("".join(demo.eval_file.read_text().splitlines(keepends=True)[:20]))
-    s = FineTuneSession(model=demo.model_dir, data=small_train, eval_data=evals, num_processes=1,
-                        strategy="single", device="cpu", max_steps=3, save_steps=2, eval_steps=2, logging_steps=1,
-                        max_seq_len=256, max_tokens_per_batch=1024, runs_root=runs_root)
-    s.start()
-    assert s.wait() == "completed", s.logs(40)
-    found, kinds = problems_in(s.run_dir)
+@pytest.mark.processes
+def test_every_record_of_a_real_run_matches_the_schema(tracked_run):
+    "conftest's `tracked_run`: 2 ranks, FSDP, evaluations with sample answers, checkpoints, trackers, to the end."
+    found, kinds = problems_in(tracked_run.run_dir)
     assert not found, "\n".join(found)
-    assert kinds == {"header", "train", "eval", "event"}
-    assert (RunPaths(s.run_dir).ranks / "rank-0.json").exists()
+    assert kinds == {"header", "train", "eval", "samples", "event"}
+    assert sorted(f.name for f in RunPaths(tracked_run.run_dir).ranks.glob("rank-*.json")) == ["rank-0.json", "rank-1.json"]
 
 
 def test_an_unknown_field_is_a_failure_saying_where_to_add_it(tmp_path):
@@ -53,6 +47,7 @@ def test_an_unknown_field_is_a_failure_saying_where_to_add_it(tmp_path):
     assert all("nbs/00_rundir.ipynb" in m for m in found) and found[1].startswith("metrics.jsonl:2: kind 'activations'")
 
 
+@pytest.mark.processes
 def test_architecture_md_schema_section_is_generated_from_the_table():
     r = subprocess.run([sys.executable, str(REPO / "tools" / "schema_doc.py"), "--check"], capture_output=True, text=True,
                        env={"PYTHONPATH": str(REPO), "PATH": ""})

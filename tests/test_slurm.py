@@ -11,9 +11,10 @@ import yaml
 
 from ilab_nb import FineTuneSession
 from ilab_nb.session import PreflightError
-from conftest import run_processes_under, wait_until
+from conftest import ilab, run_processes_under, wait_until
 from slurm_cluster import Cluster, why_not
 
+pytestmark = pytest.mark.processes      # the cluster's daemons, and the runs
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,7 @@ def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small
     # `ilab-nb run` honours backend: slurm and a slurm: mapping of a YAML config, and refuses the same way.
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({**run_cfg(demo, small_train), "slurm": {"partition": "gpu"}}))
-    r = subprocess.run([sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())", "run", str(cfg)],
-                       capture_output=True, text=True, timeout=300, env=os.environ)
+    r = ilab("run", cfg, timeout=300)
     assert r.returncode != 0 and "slurm.partition='gpu' is not a partition of this cluster" in r.stdout + r.stderr, r.stdout + r.stderr
     assert not runs_root.exists()
 
