@@ -1,5 +1,6 @@
 """Issue 3, proven with real processes: FineTuneSession -> detached supervisor -> `accelerate launch` -> the real
 worker (2 gloo ranks on CPU) on the demo model. Runs are short and reused across assertions where that is honest.
+(The session's resume() is proven on the tutorial's stopped run: tests/test_notebooks_headless.py.)
 Measured figures are printed (run with -s) and written to <tmp>/measurements.json."""
 import json, os, signal, subprocess, sys, textwrap, time
 from pathlib import Path
@@ -12,14 +13,11 @@ from ilab_nb.data import DataError
 from ilab_nb.monitor import RunMonitor
 from ilab_nb.runstore import ProcessRef, RunStore, new_run_id, run_processes
 from ilab_nb.session import FineTuneSession, PreflightError, DevicesBusyError
-from conftest import wait_until, run_processes_under
+from conftest import FIELDS, cli_env, make_session, run_processes_under, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
-FIELDS = dict(num_processes=2, device="cpu", max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1,
-              learning_rate=1e-3)
 START_UP = 150         # s allowed from start() to the first metric (a loaded 2-core machine)
-REPO = Path(__file__).resolve().parents[1]
 MEASURED = {}
 
 
@@ -30,7 +28,7 @@ def report(key, value):
 
 
 def make(demo, small_train, runs_root, **kw):
-    return FineTuneSession(demo.model_dir, small_train, runs_root=runs_root, **{**FIELDS, **kw})
+    return make_session(demo, small_train, runs_root, **kw)
 
 
 def train_steps(run_dir):
@@ -49,10 +47,10 @@ def assert_no_process_left(run_dir, timeout=15):
 
 def python(script, **kw):
     "A separate Python process (standing in for a kernel) running `script`."
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True, env=env, **kw)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True, env=cli_env(), **kw)
 
 
+@pytest.mark.processes
 def test_start_is_fast_and_the_run_outlives_its_killed_parent(demo, small_train, runs_root):
     parent = python(f"""
         import json, sys, time
@@ -92,14 +90,16 @@ def test_start_is_fast_and_the_run_outlives_its_killed_parent(demo, small_train,
     assert_no_process_left(run_dir)
 
 
-def test_queue_stop_resume(demo, small_train, runs_root):
+@pytest.mark.processes
+def test_queue_and_stop(demo, small_train, runs_root):
     a = make(demo, small_train, runs_root, max_steps=300)
     a.start()
     first_train_record(a.run_dir)
     assert a.status == "running"
 
     # The same devices (both CPU slots): a second run waits in the queue; queue=False refuses at once, naming the holder.
-    b = make(demo, small_train, runs_root, max_steps=4).start()
+    # (b trains with DDP: its header is also the suite's check that DDP replicates the parameters on each rank.)
+    b = make(demo, small_train, runs_root, max_steps=4, strategy="ddp").start()
     with pytest.raises(DevicesBusyError, match=a.run_id):
         make(demo, small_train, runs_root, max_steps=4, queue=False).start()
     assert len(RunStore(runs_root).list_runs()) == 2            # the refused one wrote nothing
@@ -119,22 +119,15 @@ def test_queue_stop_resume(demo, small_train, runs_root):
     # The queued run starts by itself once the devices are free, and runs to the end.
     assert b.wait(timeout=300, progress=False) == "completed", b.reason
     assert b.state["starting_at"] >= a.state["ended_at"]
-
-    # resume(): a new attempt of the same run from the checkpoint; metrics continue without a gap.
-    a.resume()
-    assert a.state["attempt"] == 2
-    m = RunMonitor(a.run_dir)
-    wait_until(lambda: (m.poll(), any(r.get("attempt") == 2 for r in m.train_records))[1], START_UP, what="attempt 2 metrics")
-    assert m.header["attempt"] == 2 and m.header["resumed_from_step"] == ck[-1]["step"]
-    assert a.stop(timeout=120) == "cancelled"
-    steps2 = train_steps(a.run_dir)
-    assert steps2 == list(range(1, len(steps2) + 1)) and len(steps2) > len(steps)
-    assert [e["event"] for e in RunStore(runs_root).events(a.run_id)].count("resumed") == 1
-    assert_no_process_left(a.run_dir)
+    b.monitor.poll(); head = b.monitor.header
+    assert head["strategy"] == "ddp" and head["world_size"] == 2 and head["params_per_rank"] == [head["params_total"]] * 2
+    assert list((b.run_dir / "final").glob("*.safetensors"))
+    assert_no_process_left(b.run_dir)
     # The supervisors were never children of this process ("the kernel"): no zombie is left behind.
     assert not [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.processes
 def test_killed_supervisor_and_killed_rank_fail_with_a_reason(demo, small_train, runs_root):
     c = make(demo, small_train, runs_root, max_steps=300).start()
     first_train_record(c.run_dir)
@@ -169,6 +162,7 @@ def test_killed_supervisor_and_killed_rank_fail_with_a_reason(demo, small_train,
     assert_no_process_left(e.run_dir)
 
 
+@pytest.mark.processes
 def test_state_naming_a_reused_pid_is_not_running(runs_root):
     store = RunStore(runs_root); rid = new_run_id("pid-reuse"); store.create_run(rid)
     unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)
