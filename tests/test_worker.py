@@ -1,29 +1,27 @@
-"""The worker, for real: `accelerate launch` with 2 CPU processes (gloo), FSDP2 sharding, DDP, a single
-process, resume, and the config fields whose effect can be seen cheaply in the files a run writes."""
+"""The worker, for real: `accelerate launch` with 2 CPU processes (gloo), FSDP2 sharding, resume, a single process,
+FSDP on one process, and the config fields whose effect can be seen cheaply in the files a run writes. The runs train
+on `small_train` (200 conversations); one-process checks run the worker inside pytest (`in_process=True`), where a
+process of its own would add nothing. (DDP's replicated parameters are checked on the DDP run of
+tests/test_session.py::test_queue_and_stop.)"""
 import json, os, subprocess, sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from ilab_nb.config import TrainConfig
-from ilab_nb.demo import demo_assets
 from ilab_nb import worker
-from ilab_nb.launcher import accelerate_command, free_port, write_accelerate_config
+from ilab_nb.launcher import accelerate_command, write_accelerate_config
 
-BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return demo_assets(tmp_path_factory.mktemp("demo"))
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]   # in-process runs: one thread
 
 
-def make_run(tmp_path, assets, name, **fields) -> Path:
+def make_run(tmp_path, demo, data, name, **fields) -> Path:
     rd = tmp_path / name
     (rd / "logs").mkdir(parents=True)
-    base = dict(model=str(assets.model_dir), data=[str(assets.train_file)], device="cpu", max_tokens_per_batch=1024,
+    base = dict(model=str(demo.model_dir), data=[str(data)], device="cpu", max_tokens_per_batch=1024,
                 max_seq_len=256, learning_rate=3e-3, logging_steps=1, seed=7)
     TrainConfig(**{**base, **fields}).to_json(rd / "config.json")
     return rd
@@ -31,10 +29,13 @@ def make_run(tmp_path, assets, name, **fields) -> Path:
 
 def launch(rd: Path, nproc: int, *extra, expect_ok=True, in_process=False):
     """Start the worker the way the launcher does (ARCHITECTURE.md), wait, and return the process result.
-    `in_process=True` runs a one-process worker inside pytest (same `run()`, without the interpreter start-up)."""
+    `in_process=True` runs a one-process worker inside pytest (same `run()`, without the interpreter start-up; a
+    process group of one, FSDP's, is destroyed afterwards as the worker's `main()` does)."""
     if in_process:
         assert nproc == 1 and not extra
-        return worker.run(rd)
+        try: return worker.run(rd)
+        finally:
+            if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
     if nproc > 1:       # the launcher's own command line and neutral accelerate config (conftest's default is hostile)
         write_accelerate_config(rd)
         cmd = accelerate_command(rd, {"num_processes": nproc, "device": "cpu"})[:-2] + list(extra or ("--attempt", "1"))
@@ -52,8 +53,14 @@ def records(rd: Path, kind=None):
     return [r for r in recs if kind is None or r["kind"] == kind]
 
 
-def test_fsdp_two_ranks_shard_parameters_and_split_data(tmp_path, assets):
-    rd = make_run(tmp_path, assets, "fsdp", num_processes=2, strategy="fsdp", max_steps=6, eval_split=0.05, save_steps=3)
+@pytest.mark.processes
+def test_fsdp_two_ranks_shard_split_data_checkpoint_and_resume_on_the_same_trajectory(tmp_path, demo, small_train):
+    """One FSDP run of 2 ranks (8 steps, all in the first epoch of small_train at 512 tokens per rank) proves sharding,
+    split data, metrics, evaluation, whole checkpoints and final/; a second run of the same config resumed from its
+    step-4 checkpoint proves resume: same seed, same data position, restored optimizer/scheduler/RNG, same losses."""
+    fields = dict(num_processes=2, strategy="fsdp", max_steps=8, save_steps=4, eval_split=0.05, max_tokens_per_batch=512,
+                  lr_scheduler_type="cosine", warmup_steps=2)
+    rd = make_run(tmp_path, demo, small_train, "fsdp", **fields)
     launch(rd, 2)
     head = records(rd, "header")[0]
     assert (head["world_size"], head["backend"], head["strategy"], head["distributed_type"]) == (2, "gloo", "fsdp", "MULTI_CPU")
@@ -64,60 +71,53 @@ def test_fsdp_two_ranks_shard_parameters_and_split_data(tmp_path, assets):
     seen = done["data_seen"]
     assert all(n > 0 for n in seen["per_rank"]) and seen["shared"] == 0, seen     # different data on each rank
     train = records(rd, "train")
-    assert [r["step"] for r in train] == list(range(1, 7))
+    assert [r["step"] for r in train] == list(range(1, 9))
     assert all(r["grad_norm"] > 0 and r["tokens"] > 0 and 0 < r["efficiency"] <= 1 for r in train)
     assert len(records(rd, "eval")) == 2                                           # before training and at the end
     # both ranks wrote their own log; checkpoints are whole, Hugging Face loadable, and final/ exists
     assert (rd / "logs" / "rank-0.log").exists() and (rd / "logs" / "rank-1.log").exists()
     ckpts = sorted(p.name for p in (rd / "checkpoints").iterdir())
-    assert ckpts == ["step-00000003", "step-00000006"], ckpts
+    assert ckpts == ["step-00000004", "step-00000008"], ckpts
     for c in ckpts:
         assert (rd / "checkpoints" / c / "COMPLETE").exists() and (rd / "checkpoints" / c / "distributed" / ".metadata").exists()
     m = AutoModelForCausalLM.from_pretrained(rd / "final")
     assert m.config.use_cache                 # trained without a KV cache, saved for generation with one
-    m6 = AutoModelForCausalLM.from_pretrained(rd / "checkpoints" / "step-00000006")
-    m0 = AutoModelForCausalLM.from_pretrained(assets.model_dir)
-    for (k, a), b, c in zip(m.state_dict().items(), m6.state_dict().values(), m0.state_dict().values()):
+    m8 = AutoModelForCausalLM.from_pretrained(rd / "checkpoints" / "step-00000008")
+    m0 = AutoModelForCausalLM.from_pretrained(demo.model_dir)
+    for (k, a), b, c in zip(m.state_dict().items(), m8.state_dict().values(), m0.state_dict().values()):
         assert torch.equal(a, b), k
     assert any(not torch.equal(a, c) for a, c in zip(m.state_dict().values(), m0.state_dict().values()))
 
-
-def test_resume_matches_uninterrupted_run(tmp_path, assets):
-    fields = dict(num_processes=2, strategy="fsdp", max_steps=8, save_steps=4, lr_scheduler_type="cosine", warmup_steps=2)
-    a = make_run(tmp_path, assets, "a", **fields)
-    launch(a, 2)
-    b = make_run(tmp_path, assets, "b", **fields)
-    launch(b, 2, "--resume", str(a / "checkpoints" / "step-00000004"), "--attempt", "2")
+    # resume: a new attempt from the step-4 checkpoint follows the uninterrupted run's trajectory
+    b = make_run(tmp_path, demo, small_train, "b", **fields)
+    launch(b, 2, "--resume", str(rd / "checkpoints" / "step-00000004"), "--attempt", "2")
     head = records(b, "header")[0]
     assert head["resumed_from_step"] == 4 and head["attempt"] == 2
-    la = {r["step"]: r for r in records(a, "train")}
+    la = {r["step"]: r for r in train}
     lb = {r["step"]: r for r in records(b, "train")}
     assert sorted(lb) == [5, 6, 7, 8]
-    for s in lb:   # same seed, same data position, restored optimizer/scheduler/RNG: same trajectory
+    for s in lb:
         assert abs(lb[s]["loss"] - la[s]["loss"]) <= 1e-4 * abs(la[s]["loss"]), (s, lb[s]["loss"], la[s]["loss"])
         assert lb[s]["learning_rate"] == pytest.approx(la[s]["learning_rate"], rel=1e-9)
 
 
-def test_ddp_replicates_and_one_process_runs_single_or_fsdp(tmp_path, assets):
-    rd = make_run(tmp_path, assets, "ddp", num_processes=2, strategy="ddp", max_steps=2)
-    launch(rd, 2)
-    head = records(rd, "header")[0]
-    assert head["strategy"] == "ddp" and head["world_size"] == 2 and head["params_per_rank"] == [head["params_total"]] * 2
-    rd1 = make_run(tmp_path, assets, "single", num_processes=1, strategy="single", max_steps=2)
-    launch(rd1, 1)
+def test_one_process_runs_single_or_fsdp(tmp_path, demo, small_train):
+    rd1 = make_run(tmp_path, demo, small_train, "single", num_processes=1, strategy="single", max_steps=2)
+    launch(rd1, 1, in_process=True)
     assert records(rd1, "header")[0]["world_size"] == 1 and (rd1 / "final" / "model.safetensors").exists()
     # FSDP on one process (a group of one, as for one GPU with cpu_offload) trains like the single process
-    rd2 = make_run(tmp_path, assets, "fsdp1", num_processes=1, strategy="fsdp", max_steps=2)
-    launch(rd2, 1)
+    rd2 = make_run(tmp_path, demo, small_train, "fsdp1", num_processes=1, strategy="fsdp", max_steps=2)
+    launch(rd2, 1, in_process=True)
     head = records(rd2, "header")[0]
     assert head["strategy"] == "fsdp" and head["world_size"] == 1 and head["backend"] == "gloo"
     assert [r["loss"] for r in records(rd2, "train")] == pytest.approx([r["loss"] for r in records(rd1, "train")], rel=1e-4)
     assert list((rd2 / "final").glob("*.safetensors"))
 
 
-def test_asked_for_processes_not_in_effect_fails_loudly(tmp_path, assets):
+@pytest.mark.processes
+def test_asked_for_processes_not_in_effect_fails_loudly(tmp_path, demo, small_train):
     # num_processes=2 but started as one plain process: the silent single-process fallback is refused.
-    rd = make_run(tmp_path, assets, "wrong", num_processes=2, strategy="fsdp", max_steps=2)
+    rd = make_run(tmp_path, demo, small_train, "wrong", num_processes=2, strategy="fsdp", max_steps=2)
     r = launch(rd, 1, expect_ok=False)
     assert r.returncode != 0
     log = (rd / "logs" / "rank-0.log").read_text()
@@ -125,12 +125,12 @@ def test_asked_for_processes_not_in_effect_fails_loudly(tmp_path, assets):
     assert records(rd, "event")[-1]["event"] == "failed"
 
 
-def test_fields_are_honoured(tmp_path, assets):
+def test_fields_are_honoured(tmp_path, demo, small_train):
     """Single-process runs (cheap) in which each field's effect shows in the files."""
     common = dict(num_processes=1, strategy="single")
     # learning_rate, warmup_steps, lr_scheduler_type, max_steps, logging_steps, eval_steps, save_steps,
     # save_total_limit, gradient_checkpointing
-    rd = make_run(tmp_path, assets, "f1", **common, max_steps=8, learning_rate=1e-3, warmup_steps=4,
+    rd = make_run(tmp_path, demo, small_train, "f1", **common, max_steps=8, learning_rate=1e-3, warmup_steps=4,
                   lr_scheduler_type="linear", logging_steps=2, eval_split=0.05, eval_steps=4, save_steps=2,
                   save_total_limit=2, gradient_checkpointing=True)
     launch(rd, 1, in_process=True)
@@ -142,26 +142,26 @@ def test_fields_are_honoured(tmp_path, assets):
     assert [r["step"] for r in records(rd, "eval")] == [0, 4, 8]
     assert sorted(p.name for p in (rd / "checkpoints").iterdir()) == ["step-00000006", "step-00000008"]
     # seed: same seed, same losses; gradient_accumulation_steps: half the steps, twice the tokens per step
-    r2 = make_run(tmp_path, assets, "f2", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
-    r3 = make_run(tmp_path, assets, "f3", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
-    r4 = make_run(tmp_path, assets, "f4", **common, max_steps=4, gradient_accumulation_steps=1, num_train_epochs=1)
+    r2 = make_run(tmp_path, demo, small_train, "f2", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
+    r3 = make_run(tmp_path, demo, small_train, "f3", **common, max_steps=4, gradient_accumulation_steps=2, num_train_epochs=1)
+    r4 = make_run(tmp_path, demo, small_train, "f4", **common, max_steps=4, gradient_accumulation_steps=1, num_train_epochs=1)
     for r in (r2, r3, r4): launch(r, 1, in_process=True)
     assert records(r4, "header")[0]["gradient_checkpointing"] is False
     t2, t3, t4 = records(r2, "train"), records(r3, "train"), records(r4, "train")
     assert [x["loss"] for x in t2] == [x["loss"] for x in t3]
     assert sum(x["tokens"] for x in t2) > 1.7 * sum(x["tokens"] for x in t4)
     # max_grad_norm: a tiny clip norm leaves the model (and so the loss) almost where it started
-    r5 = make_run(tmp_path, assets, "f5", **common, max_steps=4, max_grad_norm=1e-9, learning_rate=1e-2)
+    r5 = make_run(tmp_path, demo, small_train, "f5", **common, max_steps=4, max_grad_norm=1e-9, learning_rate=1e-2)
     launch(r5, 1, in_process=True)
     l5 = [x["loss"] for x in records(r5, "train")]
     assert abs(l5[-1] - l5[0]) < 0.02 * l5[0] and abs(t4[-1]["loss"] - t4[0]["loss"]) > 0.05 * t4[0]["loss"]
 
 
-def test_long_sequence_policy_and_token_budget(tmp_path, assets):
+def test_long_sequence_policy_and_token_budget(tmp_path, demo, small_train):
     common = dict(num_processes=1, strategy="single", max_steps=1)
-    drop = make_run(tmp_path, assets, "drop", **common, max_seq_len=48, long_sequence_policy="drop")
-    trunc = make_run(tmp_path, assets, "trunc", **common, max_seq_len=48, long_sequence_policy="truncate")
-    small = make_run(tmp_path, assets, "small", **common, max_tokens_per_batch=256)
+    drop = make_run(tmp_path, demo, small_train, "drop", **common, max_seq_len=48, long_sequence_policy="drop")
+    trunc = make_run(tmp_path, demo, small_train, "trunc", **common, max_seq_len=48, long_sequence_policy="truncate")
+    small = make_run(tmp_path, demo, small_train, "small", **common, max_tokens_per_batch=256)
     for r in (drop, trunc, small): launch(r, 1, in_process=True)
     sd, st = records(drop, "header")[0]["data_stats"]["train"], records(trunc, "header")[0]["data_stats"]["train"]
     assert sd["dropped_too_long"] > 0 and sd["truncated"] == 0
@@ -171,19 +171,19 @@ def test_long_sequence_policy_and_token_budget(tmp_path, assets):
     assert st["note"].startswith(f"{st['truncated'] + st['dropped_too_long']:,} samples of {st['records']:,} were longer than "
                                  "max_seq_len=48 tokens and truncated")
     # a smaller per-rank token budget means more, smaller micro-batches
-    big = make_run(tmp_path, assets, "big", **common, max_tokens_per_batch=1024)
+    big = make_run(tmp_path, demo, small_train, "big", **common, max_tokens_per_batch=1024)
     launch(big, 1, in_process=True)
     assert records(small, "train")[0]["tokens"] < records(big, "train")[0]["tokens"]
     assert records(small, "header")[0]["plan"]["computed_tokens"] <= 256
 
 
-def test_packed_layout_gives_the_same_loss_as_bucketed(tmp_path, assets):
+def test_packed_layout_gives_the_same_loss_as_bucketed(tmp_path, demo, small_train):
     """`batching` is honoured: the packed layout (one row, position_ids restarting per sequence, no attention
     mask) and the bucketed one (padded rows) evaluate the same held-out samples to the same mean token loss,
     because packed sequences do not see each other."""
     common = dict(num_processes=1, strategy="single", max_steps=1, max_tokens_per_batch=512, eval_split=0.05)
-    packed = make_run(tmp_path, assets, "packed", **common, batching="packed")
-    bucketed = make_run(tmp_path, assets, "bucketed", **common, batching="bucketed")
+    packed = make_run(tmp_path, demo, small_train, "packed", **common, batching="packed")
+    bucketed = make_run(tmp_path, demo, small_train, "bucketed", **common, batching="bucketed")
     for r in (packed, bucketed): launch(r, 1, in_process=True)
     hp, hb = records(packed, "header")[0], records(bucketed, "header")[0]
     assert (hp["layout"], hb["layout"]) == ("packed", "bucketed")
