@@ -7,14 +7,12 @@ from __future__ import annotations
 import json, math, os, re
 from pathlib import Path
 
-import torch
-
-from .config import TrainConfig
+from .config import TrainConfig      # torch and peft are imported where they are used: the session imports this
 
 # %% auto #0
-__all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'adapter_modules', 'base_key', 'is_adapter_key', 'trainable_only',
-           'gathered_adapters', 'save_adapter', 'load_adapted', 'merge_adapter', 'finetuning_info',
-           'adapter_param_count']
+__all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'is_adapted', 'adapter_modules', 'base_key', 'is_adapter_key',
+           'without_frozen', 'gathered_adapters', 'save_adapter', 'load_adapted', 'merge_adapter', 'finetuning_info',
+           'adapter_param_count', 'adapter_folder', 'load_trained']
 
 # %% ../nbs/04a_lora.ipynb #9d4f539e
 LORA_DEFAULTS = dict(target_modules="all-linear")
@@ -25,15 +23,18 @@ def lora_config(cfg: TrainConfig):
     from peft import LoraConfig
     return LoraConfig(**{**LORA_DEFAULTS, **cfg.lora, "task_type": "CAUSAL_LM"})
 
-# %% ../nbs/04a_lora.ipynb #f9dd0b61
+# %% ../nbs/04a_lora.ipynb #4a8609c7
 def _lora_layers(model):
     from peft.tuners.lora import LoraLayer
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 def add_adapters(model, cfg: TrainConfig):
     "Wrap `model` (its base on the meta device) with the run's LoRA adapters, real and seeded; freeze the base."
+    if cfg.lora is None: return model                     # full fine-tuning: every weight trains
+    import torch
     from peft import get_peft_model
     pm = get_peft_model(model, lora_config(cfg))
+    for c in pm.peft_config.values(): c.base_model_name_or_path = str(cfg.model)    # what the saved adapters name
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         for layer in _lora_layers(pm):
@@ -44,6 +45,11 @@ def add_adapters(model, cfg: TrainConfig):
         for p in pm.parameters():
             if not p.requires_grad: p.data = p.data.to(torch.bfloat16)
     return pm
+
+# %% ../nbs/04a_lora.ipynb #b7bf01e5
+def is_adapted(model) -> bool:
+    "Whether `model` is a peft model (its adapters train, its base is frozen)."
+    return hasattr(model, "peft_config")
 
 # %% ../nbs/04a_lora.ipynb #9ae84b14
 def adapter_modules(block) -> list:
@@ -59,29 +65,28 @@ def is_adapter_key(name: str) -> bool:
     "Whether a state-dict entry is an adapter's (peft's `lora_A`/`lora_B`, ...)."
     return bool(re.search(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.", name))
 
-# %% ../nbs/04a_lora.ipynb #8b9b0f72
-def trainable_only(model, state_dict: dict) -> dict:
-    "The entries of `state_dict` (the model's, by parameter name) of parameters that train."
-    train = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in state_dict.items() if k in train}
+# %% ../nbs/04a_lora.ipynb #1c93439f
+def without_frozen(model, state_dict: dict) -> dict:
+    "`state_dict` (the model's, by parameter name) less the entries of frozen parameters."
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}   # tied names too
+    return {k: v for k, v in state_dict.items() if k not in frozen}
 
-# %% ../nbs/04a_lora.ipynb #949dd32f
+# %% ../nbs/04a_lora.ipynb #0ca34a20
 def gathered_adapters(model) -> dict:
     "Every trainable tensor, whole, on the CPU (`{name: tensor}`); every rank must call."
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
             for n, p in model.named_parameters() if p.requires_grad}
 
-def save_adapter(model, out_dir, rank: int, base_model: str) -> Path:
+def save_adapter(model, out_dir, rank: int) -> Path:
     "Write the adapters in peft's format into `out_dir` (gathered on every rank, written by rank 0)."
     full = gathered_adapters(model)
-    if rank == 0:
-        for c in model.peft_config.values(): c.base_model_name_or_path = str(base_model)
-        model.save_pretrained(str(out_dir), state_dict=full)
+    if rank == 0: model.save_pretrained(str(out_dir), state_dict=full)
     return Path(out_dir)
 
 # %% ../nbs/04a_lora.ipynb #b1c19457
 def load_adapted(adapter_dir, base_model: str | None = None, trust_remote_code: bool = False, **kwargs):
     "The base model (named in the adapter's config, or `base_model`) with the adapters of `adapter_dir`, for use."
+    import torch
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
     base_model = base_model or PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
@@ -121,3 +126,20 @@ def adapter_param_count(shapes: dict, cfg: TrainConfig) -> int:
         m = _BLOCK.search(k)
         if m and len(s) == 2 and (names is None or m.group(1) in names): n += lc.r * (s[0] + s[1])
     return n
+
+# %% ../nbs/04a_lora.ipynb #8885f135
+def adapter_folder(path) -> Path | None:
+    "The adapter folder a run wrote at `path` (the folder itself, or its `adapter/`), or None."
+    p = Path(path)
+    for d in (p, p / "adapter"):
+        if (d / "adapter_config.json").exists(): return d
+    return None
+
+def load_trained(path, trust_remote_code: bool = False, **kwargs):
+    "The model a run wrote at `path`: a Hugging Face folder as such, else its adapters on their base (peft)."
+    from transformers import AutoModelForCausalLM
+    if (Path(path) / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    a = adapter_folder(path)
+    if a is None: raise FileNotFoundError(f"{path} holds neither a model (config.json) nor adapters (adapter_config.json).")
+    return load_adapted(a, trust_remote_code=trust_remote_code, **kwargs)

@@ -225,7 +225,7 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                  gradient_checkpointing="bool", plan="dict", data_stats="dict", versions="dict",
                                  load="str", mixed_precision="dict?", cpu_offload="bool", torch_compile="str?", loss="str",
                                  num_machines="int", nodes="list"),
-                   optional=dict(blocks="int")),
+                   optional=dict(blocks="int", finetuning="str", trainable_params="int", lora="dict?")),
     "train": dict(file="metrics.jsonl", doc="every `logging_steps` optimizer steps, and the last",
                   required=dict(step="int", total_steps="int", epoch="float", loss="float", learning_rate="float",
                                 grad_norm="float", tokens="int", tokens_per_s="float", real_tokens_per_s="float",

@@ -268,9 +268,10 @@ def resume(self:FineTuneSession) -> FineTuneSession:
 @patch
 def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     "The directory `load_model(checkpoint)` would load."
+    from ilab_nb.lora import adapter_folder
     if checkpoint is None:
         p = RunPaths(self.run_dir).final
-        if not (p / "config.json").exists():
+        if not (p / "config.json").exists() and adapter_folder(p) is None:
             steps = [c["step"] for c in self.checkpoints]
             raise FileNotFoundError(f"Run {self.run_id} has no final model (status {self.status}); "
                                     + (f"load a checkpoint instead: checkpoint= one of {steps} or 'latest'." if steps
@@ -285,18 +286,19 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
             if c["step"] == checkpoint: return Path(c["path"])
         raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {checkpoint}; it has {[c['step'] for c in ckpts]}.")
     p = Path(checkpoint)
-    if not (p / "config.json").exists(): raise FileNotFoundError(f"{p} is not a model directory (no config.json).")
+    if not (p / "config.json").exists() and adapter_folder(p) is None:
+        raise FileNotFoundError(f"{p} is not a model directory (no config.json) nor an adapter folder (no adapter_config.json).")
     return p
 
 # %% ../nbs/08_session.ipynb #8acd2f89
 @patch
 def load_model(self:FineTuneSession, checkpoint=None, **kwargs):
     "`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path)."
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+    from ilab_nb.lora import load_trained
     p = self.model_path(checkpoint)
     trc = bool(self.config and self.config.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(p, trust_remote_code=trc, **kwargs)
-    return model, AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
+    return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
 
 # %% ../nbs/08_session.ipynb #74f96fe8
 @patch

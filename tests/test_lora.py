@@ -1,0 +1,120 @@
+"""LoRA adapters for real: a 2-rank FSDP run through FineTuneSession (adapters only in every checkpoint, the merged
+model in final/, equal logits), resumed from its middle checkpoint (the same trajectory and adapters), and the same
+run under DDP (the adapters gathered from FSDP's shards equal a replica's)."""
+import json, os, shutil, subprocess, sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ilab_nb import FineTuneSession
+from ilab_nb.launcher import accelerate_command, write_accelerate_config
+from ilab_nb.rundir import RunPaths
+
+pytestmark = pytest.mark.processes
+
+LORA = dict(r=8, lora_alpha=16)
+FIELDS = dict(num_processes=2, device="cpu", max_steps=6, save_steps=3, logging_steps=1, learning_rate=1e-2,
+              max_tokens_per_batch=1024, max_seq_len=256, batching="bucketed", seed=3, lora=LORA)
+
+
+def _losses(run_dir):
+    recs = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}, [r for r in recs if r["kind"] == "header"]
+
+
+def _adapter(folder):
+    with safe_open(str(Path(folder) / "adapter_model.safetensors"), "pt") as f: return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _worker(rd, extra=()):
+    write_accelerate_config(rd)
+    cmd = accelerate_command(rd, {"num_processes": 2, "device": "cpu"})[:-2] + list(extra or ("--attempt", "1"))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:] + "".join(p.read_text()[-2000:] for p in sorted((rd / "logs").glob("rank-*.log")))
+
+
+@pytest.fixture(scope="module")
+def lora_run(demo, small_train, tmp_path_factory):
+    "The 2-rank FSDP LoRA run, through the whole product (preflight, supervisor, accelerate launch)."
+    root = tmp_path_factory.mktemp("lora")
+    env = dict(ILAB_NB_RUNS=str(root / "runs"), ILAB_NB_LOCKS=str(root / "locks"), ILAB_NB_CPU_SLOTS="2")
+    old = {k: os.environ.get(k) for k in env}; os.environ.update(env)
+    try:
+        s = FineTuneSession(model=str(demo.model_dir), data=str(small_train), strategy="fsdp", **FIELDS)
+        s.start()
+        assert s.wait(timeout=600) == "completed", s.reason
+        yield s
+    finally:
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+
+
+def test_fsdp_lora_trains_adapters_only_and_merges_after(lora_run, demo):
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+    s, paths = lora_run, RunPaths(lora_run.run_dir)
+    losses, heads = _losses(s.run_dir)
+    h = heads[0]
+    assert (h["finetuning"], h["strategy"], h["world_size"]) == ("lora", "fsdp", 2)
+    assert h["lora"]["r"] == 8 and len(h["lora"]["target_modules"]) == 7
+    assert 0 < h["trainable_params"] < 0.2 * h["params_total"]
+    assert sum(h["params_per_rank"]) == h["params_total"] and max(h["params_per_rank"]) < 0.6 * h["params_total"]
+    base_bytes = sum(f.stat().st_size for f in Path(demo.model_dir).glob("*.safetensors"))
+    for step in (3, 6):
+        ck = paths.checkpoint(step)
+        assert not list(ck.glob("model*.safetensors"))                          # no copy of the base
+        keys = list(_adapter(ck))
+        assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
+        import torch.distributed.checkpoint as dcp
+        saved = dcp.FileSystemReader(str(ck / "distributed")).read_metadata().state_dict_metadata
+        model_keys = [k for k in saved if k.startswith("model.")]
+        assert model_keys and all("lora_" in k for k in model_keys)           # sharded state: the adapters only
+        size = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
+        assert size < base_bytes                                              # adapters, optimizer and RNG < the base alone
+    # final/: the merged model, loadable without peft, equal to the base with the adapters
+    merged = AutoModelForCausalLM.from_pretrained(paths.final, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, paths.final / "adapter").eval()
+    ids = torch.randint(6, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): lm, la = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
+    torch.testing.assert_close(lm, la, atol=1e-4, rtol=1e-4)
+    with torch.no_grad(): lb = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)(input_ids=ids).logits
+    assert (la - lb).abs().max() > 1e-3                                       # the adapters trained
+    model, tok = s.load_model(checkpoint=3)                                   # a checkpoint: the adapters on their base
+    assert hasattr(model, "peft_config") and tok.pad_token_id is not None
+    assert not hasattr(s.load_model()[0], "peft_config")                      # final/: the merged model
+    assert losses and all(v == v for v in losses.values())
+
+
+def test_resume_restores_all_of_the_adapters_and_the_trajectory(lora_run, tmp_path):
+    "The resume that restored 1/N of an adapter in other tools: here the steps after it and the adapters are the same."
+    src = RunPaths(lora_run.run_dir)
+    rd = tmp_path / "resumed"; (rd / "logs").mkdir(parents=True); (rd / "checkpoints").mkdir()
+    shutil.copy(src.config, RunPaths(rd).config)
+    shutil.copytree(src.checkpoint(3), RunPaths(rd).checkpoint(3))
+    _worker(rd, ("--resume", str(RunPaths(rd).checkpoint(3)), "--attempt", "2"))
+    full, _ = _losses(lora_run.run_dir)
+    again, heads = _losses(rd)
+    assert heads[0]["resumed_from_step"] == 3 and sorted(again) == [4, 5, 6]
+    for k in (4, 5, 6): assert abs(again[k] - full[k]) <= 1e-4 * max(1.0, abs(full[k])), (k, again[k], full[k])
+    a, b = _adapter(src.final / "adapter"), _adapter(RunPaths(rd).final / "adapter")
+    assert set(a) == set(b)
+    for k in a: torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5)
+
+
+def test_adapters_gathered_from_fsdp_shards_equal_a_ddp_replica(lora_run, tmp_path):
+    "The same steps under DDP (every rank a whole replica): the adapters FSDP's ranks saved from their shards are the same."
+    rd = tmp_path / "ddp"; (rd / "logs").mkdir(parents=True)
+    cfg = json.loads(RunPaths(lora_run.run_dir).config.read_text())
+    cfg.update(strategy="ddp", save_steps=None)
+    RunPaths(rd).config.write_text(json.dumps(cfg))
+    _worker(rd)
+    a, b = _adapter(RunPaths(lora_run.run_dir).final / "adapter"), _adapter(RunPaths(rd).final / "adapter")
+    assert set(a) == set(b) and len(a) == 2 * 7 * 4                           # A and B of 7 layers in 4 blocks
+    for k in a: torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
+    fsdp, _ = _losses(lora_run.run_dir); ddp, heads = _losses(rd)
+    assert heads[0]["strategy"] == "ddp" and heads[0]["finetuning"] == "lora"
+    for k in fsdp: assert abs(ddp[k] - fsdp[k]) <= 1e-4 * abs(fsdp[k]), (k, ddp[k], fsdp[k])
