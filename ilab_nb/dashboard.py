@@ -498,6 +498,10 @@ def _header_html(run_id, attempt, h: dict) -> str:
             bits.append(html.escape(str(h["precision"])))
         if h.get("params_total"):
             bits.append(f"{h['params_total'] / 1e6:,.1f} M parameters")
+        if h.get("finetuning") == "lora" and h.get("params_total"):
+            r = (h.get("lora") or {}).get("r", "?")
+            bits.append(f"LoRA r={r}: {h.get('trainable_params', 0) / 1e6:,.2f} M train "
+                        f"({100 * h.get('trainable_params', 0) / h['params_total']:.1f} %)")
     return '<span style="color:#3c4043;font-size:13px">' + " · ".join(bits) + "</span>"
 
 # %% ../nbs/09_dashboard.ipynb #c9e53215

@@ -17,8 +17,8 @@ from .core import patch
 from .rundir import RunPaths
 
 # %% auto #0
-__all__ = ['SWEEPS_DIR', 'sweep_axes', 'sweep_combinations', 'run_summary', 'sweeps_dir', 'Sweep', 'sweep_table_html',
-           'SweepDashboard']
+__all__ = ['SWEEPS_DIR', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary', 'sweeps_dir', 'Sweep',
+           'sweep_table_html', 'SweepDashboard']
 
 # %% ../nbs/14_sweep.ipynb #5828eab4
 def _takes_list(field: str) -> bool:
@@ -44,6 +44,19 @@ def sweep_axes(fields: dict, grid: dict | None = None) -> tuple[dict, dict]:
 def sweep_combinations(axes: dict) -> list[dict]:
     "Every combination of the axes' values (the first axis varies slowest)."
     return [dict(zip(axes, vals)) for vals in itertools.product(*axes.values())]
+
+# %% ../nbs/14_sweep.ipynb #cf7c479b
+def run_fields(common: dict, values: dict) -> dict:
+    "The fields of one run: `common` with the combination's `values`, dotted names (`lora.r`) set inside their mapping."
+    out = dict(common)
+    for k, v in values.items():
+        head, dot, key = k.partition(".")
+        if not dot: out[k] = v; continue
+        if head not in TrainConfig.model_fields: raise ValueError(f"sweep: '{k}' names no config field '{head}'")
+        base = out.get(head) or {}
+        if not isinstance(base, dict): base = base.model_dump(exclude_unset=True) if hasattr(base, "model_dump") else dict(base)
+        out[head] = {**base, key: v}
+    return out
 
 # %% ../nbs/14_sweep.ipynb #ddabffec
 def run_summary(monitor: RunMonitor) -> dict:
@@ -91,7 +104,7 @@ def _named_error(e: Exception, where: str) -> Exception:
     try: return type(e)(f"{where}: {e}")
     except Exception: return RuntimeError(f"{where}: {type(e).__name__}: {e}")
 
-# %% ../nbs/14_sweep.ipynb #4bc04cf4
+# %% ../nbs/14_sweep.ipynb #32615d2a
 @patch(cls_method=True)
 def create(cls:Sweep, model=None, data=None, *, grid=None, config=None, runs_root=None, name=None, **fields) -> Sweep:
     "Validate, record and queue one run per combination of the fields given as lists; returns the `Sweep`."
@@ -101,7 +114,7 @@ def create(cls:Sweep, model=None, data=None, *, grid=None, config=None, runs_roo
     sessions = []
     for i, values in enumerate(combos):
         try: sessions.append(FineTuneSession(model, data, config=config, runs_root=runs_root, run_id=f"{sweep_id}-{i:02d}",
-                                             **common, **values))
+                                             **run_fields(common, values)))
         except Exception as e:
             raise _named_error(e, f"sweep combination {i} ({', '.join(f'{k}={v!r}' for k, v in values.items())})") from None
     spec = dict(sweep_id=sweep_id, created_at=time.time(), by=f"pid {os.getpid()} on {socket.gethostname()}",
