@@ -1,5 +1,6 @@
-"""The dashboard as users see it: JupyterLab started on localhost by the test, Debian chromium driven by
-Playwright (Python), a short notebook that starts a real demo run (2 CPU processes) and displays its session.
+"""The dashboard and the chat box as users see them: one JupyterLab started on localhost for this module's tests,
+Debian chromium driven by Playwright (Python), a short notebook that starts a real demo run (2 CPU processes) and
+displays its session, and one that chats with the model of the suite's `demo_run`.
 
 Asserts that the progress bar advances while the run trains, that the loss image changes, and that clicking
 Stop ends the run `cancelled` (checked through `FineTuneSession.attach` and state.json). Screenshots go to
@@ -24,12 +25,13 @@ import pytest
 
 from ilab_nb.runstore import new_run_id
 from ilab_nb.session import FineTuneSession
+from conftest import kill_processes_under, runs_env
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 STEP_RE = re.compile(r"step (\d+)")
 
-pytestmark = [pytest.mark.timeout(480), pytest.mark.processes]
+pytestmark = [pytest.mark.timeout(480), pytest.mark.processes, pytest.mark.usefixtures("one_torch_thread")]
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
@@ -182,19 +184,39 @@ s.run_id, s.status
 """
 
 
-def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, runs_root, tmp_path, monkeypatch):
+def browser_missing() -> str | None:
+    "Why the browser tests cannot run here (None when they can)."
     if chromium_path() is None:
-        pytest.skip("Debian chromium is not installed (no /usr/bin/chromium): `make browser-deps` installs it with "
-                    "apt-get as root; without it the browser test cannot run.")
+        return ("Debian chromium is not installed (no /usr/bin/chromium): `make browser-deps` installs it with "
+                "apt-get as root; without it the browser tests cannot run.")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"Playwright for Python is not importable ({e}): `pip install playwright` (dev requirement).")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        return f"Playwright for Python is not importable ({e}): `pip install playwright` (dev requirement)."
+    return None
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab for this module's tests, serving `lab.dir`; its kernels import this checkout and keep their runs
+    under `lab.runs` (with their own device locks), whose processes are killed afterwards."""
+    why = browser_missing()
+    if why: pytest.skip(why)
+    work = tmp_path_factory.mktemp("lab")
+    nbdir = work / "notebooks"; nbdir.mkdir()
     ARTIFACTS.mkdir(exist_ok=True)
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **runs_env(work)}
+    try:
+        with jupyter_lab(nbdir, work, env=env) as lab:
+            lab.dir, lab.runs = nbdir, work / "runs"
+            yield lab
+    finally:
+        kill_processes_under(work / "runs")
+
+
+def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
     run_id = new_run_id("browser")
-    nbdir = tmp_path / "notebooks"
-    nbdir.mkdir()
+    nbdir = lab.dir
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell(NOTEBOOK.format(model=str(demo.model_dir), data=str(small_train), run_id=run_id)),
         nbformat.v4.new_code_cell("s")])
@@ -210,7 +232,7 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, runs_root, tmp
         shots.append(path.name)
 
     try:
-        with jupyter_lab(nbdir, tmp_path) as lab, chromium_page() as page:
+        with chromium_page() as page:
             page.goto(lab.notebook_url("dashboard.ipynb"))
             try:
                 run_all_cells(page)
@@ -237,14 +259,14 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, runs_root, tmp
                     page.screenshot(path=str(ARTIFACTS / "browser-failure-page.png"))
                 print("JupyterLab log (tail):\n" + lab.log()[-4000:])
                 raise
-        s = FineTuneSession.attach(run_id)
+        s = FineTuneSession.attach(run_id, runs_root=lab.runs)
         assert s.status == "cancelled", (s.status, s.reason, s.logs(20))
         assert json.loads((s.run_dir / "state.json").read_text())["status"] == "cancelled"
         assert (s.run_dir / "control" / "stop").exists()  # it was the dashboard's Stop, not a crash
         print(f"\n[measured] browser test {time.monotonic() - t0:.1f} s; screenshots: {shots}")
     finally:
         with contextlib.suppress(FileNotFoundError):
-            s = FineTuneSession.attach(run_id)
+            s = FineTuneSession.attach(run_id, runs_root=lab.runs)
             if s.status not in ("completed", "failed", "cancelled"):
                 s.stop(wait=True, timeout=60)
 
@@ -280,20 +302,12 @@ def held_out_question_it_knows(model_dir, eval_file):
     return items[0]
 
 
-def test_chat_box_in_jupyterlab_with_chromium(demo, demo_run, tmp_path, monkeypatch):
+def test_chat_box_in_jupyterlab_with_chromium(demo, lab, demo_run):
     """After the demo's run, its model answers a held-out question right in the chat box; the untrained model's long
     answer streams in piece by piece and stops when Stop is pressed."""
-    if chromium_path() is None:
-        pytest.skip("Debian chromium is not installed (no /usr/bin/chromium): `make browser-deps` installs it.")
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"Playwright for Python is not importable ({e}): `pip install playwright` (dev requirement).")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    ARTIFACTS.mkdir(exist_ok=True)
     trained = demo_run[1] / "final"
     item = held_out_question_it_knows(trained, demo.eval_file)
-    nbdir = tmp_path / "notebooks"; nbdir.mkdir()
+    nbdir = lab.dir
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CHAT_NOTEBOOK.format(
         trained=str(trained), system=item["context"][0]["content"], untrained=str(demo.model_dir)))])
     nb.metadata = {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}}
@@ -311,7 +325,7 @@ def test_chat_box_in_jupyterlab_with_chromium(demo, demo_run, tmp_path, monkeypa
         field = page.locator(".ilab-chat-input input").nth(box)
         field.fill(text); field.press("Enter")
 
-    with jupyter_lab(nbdir, tmp_path) as lab, chromium_page() as page:
+    with chromium_page() as page:
         page.goto(lab.notebook_url("chat.ipynb"))
         try:
             run_all_cells(page)
