@@ -26,8 +26,9 @@ def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, ru
     follower = subprocess.Popen([*CLI, "logs", run_id, "-f", "-n", "5", "--runs-root", str(runs_root)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
     try:
-        wait_until(lambda: "running" in ilab("status", run_id, "--runs-root", runs_root, check=0).stdout, 150,
-                   poll=1, what="status running")
+        # (waited for in this process: a command-line process a second would slow the ranks' start on 2 cores)
+        wait_until(lambda: RunStore(runs_root).read_state(run_id)["status"] == "running", 150, poll=1, what="running")
+        assert "running" in ilab("status", run_id, "--runs-root", runs_root, check=0).stdout
         out = ilab("ls", "--runs-root", runs_root, check=0).stdout
         assert run_id in out and "running" in out
         out = ilab("stop", run_id, "--runs-root", runs_root, check=0).stdout          # from another process
@@ -68,5 +69,5 @@ def test_demo_prints_before_and_after(demo_run):
     first, last = map(float, re.search(r"training loss:\s+([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first, out                                     # the loss fell
     before, after = map(float, re.search(r"held-out accuracy:\s+([\d.]+) ?% -> ([\d.]+) ?%", out).groups())
-    assert before < 10 and after >= 70, out                      # it learned the atlas (91 % measured at 160 steps)
+    assert before < 10 and after >= 80, out                      # it learned the atlas (91 % measured at 160 steps)
     assert RunStore(run_dir.parent).read_state(run_dir.name)["status"] == "completed"
