@@ -209,18 +209,29 @@ PROMPTS = ["What is the capital of Nutoland?", [{"role": "system", "content": "A
                                                  {"role": "user", "content": "What money do people use in Tarbristan?"}]]
 
 
+LONG_ROW = {"messages": [{"role": "user", "content": "Tell me everything."},
+                         {"role": "assistant", "content": " ".join(["word"] * 700)}]}   # over max_seq_len: dropped
+EVAL_ROWS = 20
+
+
 @pytest.fixture(scope="session")
 def tracked_run(demo, small_train, tmp_path_factory):
-    """One finished 2-rank FSDP run with eval prompts (PROMPTS), evaluations every 2 steps, TensorBoard and MLflow:
-    the trackers', the samples', the chat's and the schema's tests read it."""
+    """One finished 2-rank FSDP run with eval prompts (PROMPTS), evaluations every 2 steps, TensorBoard and MLflow,
+    trained from a pandas DataFrame (small_train's rows and LONG_ROW) with eval_data a list of EVAL_ROWS held-out
+    rows: the trackers', the samples', the chat's, the schema's and the in-memory data's tests read it."""
+    import pandas as pd
+    from ilab_nb.data import load_chat_records
     root = tmp_path_factory.mktemp("tracked")
     mp = pytest.MonkeyPatch()
     for k, v in runs_env(root).items(): mp.setenv(k, v)
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     try:
-        s = make_session(demo, small_train, root / "runs", max_steps=4, eval_split=0.1, eval_steps=2, eval_prompts=PROMPTS,
+        df = pd.DataFrame([{"messages": r["messages"]} for r in load_chat_records(small_train)] + [LONG_ROW])
+        evals = [{"messages": r["messages"]} for r in load_chat_records(demo.eval_file)[:EVAL_ROWS]]
+        s = make_session(demo, df, root / "runs", eval_data=evals, max_steps=4, eval_steps=2, eval_prompts=PROMPTS,
                          eval_max_new_tokens=6, report_to=["tensorboard", "mlflow"])
         s.start()
+        del df, evals                                           # the run does not need the objects any more
         assert s.wait(timeout=300) == "completed", s.logs()
     finally:
         mp.undo()

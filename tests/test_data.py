@@ -490,28 +490,18 @@ def test_construction_with_bad_rows_in_memory_writes_nothing(demo, runs_root):
     assert not runs_root.exists()
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.processes
-def test_a_run_from_a_dataframe_end_to_end(demo, runs_root):
-    from conftest import wait_until
-    from ilab_nb.monitor import RunMonitor
-    from ilab_nb.session import FineTuneSession
-    rows = load_chat_records(demo.train_file)[:40]
-    long_row = {"messages": [msg("user", "Tell me everything."), msg("assistant", " ".join(["word"] * 700))]}
-    df = pd.DataFrame([{"messages": r["messages"]} for r in rows] + [long_row])
-    s = FineTuneSession(demo.model_dir, df, eval_data=[{"messages": r["messages"]} for r in rows[:4]], runs_root=runs_root,
-                        num_processes=1, strategy="single", device="cpu", max_steps=2, max_seq_len=100,
-                        max_tokens_per_batch=256, logging_steps=1)
-    s.start()
-    del df                                                           # the run does not need the object any more
-    assert s.wait(timeout=240) == "completed", s.logs()
+def test_a_run_from_a_dataframe_end_to_end(tracked_run):
+    "conftest's `tracked_run` trains from a DataFrame (small_train's rows and one over-long row), eval_data a list."
+    from conftest import EVAL_ROWS, TRAIN_LINES
+    s = tracked_run
     cfg = json.loads((s.run_dir / "config.json").read_text())
     assert cfg["data"] == [str(s.run_dir / "data" / "train.jsonl")] and cfg["eval_data"] == [str(s.run_dir / "data" / "eval.jsonl")]
-    assert len((s.run_dir / "data" / "train.jsonl").read_text().splitlines()) == 41
-    m = RunMonitor(s.run_dir)
-    m.poll()
-    note = m.header["data_stats"]["train"]["note"]
-    dropped = m.header["data_stats"]["train"]["dropped_too_long"]
-    assert dropped >= 1 and note.startswith(f"{dropped} samples of 41 were longer than max_seq_len=100 tokens and dropped")
+    assert len((s.run_dir / "data" / "train.jsonl").read_text().splitlines()) == TRAIN_LINES + 1
+    assert len((s.run_dir / "data" / "eval.jsonl").read_text().splitlines()) == EVAL_ROWS
+    s.monitor.poll()
+    stats = s.monitor.header["data_stats"]["train"]
+    note, dropped = stats["note"], stats["dropped_too_long"]
+    assert dropped == 1 and note.startswith(f"1 sample of {TRAIN_LINES + 1} was longer than max_seq_len=256 tokens and dropped"), note
     log = (s.run_dir / "logs" / "rank-0.log").read_text()
     assert f"training data: {note}" in log and "Token indices sequence length" not in log

@@ -24,9 +24,9 @@ from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
-# The tutorial's own numbers are 160, 20, 30 and 10 steps; a short first run still leaves 16 steps between its first
+# The tutorial's own numbers are 160, 20, 30 and 10 steps; a short first run still leaves 12 steps between its first
 # checkpoint (where the tutorial stops it) and its end.
-TUTORIAL = dict(max_steps=20, save_steps=4, second_run_steps=4, sweep_steps=2)
+TUTORIAL = dict(max_steps=16, save_steps=4, second_run_steps=4, sweep_steps=2)
 DATA_LINES = 600        # about 8 steps an epoch at the demo config's 2 x 2048 tokens
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.processes]
