@@ -1,13 +1,14 @@
 """Issue 7, faults of the run directory itself, with real processes: a full disk mid-run (a real small tmpfs as the
-runs root), a corrupt `state.json`, a run directory deleted while its ranks train, a run id with a trailing
-newline, and the message of a forced `stop()`."""
+runs root), an unreadable `state.json`, a run directory deleted while its ranks train, a run id with a trailing
+newline, and the message of a forced `stop()`. (A `state.json` corrupted while its run trains and as it ends:
+tests/test_session.py::test_queue_and_stop_with_a_corrupt_state.)"""
 import errno, os, shutil, signal, subprocess
 from pathlib import Path
 
 import pytest
 
 from ilab_nb.launcher import DeviceSlots
-from ilab_nb.runstore import ProcessRef, RunStore, RUN_ENV, read_json, run_processes, validate_run_id
+from ilab_nb.runstore import ProcessRef, RunStore, RUN_ENV, run_processes, validate_run_id
 from ilab_nb.session import FineTuneSession
 import ilab_nb.session as session_mod
 from conftest import ilab, kill_processes_under, make_session, wait_until
@@ -15,7 +16,7 @@ from conftest import ilab, kill_processes_under, make_session, wait_until
 pytestmark = pytest.mark.timeout(1200)   # generous: a loaded 2-core machine starts ranks slowly
 
 START_UP = 300         # s allowed from start() to the first metric (a loaded 2-core machine)
-KEPT = ("supervisor", "launcher", "request", "preflight", "num_processes", "device")
+LONG = 5000            # steps of a run that never finishes here (planning 100,000 steps took 21 s a rank)
 
 
 def make(demo, small_train, runs_root, **kw):
@@ -85,9 +86,9 @@ def test_unreadable_state_and_a_run_dir_without_state_are_listed(runs_root):
 
 
 @pytest.mark.processes
-def test_deleted_run_dir_stops_the_run_then_a_corrupt_state_is_rebuilt(demo, small_train, runs_root):
+def test_deleted_run_dir_stops_the_run_and_frees_its_devices(demo, small_train, runs_root):
     # Item 3: a 2-rank run whose directory is deleted while it trains.
-    b = make(demo, small_train, runs_root, max_steps=100000).start()
+    b = make(demo, small_train, runs_root, max_steps=LONG).start()
     running(b)
     sup = ProcessRef.from_dict(b.state["supervisor"])
     ranks = [p for p in run_processes(b.run_dir) if p.pid != sup.pid]
@@ -97,36 +98,13 @@ def test_deleted_run_dir_stops_the_run_then_a_corrupt_state_is_rebuilt(demo, sma
     assert not b.run_dir.exists()                          # nothing re-created it; nothing of it is left to do so
     assert all(DeviceSlots().holder(f"cpu-{i}") is None for i in range(2))
 
-    # Its two CPU slots are free at once: a run that refuses to queue starts.
-    a = make(demo, small_train, runs_root, max_steps=100000, queue=False).start()
-    running(a)
-    good = read_json(a.run_dir / "state.json")
-    assert all(k in good for k in KEPT), sorted(good)
-
-    # Item 2: garbage appended to state.json while it trains.
-    with open(a.run_dir / "state.json", "a") as f: f.write("\x00garbage{")
-    assert a.status == "running"
-    st = a.state
-    assert {k: st[k] for k in KEPT} == {k: good[k] for k in KEPT}
-    rc, out = cli("ls", runs_root=runs_root)
-    assert rc == 0 and "running" in row(out, a.run_id), out
-    with pytest.raises(TimeoutError): a.wait(timeout=1)   # never returns a status that is not final
-    # The supervisor's next write repairs the file from the last good copy, every field kept.
-    wait_until(lambda: isinstance(read_json(a.run_dir / "state.json"), dict), 30, what="state.json repaired")
-    fixed = read_json(a.run_dir / "state.json")
-    assert fixed["status"] == "running" and {k: fixed[k] for k in KEPT} == {k: good[k] for k in KEPT}
-
-    # Corrupt again as the run ends: wait() returns the true final status.
-    assert a.stop(wait=False) in ("running", "cancelled")
-    with open(a.run_dir / "state.json", "a") as f: f.write("garbage")
-    assert a.wait(timeout=180) == "cancelled"
-    # And once more after the end, with no supervisor left to repair it.
+    # Its two CPU slots are free at once: a run that refuses to queue starts and gets them (then is stopped).
+    # (Item 2, a state.json corrupted under a running run: tests/test_session.py::test_queue_and_stop_with_a_corrupt_state.)
+    a = make(demo, small_train, runs_root, max_steps=LONG, queue=False).start()
+    wait_until(lambda: a.status in ("starting", "running"), 60, what="the run to get its devices")
+    assert sorted(a.state["slots"]) == ["cpu-0", "cpu-1"]
+    assert a.stop(grace_s=0, timeout=60) == "cancelled"
     wait_until(lambda: not run_processes(a.run_dir), 30, what="the run's processes to end")
-    with open(a.run_dir / "state.json", "a") as f: f.write("garbage")
-    assert a.wait(timeout=5) == "cancelled" and a.status == "cancelled" and "stopped on request" in a.reason
-    assert {k: a.state[k] for k in KEPT if k != "launcher"} == {k: good[k] for k in KEPT if k != "launcher"}
-    rc, out = cli("ls", runs_root=runs_root)
-    assert rc == 0 and "cancelled" in row(out, a.run_id), out
 
 
 @pytest.fixture
@@ -159,7 +137,7 @@ def files_of(d): return {str(p.relative_to(d)): p.stat().st_size for p in sorted
 @pytest.mark.processes
 def test_disk_full_mid_run(demo, small_train, tmpfs_runs_root):
     root = tmpfs_runs_root
-    s = make(demo, small_train, root, num_processes=1, strategy="single", max_steps=100000, save_steps=2).start()
+    s = make(demo, small_train, root, num_processes=1, strategy="single", max_steps=LONG, save_steps=2).start()
     ck = Path(wait_until(lambda: s.checkpoints, 2 * START_UP, what="a complete checkpoint")[0]["path"])
     before = files_of(ck)
     sup = ProcessRef.from_dict(s.state["supervisor"])
