@@ -294,9 +294,9 @@ def chat_state(page, box) -> dict:
 def held_out_question_it_knows(model_dir, eval_file):
     "A held-out demo question (system message and question, no earlier turns) that the trained model answers right."
     from ilab_nb.demo import answer_prompts, evaluate_answers, read_chat_jsonl
-    ev = evaluate_answers(str(model_dir), eval_file=eval_file, limit=40)
+    ev = evaluate_answers(str(model_dir), eval_file=eval_file, limit=10)      # ten conversations: ten such questions
     right = {(e["conversation"], e["turn"]) for e in ev["examples"] if e["correct"]}
-    items = [it for it in answer_prompts(read_chat_jsonl(eval_file)[:40])
+    items = [it for it in answer_prompts(read_chat_jsonl(eval_file)[:10])
              if len(it["context"]) == 2 and it["context"][0]["role"] == "system" and (it["conversation"], it["turn"]) in right]
     assert items, f"the demo's run answers none of the held-out one-question prompts right ({ev['accuracy']:.0%} overall)"
     return items[0]
