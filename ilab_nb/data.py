@@ -24,9 +24,10 @@ from .config import InMemoryData, data_sources
 from .core import patch
 
 # %% auto #0
-__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'SHAREGPT_ROLES', 'SHAPES', 'DATA_SUFFIXES', 'DEFAULT_CHAT_TEMPLATE', 'DataError',
-           'load_chat_records', 'ensure_chat_template', 'render_chat', 'tokenize_chat', 'length_note', 'build_dataset',
-           'split_records', 'write_chat_jsonl', 'load_tokenizer']
+__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'SHAREGPT_ROLES', 'SHAPES', 'DATA_SUFFIXES', 'KIND_NAMES', 'KIND_PLURALS',
+           'DEFAULT_CHAT_TEMPLATE', 'DataError', 'load_records', 'load_chat_records', 'ensure_chat_template',
+           'render_chat', 'tokenize_chat', 'length_note', 'build_dataset', 'split_records', 'write_chat_jsonl',
+           'load_tokenizer']
 
 # %% ../nbs/01_data.ipynb #7df1773c
 MAX_DATA_ERRORS = 5
@@ -80,13 +81,15 @@ class _Problems(list):
     def raise_if_any(self):
         if self.count: raise DataError.collected(list(self), self.count)
 
-# %% ../nbs/01_data.ipynb #822bab05
+# %% ../nbs/01_data.ipynb #6b786c14
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 SHAPES = ('Accepted rows: {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}; '
           'ShareGPT {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}; '
           'Alpaca {"instruction": ..., "input": ... (optional), "output": ...}; '
-          'or {"input": ..., "output": ..., "system": ... (optional)}.')
+          'or {"input": ..., "output": ..., "system": ... (optional)}; '
+          'plain text {"text": ...}; preference pairs {"prompt": ..., "chosen": ..., "rejected": ...} '
+          '(strings or messages; without "prompt", two conversations that share their first turns).')
 
 # %% ../nbs/01_data.ipynb #51bbb0d0
 class _Bad(Exception):
@@ -102,8 +105,8 @@ def _text(obj: dict, key: str, optional: bool = False) -> str | None:
     "The non-empty string `obj[key]` (None when optional and absent)."
     v = obj.get(key)
     if v is None and optional: return None
-    if not isinstance(v, str) or not v.strip():
-        raise _Bad(f"'{key}' must be a non-empty string" + ("" if v is None else f", got {_json_type(v)}"))
+    if isinstance(v, str) and not v.strip(): raise _Bad(f"'{key}' is empty")
+    if not isinstance(v, str): raise _Bad(f"'{key}' must be a non-empty string" + ("" if v is None else f", got {_json_type(v)}"))
     return v
 
 # %% ../nbs/01_data.ipynb #a5f4f313
@@ -176,9 +179,64 @@ def _chat_messages(obj: Any) -> list[dict]:
         raise _Bad("no assistant message: there is nothing to train on")
     return out
 
-# %% ../nbs/01_data.ipynb #080aa124
+# %% ../nbs/01_data.ipynb #27891a7d
+def _text_record(obj: dict) -> dict:
+    "A plain-text document: `{'kind': 'text', 'text'}`."
+    return {"kind": "text", "text": _text(obj, "text")}
+
+# %% ../nbs/01_data.ipynb #fccf00fa
+def _messages_of(v, key: str, role: str) -> list[dict]:
+    "`v` (a string, or a list of messages) as checked messages; a string is one `role` message."
+    if isinstance(v, str):
+        if not v.strip(): raise _Bad(f"'{key}' is empty")
+        return [{"role": role, "content": v}]
+    if not isinstance(v, list) or not v: raise _Bad(f"'{key}' must be a non-empty string or list of messages, got {_json_type(v)}")
+    out = []
+    for i, m in enumerate(v, 1):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _Bad(f"'{key}' message {i} must be an object with a role (system, user or assistant) and content")
+        c = m.get("content")
+        if not isinstance(c, str) or not c.strip(): raise _Bad(f"'{key}' message {i} ({m['role']}) has empty or no content")
+        out.append({"role": m["role"], "content": c})
+    return out
+
+# %% ../nbs/01_data.ipynb #c94b17cc
+def _split_implicit(chosen: list, rejected: list) -> tuple[list, list, list]:
+    "`(prompt, chosen answer, rejected answer)` of two conversations that share their first turns."
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]: n += 1
+    if n == 0: raise _Bad("without 'prompt', 'chosen' and 'rejected' must be conversations that share their first turns")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+# %% ../nbs/01_data.ipynb #a58fc1b2
+def _preference_record(obj: dict) -> dict:
+    "A preference pair: `{'kind': 'preference', 'prompt': [...], 'chosen': [answer], 'rejected': [answer]}`."
+    for k in ("chosen", "rejected"):
+        if obj.get(k) is None:
+            raise _Bad(f"'{k}' is missing: a preference pair needs both 'chosen' and 'rejected'")
+    if obj.get("prompt") is not None:
+        prompt = _messages_of(obj["prompt"], "prompt", "user")
+        chosen, rejected = (_messages_of(obj[k], k, "assistant") for k in ("chosen", "rejected"))
+    else:
+        prompt, chosen, rejected = _split_implicit(*(_messages_of(obj[k], k, "assistant") for k in ("chosen", "rejected")))
+    if prompt[-1]["role"] != "user": raise _Bad("the prompt must end with a user message")
+    for k, a in (("chosen", chosen), ("rejected", rejected)):
+        if len(a) != 1 or a[0]["role"] != "assistant": raise _Bad(f"'{k}' must be one assistant answer after the prompt")
+    if chosen == rejected: raise _Bad("'chosen' and 'rejected' are the same answer: there is nothing to prefer")
+    return {"kind": "preference", "prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+# %% ../nbs/01_data.ipynb #c58c03fa
+def _row_record(obj: Any) -> dict:
+    "The record of one row of any accepted shape: `{'kind': 'chat' | 'text' | 'preference', ...}`."
+    if isinstance(obj, dict):
+        if obj.get("chosen") is not None or obj.get("rejected") is not None: return _preference_record(obj)
+        if obj.get("text") is not None and not any(obj.get(k) is not None for k in ("messages", "conversations", "instruction")):
+            return _text_record(obj)
+    return {"kind": "chat", "messages": _chat_messages(obj)}
+
+# %% ../nbs/01_data.ipynb #96e4876f
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-_SHAPE_COLUMNS = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"input", "output"})
+_SHAPE_COLUMNS = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"input", "output"}, {"text"}, {"chosen", "rejected"})
 
 def _check_columns(columns, where) -> None:
     "A table whose columns fit no accepted shape is one error."
@@ -190,15 +248,16 @@ def _check_columns(columns, where) -> None:
 def _is_saved_dataset(p: Path) -> bool:
     return any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
-# %% ../nbs/01_data.ipynb #ccef8c3d
+# %% ../nbs/01_data.ipynb #aee3000a
 def _files(path: str) -> list[Path]:
     "The data files (or saved dataset directories) that one data path names."
     p = Path(path).expanduser()
     if p.is_dir() and not _is_saved_dataset(p):
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
+        files = files or sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() == ".txt")   # a folder of documents
         if not files:
-            raise DataError("is a directory without .jsonl, .json or .parquet files, and not a dataset saved with "
-                            "datasets.Dataset.save_to_disk", path)
+            raise DataError("is a directory without .jsonl, .json or .parquet files (or .txt documents), and not a dataset saved "
+                            "with datasets.Dataset.save_to_disk", path)
         return files
     if not p.exists() and re.search(r"[*?[]", path):
         hits = sorted(glob.glob(os.path.expanduser(path), recursive=True))
@@ -285,15 +344,16 @@ def _memory_rows(data: InMemoryData):
     _check_columns(data.obj.column_names, data.name)
     yield from enumerate(data.obj.with_format(None))
 
-# %% ../nbs/01_data.ipynb #2f01ac9f
+# %% ../nbs/01_data.ipynb #cf6a48a3
 def _rows(p: Path) -> tuple[str, Any]:
     "(position unit, `(position, row)` pairs) of one data file or saved dataset."
     if p.is_dir(): return "row", _dataset_rows(p)
+    if p.suffix.lower() == ".txt": return "document", [(1, {"text": p.read_text(encoding="utf-8", errors="replace")})]   # one document
     with open(p, "rb") as f: magic = f.read(4)
     if magic == b"PAR1": return "row", _parquet_rows(p)
     return "line", (_json_rows(p) if p.suffix.lower() == ".json" else _jsonl_rows(p))
 
-# %% ../nbs/01_data.ipynb #f46b881d
+# %% ../nbs/01_data.ipynb #e3e72c52
 def _collect(rows, where, unit, records: list, problems: _Problems, empty: str) -> None:
     "Validate `(position, row)` pairs into `records`; each bad row is a problem."
     n_before, bad_before = len(records), problems.count
@@ -301,15 +361,15 @@ def _collect(rows, where, unit, records: list, problems: _Problems, empty: str) 
         for n, obj in rows:
             try:
                 if isinstance(obj, _Bad): raise obj
-                records.append({"messages": _chat_messages(obj), "source": f"{where}:{n}"})
+                records.append({**_row_record(obj), "source": f"{where}:{n}"})
             except _Bad as e: problems.add(_problem(str(e), where, n, unit, e.hint))
     except DataError as e: problems.merge(e); return
     except OSError as e: problems.add(_problem(f"cannot read: {e}", where)); return
     if len(records) == n_before and problems.count == bad_before: problems.add(_problem(empty, where))
 
-# %% ../nbs/01_data.ipynb #3a73b55e
-def load_chat_records(sources) -> list[dict]:
-    "Read and validate chat data (paths, globs, directories, or data in memory); `[{'messages', 'source'}, ...]` or `DataError`."
+# %% ../nbs/01_data.ipynb #ceedb987
+def load_records(sources) -> list[dict]:
+    "Read and validate data (paths, globs, directories, or data in memory): records of one kind, or `DataError`."
     try: sources = data_sources(sources)
     except ValueError as e: raise DataError(f"data {e}") from None
     if not sources: raise DataError("no data files given")
@@ -330,7 +390,31 @@ def load_chat_records(sources) -> list[dict]:
             except DataError as e: problems.merge(e); continue
             except OSError as e: problems.add(_problem(f"cannot read: {e}", where)); continue
             _collect(rows, where, unit, records, problems, "no records (the file is empty or has only blank lines)")
+    _one_kind(records, problems)
     problems.raise_if_any()
+    return records
+
+# %% ../nbs/01_data.ipynb #97c8b667
+KIND_NAMES = {"chat": "a chat conversation", "text": "a plain-text document", "preference": "a preference pair"}
+KIND_PLURALS = {"chat": "chat conversations", "text": "plain-text documents", "preference": "preference pairs"}
+
+def _one_kind(records: list, problems: _Problems) -> None:
+    "Each record of another kind than the first is a problem (one data set holds one shape)."
+    if not records: return
+    first = records[0]
+    for r in records[1:]:
+        if r["kind"] != first["kind"]:
+            path, _, line = r["source"].rpartition(":")
+            problems.add(_problem(f"is {KIND_NAMES[r['kind']]}, but the data's first row ({first['source']}) is "
+                                  f"{KIND_NAMES[first['kind']]}; one data set holds one shape", path, int(line) if line.isdigit() else None,
+                                  "index" if path.startswith("the ") else "line"))      # in memory: "the DataFrame", 0-based
+
+# %% ../nbs/01_data.ipynb #4a779575
+def load_chat_records(sources) -> list[dict]:
+    "Read and validate chat data: `[{'kind': 'chat', 'messages', 'source'}, ...]` or `DataError`."
+    records = load_records(sources)
+    if records[0]["kind"] != "chat":
+        raise DataError(f"holds {KIND_PLURALS[records[0]['kind']]} ({records[0]['source']}), not chat conversations")
     return records
 
 # %% ../nbs/01_data.ipynb #10488fcd

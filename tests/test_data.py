@@ -158,7 +158,7 @@ def test_saved_dataset_directories(tmp_path):
     recs = load_chat_records(tmp_path / "m")
     assert recs[0]["messages"] == CONV and recs[1]["source"] == f"{tmp_path / 'm'}:2"
     datasets.Dataset.from_list([{"input": "q", "output": "a"}, {"input": "q", "output": ""}]).save_to_disk(str(tmp_path / "io"))
-    with pytest.raises(DataError, match=r"io, row 2: 'output' must be a non-empty string") as ei:
+    with pytest.raises(DataError, match=r"io, row 2: 'output' is empty") as ei:
         load_chat_records(tmp_path / "io")
     assert ei.value.line == 2
     datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "txt"))
