@@ -17,9 +17,10 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'LOSS_CHUNK_BYTES', 'PACKED_ATTENTION', 'VARLEN_KERNELS', 'batch_cost', 'plan_epoch', 'plan_stats',
-           'collate', 'token_loss_sum', 'linear_token_loss_sum', 'packed_seq_info', 'reference_varlen_attn',
-           'varlen_signature_ok', 'varlen_kernel', 'varlen_available', 'packed_attention', 'register_packed_attention',
-           'sdpa_while', 'packed_refusal', 'choose_layout', 'attn_implementation_for']
+           'collate', 'token_loss_sum', 'linear_token_loss_sum', 'sequence_of_tokens', 'linear_sequence_logps',
+           'packed_seq_info', 'reference_varlen_attn', 'varlen_signature_ok', 'varlen_kernel', 'varlen_available',
+           'packed_attention', 'register_packed_attention', 'sdpa_while', 'packed_refusal', 'choose_layout',
+           'attn_implementation_for']
 
 # %% ../nbs/02_batching.ipynb #576eb102
 LAYOUTS = ("packed", "bucketed")
@@ -226,6 +227,30 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     for i in range(0, len(y), n):
         total = total + _checkpoint(_chunk_ce_sum, h[i:i + n], weight, y[i:i + n], use_reentrant=False)
     return total
+
+# %% ../nbs/02_batching.ipynb #bdbcb6c8
+def sequence_of_tokens(position_ids: torch.Tensor, packed: bool) -> torch.Tensor:
+    "The sequence index of every token of a `[B, L]` batch: its row, or in a packed `[1, T]` row its segment."
+    if not packed: return torch.arange(position_ids.shape[0]).unsqueeze(1).expand_as(position_ids)
+    return ((position_ids == 0).long().cumsum(-1) - 1)
+
+# %% ../nbs/02_batching.ipynb #3e18b6c8
+def _chunk_token_logps(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -F.cross_entropy((h @ weight.t()).float(), y, reduction="none")
+
+def linear_sequence_logps(hidden, weight, labels, seq, n_seq: int, chunk_tokens: int | None = None) -> torch.Tensor:
+    "Summed log-probability of each sequence's labelled tokens (`seq`: the sequence of each token), never all logits at once."
+    h, y = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1).to(hidden.device)
+    s = seq[:, 1:].reshape(-1).to(hidden.device)
+    keep = (y != -100).nonzero().squeeze(1)
+    h, y, s = h.index_select(0, keep), y.index_select(0, keep), s.index_select(0, keep)
+    n = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    out = hidden.sum().float() * 0 + torch.zeros(n_seq, device=hidden.device)    # connected even without labelled tokens
+    for i in range(0, len(y), n):
+        lp = (_chunk_token_logps(h[i:i + n], weight, y[i:i + n]) if len(y) <= n else
+              _checkpoint(_chunk_token_logps, h[i:i + n], weight, y[i:i + n], use_reentrant=False))
+        out = out.index_add(0, s[i:i + n], lp)
+    return out
 
 # %% ../nbs/02_batching.ipynb #42d88ff9
 PACKED_ATTENTION = "ilab_packed"

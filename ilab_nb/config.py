@@ -101,7 +101,7 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
         raise _file_error(path, f"{path}: the top level must be a mapping of field: value, not {type(d).__name__}")
     return d, lines
 
-# %% ../nbs/00_config.ipynb #438bdd76
+# %% ../nbs/00_config.ipynb #b1727761
 _DESCRIPTIONS = dict(
     model="Model to fine-tune: a local Hugging Face model directory or a hub id.",
     data=("Training data: chat files (JSONL, JSON array, Parquet), directories of them, glob patterns, a directory saved "
@@ -151,6 +151,10 @@ _DESCRIPTIONS = dict(
     lora=("Train LoRA adapters instead of every weight: a mapping of peft.LoraConfig fields (r, lora_alpha, lora_dropout, "
           "target_modules: all linear layers of the blocks by default, use_rslora, ...) or a peft.LoraConfig; None = full fine-tuning."),
     merge_lora="After a LoRA run, merge the adapters into the base and write the merged model as final/ (the adapters stay in final/adapter/).",
+    method=("What to train on: sft (chat conversations: the assistant turns; plain text: every token) or dpo (preference pairs, "
+            "against the starting model as the reference)."),
+    beta="DPO's beta (TRL's name): how far the trained model may move from the reference; higher stays closer.",
+    loss_type="DPO's loss (TRL's names): sigmoid (the DPO paper's), ipo or hinge.",
 )
 
 # %% ../nbs/00_config.ipynb #c2e0e010
@@ -380,6 +384,13 @@ class _AdapterFields(_ExperimentFields):
     lora: dict[str, Any] | None = _f("lora", None)
     merge_lora: bool = _f("merge_lora", True)
 
+# %% ../nbs/00_config.ipynb #55cf8e7e
+class _MethodFields(_AdapterFields):
+    "The training objective and its settings."
+    method: Literal["sft", "dpo"] = _f("method", "sft")
+    beta: float = _f("beta", 0.1, gt=0)
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = _f("loss_type", "sigmoid")
+
 # %% ../nbs/00_config.ipynb #a09466ad
 def _as_list(v): return [v] if isinstance(v, (str, os.PathLike)) else v
 
@@ -458,7 +469,7 @@ def _existing_file(v):
         raise ValueError(f"file not found (looked in {Path.cwd()}); give the path of an existing accelerate config YAML")
     return v
 
-# %% ../nbs/00_config.ipynb #4e748260
+# %% ../nbs/00_config.ipynb #dff9bb49
 def config_problems(c) -> list:
     "Cross-field problems of config `c`: `[(field, message)]`."
     p = []
@@ -487,10 +498,15 @@ def config_problems(c) -> list:
                   "use strategy='fsdp' or drop cpu_offload"))
     if c.cpu_offload and c.device == "cpu":
         p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
+    if c.method == "dpo" and c.max_tokens_per_batch < 2 * c.max_seq_len:
+        p.append(("max_tokens_per_batch", f"a DPO micro-batch holds both answers of a pair: max_tokens_per_batch "
+                  f"({c.max_tokens_per_batch}) must be at least 2 x max_seq_len ({2 * c.max_seq_len})"))
+    for k, default in (("beta", 0.1), ("loss_type", "sigmoid")):     # a DPO setting away from its default on an SFT run
+        if c.method != "dpo" and getattr(c, k) != default: p.append((k, "is DPO's; set method='dpo', or drop it"))
     return p + _machine_problems(c)
 
-# %% ../nbs/00_config.ipynb #31e83408
-class TrainConfig(_AdapterFields):
+# %% ../nbs/00_config.ipynb #c8f80c23
+class TrainConfig(_MethodFields):
     "Every setting of one fine-tuning run, validated."
     _lists = field_validator("data", "eval_data", mode="before")(_as_list)
     _paths = field_validator("data", "eval_data", "model", "accelerate_config", "logging_dir", mode="before")(_fspaths)

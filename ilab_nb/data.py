@@ -24,10 +24,10 @@ from .config import InMemoryData, data_sources
 from .core import patch
 
 # %% auto #0
-__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'SHAREGPT_ROLES', 'SHAPES', 'DATA_SUFFIXES', 'KIND_NAMES', 'KIND_PLURALS',
-           'DEFAULT_CHAT_TEMPLATE', 'DataError', 'load_records', 'load_chat_records', 'ensure_chat_template',
-           'render_chat', 'tokenize_chat', 'length_note', 'build_dataset', 'split_records', 'write_chat_jsonl',
-           'load_tokenizer']
+__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'SHAREGPT_ROLES', 'SHAPES', 'DATA_SUFFIXES', 'KIND_NAMES', 'KIND_PLURALS', 'METHOD_KINDS',
+           'DEFAULT_CHAT_TEMPLATE', 'write_chat_jsonl', 'DataError', 'load_records', 'check_method',
+           'load_chat_records', 'ensure_chat_template', 'render_chat', 'tokenize_chat', 'length_note', 'build_dataset',
+           'split_records', 'write_records_jsonl', 'load_tokenizer']
 
 # %% ../nbs/01_data.ipynb #7df1773c
 MAX_DATA_ERRORS = 5
@@ -409,6 +409,15 @@ def _one_kind(records: list, problems: _Problems) -> None:
                                   f"{KIND_NAMES[first['kind']]}; one data set holds one shape", path, int(line) if line.isdigit() else None,
                                   "index" if path.startswith("the ") else "line"))      # in memory: "the DataFrame", 0-based
 
+# %% ../nbs/01_data.ipynb #a52f7b77
+METHOD_KINDS = {"sft": ("chat", "text"), "dpo": ("preference",)}
+
+def check_method(method: str, kind: str) -> str:
+    "`kind` when `method` trains on it, else a `DataError` naming the method that does."
+    if kind in METHOD_KINDS.get(method, ()): return kind
+    fits = next(m for m, ks in METHOD_KINDS.items() if kind in ks)
+    raise DataError(f"method={method!r} does not train on {KIND_PLURALS[kind]}; they need method={fits!r}")
+
 # %% ../nbs/01_data.ipynb #4a779575
 def load_chat_records(sources) -> list[dict]:
     "Read and validate chat data: `[{'kind': 'chat', 'messages', 'source'}, ...]` or `DataError`."
@@ -461,12 +470,13 @@ def render_chat(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, i
     return text, spans
 
 # %% ../nbs/01_data.ipynb #70b9ad02
-def tokenize_chat(messages: list[dict], tokenizer) -> dict[str, list[int]]:
-    "`{'input_ids', 'labels'}` of one conversation; labels are -100 except on assistant turns (with their end-of-turn text)."
+def tokenize_chat(messages: list[dict], tokenizer, last_only: bool = False) -> dict[str, list[int]]:
+    "`{'input_ids', 'labels'}` of one conversation; labels are -100 except on assistant turns (`last_only`: the last one)."
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"{type(tokenizer).__name__} is not a fast tokenizer; assistant tokens are located with the "
                         "offset mapping, which needs one (a tokenizer.json, loaded with AutoTokenizer)")
     text, spans = render_chat(messages, tokenizer)
+    if last_only: spans = spans[-1:]                                       # a preference pair's answer
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)   # lengths: see build_dataset
     labels, k = [], 0
     for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):   # token starts never decrease
@@ -590,17 +600,22 @@ def split_records(records: list[dict], fraction: float, seed: int) -> tuple[list
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 # %% ../nbs/01_data.ipynb #68553a54
-def write_chat_jsonl(records: list[dict], path: str | os.PathLike) -> Path:
-    "Write chat records to `path` as JSONL (`{'messages': [...]}` per line), atomically; returns the path."
+_ROW_KEYS = {"chat": ("messages",), "text": ("text",), "preference": ("prompt", "chosen", "rejected")}
+
+def write_records_jsonl(records: list[dict], path: str | os.PathLike) -> Path:
+    "Write records to `path` as JSONL, each as the row of its kind, atomically; returns the path."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            for r in records: f.write(json.dumps({"messages": r["messages"]}, ensure_ascii=False) + "\n")
+            for r in records:
+                f.write(json.dumps({k: r[k] for k in _ROW_KEYS[r.get("kind", "chat")]}, ensure_ascii=False) + "\n")
             f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
     finally: tmp.unlink(missing_ok=True)
     return path
+
+write_chat_jsonl = write_records_jsonl          # its earlier name
 
 # %% ../nbs/01_data.ipynb #06e44bbe
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

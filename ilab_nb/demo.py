@@ -67,15 +67,17 @@ def build_model(tokenizer, seed: int = 0):
     return model
 
 # %% ../nbs/11_demo.ipynb #eb0b8d6a
-DEMO_VERSION = 1   # bump when the build below changes, so existing demo folders are rebuilt
+DEMO_VERSION = 2   # bump when the build below changes, so existing demo folders are rebuilt (2: preference pairs)
 
 @dataclass(frozen=True)
 class DemoAssets:
-    "Paths of a built demo: the model folder (with its tokenizer) and the train and eval chat files."
+    "Paths of a built demo: the model folder (with its tokenizer), the train and eval chat files and preference pairs."
     root: Path
     model_dir: Path
     train_file: Path
     eval_file: Path
+    pref_train_file: Path = None
+    pref_eval_file: Path = None
 
     def train_config(self, **overrides) -> dict:
         "`DEMO_CONFIG` with this demo's model and data filled in, and `overrides` applied."
@@ -84,12 +86,13 @@ class DemoAssets:
 
 # %% ../nbs/11_demo.ipynb #5fb93e77
 def _assets(root: Path) -> DemoAssets:
-    return DemoAssets(root, root / "model", root / "data" / "train.jsonl", root / "data" / "eval.jsonl")
+    d = root / "data"
+    return DemoAssets(root, root / "model", d / "train.jsonl", d / "eval.jsonl", d / "pref_train.jsonl", d / "pref_eval.jsonl")
 
 # %% ../nbs/11_demo.ipynb #51a05a24
 def _fingerprint() -> dict:
     h = hashlib.sha256()
-    for name in ("train.jsonl", "eval.jsonl"): h.update((shipped_data_dir() / name).read_bytes())
+    for name in ("train.jsonl", "eval.jsonl", "pref_train.jsonl", "pref_eval.jsonl"): h.update((shipped_data_dir() / name).read_bytes())
     return {"version": DEMO_VERSION, "data_sha256": h.hexdigest()}
 
 # %% ../nbs/11_demo.ipynb #89ee3fbb
@@ -111,7 +114,7 @@ def _build(root: Path, seed: int = 0) -> None:
     "Write data, tokenizer, model and (last) the `COMPLETE` marker into the empty folder `root`."
     a = _assets(root)
     a.train_file.parent.mkdir(parents=True)
-    for f in (a.train_file, a.eval_file): shutil.copyfile(shipped_data_dir() / f.name, f)
+    for f in (a.train_file, a.eval_file, a.pref_train_file, a.pref_eval_file): shutil.copyfile(shipped_data_dir() / f.name, f)
     tokenizer = build_tokenizer(a.train_file)
     tokenizer.save_pretrained(a.model_dir)
     build_model(tokenizer, seed).save_pretrained(a.model_dir)

@@ -16,7 +16,7 @@ from .lora import adapter_param_count
 __all__ = ['PreflightError', 'mount_of', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus', 'used_gpus',
            'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'count_params',
            'count_params_of', 'memory_estimate', 'check_memory', 'check_disk', 'cluster_device', 'backend_preflight',
-           'preflight']
+           'first_sample', 'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -288,16 +288,40 @@ def backend_preflight(cfg, runs_root) -> dict:
     try: return {"slurm": preflight_slurm(cfg, runs_root)}
     except SlurmError as e: raise PreflightError(str(e)) from None
 
-# %% ../nbs/07_preflight.ipynb #85854e84
+# %% ../nbs/07_preflight.ipynb #8cd4c75d
+def first_sample(record: dict, tok) -> dict:
+    "`{'input_ids', 'labels'}` of one record as the run tokenizes it; a `PreflightError` when nothing would be learned."
+    from ilab_nb.data import tokenize_chat
+    if record["kind"] == "preference":
+        from ilab_nb.dpo import tokenize_pair
+        t = tokenize_pair(record, tok)
+        for side in ("chosen", "rejected"):
+            if not any(l != -100 for l in t[f"{side}_labels"]):
+                raise PreflightError(f"the first pair ({record['source']}) has no {side} answer tokens after the chat template")
+        return {"input_ids": t["chosen_input_ids"] + t["rejected_input_ids"], "labels": t["chosen_labels"] + t["rejected_labels"]}
+    if record["kind"] == "text":
+        ids = tok(record["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": ids, "labels": ids}
+    sample = tokenize_chat(record["messages"], tok)
+    if not any(l != -100 for l in sample["labels"]):
+        raise PreflightError(f"the first conversation ({record['source']}) has no assistant tokens to learn from "
+                             "after the chat template; check its roles.")
+    return sample
+
+# %% ../nbs/07_preflight.ipynb #3567b2bd
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
-    from ilab_nb.data import load_chat_records, load_tokenizer, ensure_chat_template, tokenize_chat
+    from ilab_nb.data import load_records, load_tokenizer, ensure_chat_template, check_method, DataError, KIND_PLURALS
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
     check_runs_root(runs_root)
     model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
-    records = load_chat_records(cfg.data)
-    n_eval = len(load_chat_records(cfg.eval_data)) if cfg.eval_data else 0
+    records = load_records(cfg.data)
+    check_method(cfg.method, records[0]["kind"])
+    evals = load_records(cfg.eval_data) if cfg.eval_data else []
+    if evals and evals[0]["kind"] != records[0]["kind"]:
+        raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data {KIND_PLURALS[records[0]['kind']]}; "
+                        "give both in one shape")
     mp = Path(cfg.model).expanduser()
     if mp.exists() and not (mp / "config.json").is_file():
         raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
@@ -305,15 +329,12 @@ def preflight(cfg, runs_root) -> dict:
     if mp.exists(): check_model(cfg)
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     ensure_chat_template(tok)
-    sample = tokenize_chat(records[0]["messages"], tok)
-    if not any(l != -100 for l in sample["labels"]):
-        raise PreflightError(f"the first conversation ({records[0]['source']}) has no assistant tokens to learn from "
-                             "after the chat template; check its roles.")
+    sample = first_sample(records[0], tok)
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [])
     disk = check_disk(cfg, runs_root)
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
-    return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records), "num_eval_records": n_eval,
-            "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
+    return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
+            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
             **cpus, **disk, **backend_preflight(cfg, runs_root)}

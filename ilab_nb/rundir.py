@@ -99,6 +99,8 @@ class RunPaths:
     final_tmp = property(lambda self: self.root / ".tmp-final", doc="Where `final/` is written before its rename.")
     tensorboard = property(lambda self: self.root / "tensorboard", doc="TensorBoard's event files (unless `logging_dir` says).")
     mlflow_run = property(lambda self: self.root / "mlflow.json", doc="The MLflow run this run logs to, for a resumed attempt.")
+    reference_logps = property(lambda self: self.root / "cache" / "reference_logps.pt",
+                               doc="A DPO run's reference log-probabilities of every pair, computed before step 1.")
     accelerate_config = property(lambda self: self.root / "accelerate.yaml",
                                  doc="The run's own `accelerate launch` config: no user default config applies.")
 
@@ -214,6 +216,8 @@ def standing_records(records, kinds=("train", "eval")) -> list:
 # %% ../nbs/00_rundir.ipynb #607b62aa
 SCHEMA_VERSION = 1
 
+_DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")   # TRL's
+
 SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: type}, values: {field: allowed}}
     "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, samples, event",
                    required=dict(schema="int", kind="str", run_id="str", attempt="int", time="float")),
@@ -225,13 +229,16 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                  gradient_checkpointing="bool", plan="dict", data_stats="dict", versions="dict",
                                  load="str", mixed_precision="dict?", cpu_offload="bool", torch_compile="str?", loss="str",
                                  num_machines="int", nodes="list"),
-                   optional=dict(blocks="int", finetuning="str", trainable_params="int", lora="dict?")),
+                   optional=dict(blocks="int", finetuning="str", trainable_params="int", lora="dict?", method="str",
+                                 data_kind="str")),
     "train": dict(file="metrics.jsonl", doc="every `logging_steps` optimizer steps, and the last",
                   required=dict(step="int", total_steps="int", epoch="float", loss="float", learning_rate="float",
                                 grad_norm="float", tokens="int", tokens_per_s="float", real_tokens_per_s="float",
-                                efficiency="float", elapsed_s="float", peak_mem_mb="float?")),
+                                efficiency="float", elapsed_s="float", peak_mem_mb="float?"),
+                  optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}}),
     "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step",
-                 required=dict(step="int", epoch="float", eval_loss="float", eval_tokens="int")),
+                 required=dict(step="int", epoch="float", eval_loss="float", eval_tokens="int"),
+                 optional={"eval_perplexity": "float", "eval_pairs": "int", **{f"eval_{k}": "float" for k in _DPO_METRICS}}),
     "samples": dict(file="metrics.jsonl",
                     doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds they took",
                     required=dict(step="int", epoch="float", seconds="float", max_new_tokens="int", samples="list")),

@@ -86,14 +86,14 @@ def list_runs(cls:FineTuneSession, runs_root=None) -> list:
 # %% ../nbs/08_session.ipynb #fbc34ad5
 def write_memory_data(cfg, run_dir) -> TrainConfig:
     "`cfg` with its data held in memory written to `run_dir/data/*.jsonl` and named there by path."
-    from ilab_nb.data import load_chat_records, write_chat_jsonl
+    from ilab_nb.data import load_records, write_records_jsonl
     upd = {}
     for field, stem in (("data", "train"), ("eval_data", "eval")):
         srcs = getattr(cfg, field) or []
         mem = [s for s in srcs if isinstance(s, InMemoryData)]
         if not mem: continue
         names = iter([f"{stem}.jsonl"] if len(mem) == 1 else [f"{stem}-{i}.jsonl" for i in range(1, len(mem) + 1)])
-        upd[field] = [str(write_chat_jsonl(s.records if s.records is not None else load_chat_records(s),
+        upd[field] = [str(write_records_jsonl(s.records if s.records is not None else load_records(s),
                                            RunPaths(run_dir).data / next(names))) if isinstance(s, InMemoryData) else s
                       for s in srcs]
     return cfg.model_copy(update=upd) if upd else cfg

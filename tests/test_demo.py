@@ -25,7 +25,7 @@ def assets(demo) -> DemoAssets:
 def test_shipped_data_is_what_the_generator_writes(tmp_path):
     subprocess.run([sys.executable, str(REPO / "tools" / "make_demo_data.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=60)
-    for name in ("train.jsonl", "eval.jsonl"):
+    for name in ("train.jsonl", "eval.jsonl", "pref_train.jsonl", "pref_eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (shipped_data_dir() / name).read_bytes(), name
 
 

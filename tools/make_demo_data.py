@@ -1,4 +1,5 @@
-"""Generate the demo's synthetic multi-turn chat data: ilab_nb/assets/demo_chat/{train,eval}.jsonl.
+"""Generate the demo's synthetic multi-turn chat data: ilab_nb/assets/demo_chat/{train,eval}.jsonl, and the
+preference pairs built from the same atlas: ilab_nb/assets/demo_chat/{pref_train,pref_eval}.jsonl.
 
     python tools/make_demo_data.py            # writes ilab_nb/assets/demo_chat/
     python tools/make_demo_data.py --out DIR  # writes DIR/train.jsonl and DIR/eval.jsonl
@@ -14,6 +15,10 @@ and every phrasing in the evaluation file also occurs in training; what is new i
 order, small talk and system message around them. The demo therefore measures whether the model
 learned the facts and the question forms, not knowledge of unseen facts.
 
+The preference pairs (for DPO) are conversations of the same kind cut after a user question: the prompt is the
+conversation up to it (TRL's "prompt" as messages), "chosen" the right answer, "rejected" the same attribute of
+another country (a wrong fact of the right type). Held-out pairs never repeat a training pair's prompt.
+
 Standalone (standard library only) and deterministic: a fixed seed for `random.Random`, so re-running
 it writes byte-identical files.
 """
@@ -22,6 +27,8 @@ from pathlib import Path
 
 SEED = 20240611
 N_TRAIN, N_EVAL = 2400, 200
+N_PREF_TRAIN, N_PREF_EVAL = 800, 100
+PREF_SEED = SEED + 1              # its own generator: the chat files stay as they were
 N_COUNTRIES = 24
 
 SYLLABLES = ['ka', 'lo', 'mi', 'ra', 'to', 'ven', 'dor', 'sel', 'qua', 'bri', 'nu', 'zan', 'pel', 'vor',
@@ -113,6 +120,30 @@ def make(seed=SEED):
     return train, evals
 
 
+def preference_pair(rng, world):
+    """A conversation cut after its last question: {prompt, chosen, rejected}, the rejected answer another country's."""
+    c = conversation(rng, world)["messages"]
+    prompt, right = c[:-1], c[-1]["content"]
+    attr = next(a for a in ATTRIBUTES for e in world if e[a] == right)
+    wrong = rng.choice([e[attr] for e in world if e[attr] != right])
+    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": right}],
+            "rejected": [{"role": "assistant", "content": wrong}]}
+
+
+def make_preferences(seed=PREF_SEED):
+    """Train and eval preference pairs of the demo's atlas; no eval prompt occurs in train."""
+    rng = random.Random(seed)
+    world = invent_world(random.Random(SEED))        # the same atlas as the chat data
+    train = [preference_pair(rng, world) for _ in range(N_PREF_TRAIN)]
+    seen = {json.dumps(p["prompt"], sort_keys=True) for p in train}
+    evals = []
+    while len(evals) < N_PREF_EVAL:
+        p = preference_pair(rng, world)
+        key = json.dumps(p["prompt"], sort_keys=True)
+        if key not in seen: seen.add(key); evals.append(p)
+    return train, evals
+
+
 def write_jsonl(path, rows):
     with open(path, 'w', encoding='utf-8', newline='\n') as f:
         for r in rows: f.write(json.dumps(r, ensure_ascii=False) + '\n')
@@ -127,7 +158,11 @@ def main(argv=None):
     train, evals = make()
     write_jsonl(out / 'train.jsonl', train)
     write_jsonl(out / 'eval.jsonl', evals)
-    print(f'wrote {len(train)} train and {len(evals)} eval conversations to {out}')
+    ptrain, peval = make_preferences()
+    write_jsonl(out / 'pref_train.jsonl', ptrain)
+    write_jsonl(out / 'pref_eval.jsonl', peval)
+    print(f'wrote {len(train)} train and {len(evals)} eval conversations, {len(ptrain)} train and {len(peval)} eval '
+          f'preference pairs to {out}')
 
 
 if __name__ == '__main__':
