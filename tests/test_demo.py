@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ilab_nb.demo import (CHAT_TEMPLATE, DEMO_CONFIG, DemoAssets, answer_loss, answer_prompts, demo_assets, evaluate_answers,
+from ilab_nb.demo import (CHAT_TEMPLATE, DATA_FILES, DEMO_CONFIG, DemoAssets, answer_loss, answer_prompts, demo_assets, evaluate_answers,
                           read_chat_jsonl, shipped_data_dir)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def assets(demo) -> DemoAssets:
 def test_shipped_data_is_what_the_generator_writes(tmp_path):
     subprocess.run([sys.executable, str(REPO / "tools" / "make_demo_data.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=60)
-    for name in ("train.jsonl", "eval.jsonl", "pref_train.jsonl", "pref_eval.jsonl"):
+    for name in DATA_FILES:
         assert (tmp_path / name).read_bytes() == (shipped_data_dir() / name).read_bytes(), name
 
 

@@ -1,5 +1,6 @@
 """Generate the demo's synthetic multi-turn chat data: ilab_nb/assets/demo_chat/{train,eval}.jsonl, and the
-preference pairs built from the same atlas: ilab_nb/assets/demo_chat/{pref_train,pref_eval}.jsonl.
+preference pairs and plain-text documents built from the same atlas:
+ilab_nb/assets/demo_chat/{pref_train,pref_eval,text_train,text_eval}.jsonl.
 
     python tools/make_demo_data.py            # writes ilab_nb/assets/demo_chat/
     python tools/make_demo_data.py --out DIR  # writes DIR/train.jsonl and DIR/eval.jsonl
@@ -19,6 +20,9 @@ The preference pairs (for DPO) are conversations of the same kind cut after a us
 conversation up to it (TRL's "prompt" as messages), "chosen" the right answer, "rejected" the same attribute of
 another country (a wrong fact of the right type). Held-out pairs never repeat a training pair's prompt.
 
+The documents (for continued pretraining on plain text) are short encyclopedia-like paragraphs about one to three
+countries, in several sentence forms; held-out documents are new combinations of the same facts and forms.
+
 Standalone (standard library only) and deterministic: a fixed seed for `random.Random`, so re-running
 it writes byte-identical files.
 """
@@ -29,6 +33,15 @@ SEED = 20240611
 N_TRAIN, N_EVAL = 2400, 200
 N_PREF_TRAIN, N_PREF_EVAL = 800, 100
 PREF_SEED = SEED + 1              # its own generator: the chat files stay as they were
+N_TEXT_TRAIN, N_TEXT_EVAL = 400, 40
+TEXT_SEED = SEED + 2
+SENTENCES = {
+    'capital': ['The capital of {c} is {v}.', '{v} is the capital city of {c}.', 'Its government sits in {v}.'],
+    'currency': ['People in {c} pay with the {v}.', 'The currency of {c} is called {v}.', 'Prices there are given in {v}.'],
+    'animal': ['The national animal of {c} is the {v}.', '{c} chose the {v} as its national animal.',
+               'The {v} appears on its flag.'],
+}
+OPENINGS = ['{c} is a small country.', '{c} lies far from the sea.', 'Few travellers know {c}.', '{c} is a quiet place.']
 N_COUNTRIES = 24
 
 SYLLABLES = ['ka', 'lo', 'mi', 'ra', 'to', 'ven', 'dor', 'sel', 'qua', 'bri', 'nu', 'zan', 'pel', 'vor',
@@ -144,6 +157,29 @@ def make_preferences(seed=PREF_SEED):
     return train, evals
 
 
+def document(rng, world):
+    """A paragraph about one to three countries: an opening sentence each, then its facts in random forms and order."""
+    parts = []
+    for e in rng.sample(world, rng.choice([1, 1, 2, 3])):
+        parts.append(rng.choice(OPENINGS).format(c=e['country']))
+        for a in rng.sample(ATTRIBUTES, rng.choice([2, 3])):
+            parts.append(rng.choice(SENTENCES[a]).format(c=e['country'], v=e[a]))
+    return {'text': ' '.join(parts)}
+
+
+def make_documents(seed=TEXT_SEED):
+    """Train and eval documents of the demo's atlas; no eval document occurs in train."""
+    rng = random.Random(seed)
+    world = invent_world(random.Random(SEED))
+    train = [document(rng, world) for _ in range(N_TEXT_TRAIN)]
+    seen = {d['text'] for d in train}
+    evals = []
+    while len(evals) < N_TEXT_EVAL:
+        d = document(rng, world)
+        if d['text'] not in seen: seen.add(d['text']); evals.append(d)
+    return train, evals
+
+
 def write_jsonl(path, rows):
     with open(path, 'w', encoding='utf-8', newline='\n') as f:
         for r in rows: f.write(json.dumps(r, ensure_ascii=False) + '\n')
@@ -161,8 +197,11 @@ def main(argv=None):
     ptrain, peval = make_preferences()
     write_jsonl(out / 'pref_train.jsonl', ptrain)
     write_jsonl(out / 'pref_eval.jsonl', peval)
+    dtrain, deval = make_documents()
+    write_jsonl(out / 'text_train.jsonl', dtrain)
+    write_jsonl(out / 'text_eval.jsonl', deval)
     print(f'wrote {len(train)} train and {len(evals)} eval conversations, {len(ptrain)} train and {len(peval)} eval '
-          f'preference pairs to {out}')
+          f'preference pairs, {len(dtrain)} train and {len(deval)} eval documents to {out}')
 
 
 if __name__ == '__main__':
