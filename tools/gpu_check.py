@@ -10,7 +10,8 @@ Stages:
   pytest    the CUDA tests (`pytest -m cuda tests/test_gpu_paths.py`: varlen kernel in bf16, generation from a packed model)
   runs      a short real run of each CUDA option through FineTuneSession, each with what its header must say: fsdp +
             packed bf16 with eval prompts, single with bf16 autocast, ddp with autocast (two GPUs or more),
-            cpu_offload, torch_compile, gradient checkpointing, a CPU fsdp run on the GPU machine, and a resume from a
+            cpu_offload, torch_compile, gradient checkpointing, LoRA adapters (bf16 base), a CPU fsdp run on the GPU
+            machine, and a resume from a
             checkpoint (the trajectory after it against the uninterrupted run's)
   bench     bench/bench_gpu.py (a ~1B Llama, FSDP2 bf16, packed vs bucketed): tokens/s, MFU, peak memory
 
@@ -42,6 +43,9 @@ RUNS = [
          expect=dict(torch_compile="per block"), timeout=300),
     dict(name="fsdp gradient checkpointing", fields=dict(strategy="fsdp", precision="bf16", gradient_checkpointing=True),
          expect=dict(gradient_checkpointing=True)),
+    dict(name="fsdp LoRA bf16", fields=dict(strategy="fsdp", precision="bf16", lora=dict(r=8, lora_alpha=16), save_steps=3),
+         expect=dict(finetuning="lora", mixed_precision=lambda v: (v or {}).get("param_dtype") == "bfloat16",
+                     trainable_params=lambda v: isinstance(v, int) and v > 0)),
     dict(name="fsdp on 2 CPU ranks on a GPU machine", cpu=True, fields=dict(strategy="fsdp", device="cpu", num_processes=2),
          expect=dict(device_type="cpu", backend="gloo", world_size=2)),
 ]
