@@ -297,7 +297,9 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     if not step and not total:
         return f"{line}\nno training step yet"
     post = ("" if p.get("epoch") is None else f"epoch={format_number(p.get('epoch'), '.2f')}, ") + \
-        f"loss={format_number(p.get('loss'), '.4f')}, {format_number(p.get('tokens_per_s'), ',.0f')} tok/s"
+        f"loss={format_number(p.get('loss'), '.4f')}, " + \
+        (f"margin={format_number(p['margins'], '.3f')}, " if "margins" in p else "") + \
+        f"{format_number(p.get('tokens_per_s'), ',.0f')} tok/s"
     meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step", postfix=post)
     return f"{line}\n{meter}"
 
@@ -502,6 +504,10 @@ def _header_html(run_id, attempt, h: dict) -> str:
             r = (h.get("lora") or {}).get("r", "?")
             bits.append(f"LoRA r={r}: {h.get('trainable_params', 0) / 1e6:,.2f} M train "
                         f"({100 * h.get('trainable_params', 0) / h['params_total']:.1f} %)")
+        if h.get("method") == "dpo":
+            bits.append("DPO (preference pairs)")
+        elif h.get("data_kind") == "text":
+            bits.append("plain text")
     return '<span style="color:#3c4043;font-size:13px">' + " · ".join(bits) + "</span>"
 
 # %% ../nbs/09_dashboard.ipynb #c9e53215
@@ -549,6 +555,9 @@ def _progress_html(p: dict, status: str, header) -> str:
         parts.append(f"ETA {_duration(p.get('eta_s'))}")
     parts.append(f"{format_number(p.get('tokens_per_s'), ',.0f')} tokens/s")
     parts.append(f"loss {format_number(p.get('loss'), '.4f')}")
+    if "margins" in p:                                         # DPO: how far chosen leads rejected, and how often
+        parts.append(f"margin {format_number(p['margins'], '.3f')}")
+        parts.append(f"chosen preferred {format_number(p.get('accuracy'), '.0%')}")
     text = '<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">' + " · ".join(parts) + "</span>"
     return text + "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
                           for n in data_notes(header))

@@ -95,7 +95,8 @@ def events(self:RunMonitor) -> list:
 # %% ../nbs/04_monitor.ipynb #f007c280
 @patch
 def progress(self:RunMonitor) -> dict:
-    "`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` from the latest records (None where unknown)."
+    """`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` from the latest records (None where unknown);
+    a DPO run's also `margins` and `accuracy` (TRL's `rewards/margins`, `rewards/accuracies`) of its latest step."""
     h, tr = self.header, self.train_records
     last = tr[-1] if tr else {}
     if h is not None and last and last.get("attempt") != h.get("attempt"): last = {}   # new attempt, no step yet
@@ -104,8 +105,10 @@ def progress(self:RunMonitor) -> dict:
     elapsed = last.get("elapsed_s"); eta = None
     done = (step or 0) - ((h or {}).get("resumed_from_step") or 0)
     if elapsed and total and step is not None and done > 0: eta = max(0.0, (total - step) * elapsed / done)
-    return {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
-            "tokens_per_s": last.get("tokens_per_s"), "loss": last.get("loss")}
+    out = {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
+           "tokens_per_s": last.get("tokens_per_s"), "loss": last.get("loss")}
+    if "rewards/margins" in last: out.update(margins=last["rewards/margins"], accuracy=last.get("rewards/accuracies"))
+    return out
 
 # %% ../nbs/04_monitor.ipynb #f078c5ed
 @patch
