@@ -17,7 +17,7 @@ from .core import patch
 from .rundir import RunPaths
 
 # %% auto #0
-__all__ = ['SWEEPS_DIR', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary', 'sweeps_dir', 'Sweep',
+__all__ = ['EXTRA_SUMMARY', 'SWEEPS_DIR', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary', 'sweeps_dir', 'Sweep',
            'sweep_table_html', 'SweepDashboard']
 
 # %% ../nbs/14_sweep.ipynb #5828eab4
@@ -60,7 +60,8 @@ def run_fields(common: dict, values: dict) -> dict:
 
 # %% ../nbs/14_sweep.ipynb #ddabffec
 def run_summary(monitor: RunMonitor) -> dict:
-    "Final train/eval loss, best eval loss and its step, mean tokens/s and steps of one run, from its records."
+    """Final train/eval loss, best eval loss and its step, mean tokens/s and steps of one run, from its records; and what
+    its method measures besides at the last evaluation (DPO: accuracy and margin; plain text: perplexity)."""
     monitor.poll()
     tr, ev = monitor.train_records, monitor.eval_records
     best = min((r for r in ev if isinstance(r.get("eval_loss"), (int, float))), key=lambda r: r["eval_loss"], default=None)
@@ -68,7 +69,11 @@ def run_summary(monitor: RunMonitor) -> dict:
     return dict(step=tr[-1]["step"] if tr else None, final_loss=tr[-1].get("loss") if tr else math.nan,
                 final_eval_loss=ev[-1].get("eval_loss") if ev else math.nan,
                 best_eval_loss=best["eval_loss"] if best else math.nan, best_eval_step=best["step"] if best else None,
-                tokens_per_s=sum(tps) / len(tps) if tps else math.nan)
+                tokens_per_s=sum(tps) / len(tps) if tps else math.nan,
+                **{name: ev[-1][key] for name, key in EXTRA_SUMMARY if ev and key in ev[-1]})
+
+EXTRA_SUMMARY = (("final_eval_accuracy", "eval_rewards/accuracies"), ("final_eval_margin", "eval_rewards/margins"),
+                 ("final_eval_perplexity", "eval_perplexity"))
 
 # %% ../nbs/14_sweep.ipynb #ac6422cc
 SWEEPS_DIR = ".sweeps"
