@@ -15,13 +15,15 @@ __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTra
            'TrackedWriter', 'open_trackers']
 
 # %% ../nbs/15_trackers.ipynb #d84537eb
-_TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch")
+_DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+_TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch") + _DPO_KEYS
+_EVAL_KEYS = ("loss", "perplexity") + _DPO_KEYS
 
 def record_scalars(rec: dict) -> dict:
     "The `{name: value}` scalars a tracker logs for one metrics record (empty for headers and events)."
     k = rec.get("kind")
     if k == "train": return {f"train/{n}": float(rec[n]) for n in _TRAIN_KEYS if isinstance(rec.get(n), (int, float))}
-    if k == "eval" and isinstance(rec.get("eval_loss"), (int, float)): return {"eval/loss": float(rec["eval_loss"])}
+    if k == "eval": return {f"eval/{n}": float(rec[f"eval_{n}"]) for n in _EVAL_KEYS if isinstance(rec.get(f"eval_{n}"), (int, float))}
     if k == "samples" and isinstance(rec.get("seconds"), (int, float)): return {"eval/samples_seconds": float(rec["seconds"])}
     return {}
 
