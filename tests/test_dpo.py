@@ -1,0 +1,161 @@
+"""Preference optimization and plain text, for real: the DPO loss and its metrics against TRL's `DPOTrainer` on the
+same pairs (in this process), a 2-rank FSDP DPO run through FineTuneSession (ln 2 at step 1, TRL's metric names,
+the reference's log-probabilities computed once and kept) resumed from its checkpoint on the same trajectory, and
+continued pretraining on plain text lowering held-out perplexity on 2 FSDP ranks."""
+import json, math, os, shutil, subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ilab_nb import FineTuneSession
+from ilab_nb import worker
+from ilab_nb.config import TrainConfig
+from ilab_nb.launcher import accelerate_command, write_accelerate_config
+from ilab_nb.rundir import RunPaths
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def _records(rd, kind):
+    return [r for r in map(json.loads, (Path(rd) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def _in_process(rd):
+    try: return worker.run(rd)
+    finally:
+        if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+
+
+def test_dpo_agrees_with_trl(demo, tmp_path):
+    """Four pairs, three steps, one process, sigmoid loss: the same log-probabilities and loss at step 1, and after
+    two updates the loss within 1e-3 and the rewards within 2e-2 (relative). TRL computes the policy's log-probabilities
+    through its own fused output layer, whose gradient differs from the full logits' in the fourth digit (ilab_nb's
+    step-1 gradient norm equals a hand-written full-logits reference's exactly), so later steps part a little."""
+    pytest.importorskip("trl")
+    from trl import DPOConfig, DPOTrainer
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    pairs = [json.loads(l) for l in Path(demo.pref_train_file).read_text().splitlines()[:4]]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    rd = tmp_path / "run"; (rd / "logs").mkdir(parents=True)
+    TrainConfig(model=str(demo.model_dir), data=[str(tmp_path / "p.jsonl")], method="dpo", device="cpu", num_processes=1,
+                strategy="single", max_steps=3, logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant",
+                max_tokens_per_batch=2048, max_seq_len=256, beta=0.1, seed=0).to_json(rd / "config.json")
+    _in_process(rd)
+    ours = _records(rd, "train")
+    tok = AutoTokenizer.from_pretrained(demo.model_dir)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=["sigmoid"], learning_rate=1e-3,
+                     per_device_train_batch_size=4, max_steps=3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                     max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=0, precompute_ref_log_probs=True,
+                     save_strategy="no", disable_dropout=True)
+    tr = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32), args=args,
+                    train_dataset=datasets.Dataset.from_list(pairs), processing_class=tok)
+    tr.train()
+    theirs = [l for l in tr.state.log_history if "loss" in l]
+    assert [r["step"] for r in ours] == [l["step"] for l in theirs] == [1, 2, 3]
+    assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and theirs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for k in ("logps/chosen", "logps/rejected"): assert ours[0][k] == pytest.approx(theirs[0][k], rel=1e-4), k   # fp32 sums of ~40 tokens
+    assert ours[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    for o, t in zip(ours[1:], theirs[1:]):
+        assert o["loss"] == pytest.approx(t["loss"], rel=1e-3) and o["loss"] < math.log(2)
+        for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"): assert o[k] == pytest.approx(t[k], rel=2e-2), (o["step"], k)
+        assert o["rewards/accuracies"] == t["rewards/accuracies"]
+
+
+DPO = dict(method="dpo", beta=0.1, num_processes=2, strategy="fsdp", device="cpu", max_steps=6, save_steps=3, eval_steps=3,
+           logging_steps=1, learning_rate=3e-3, max_tokens_per_batch=1024, max_seq_len=256, batching="bucketed", seed=5)
+
+
+@pytest.fixture(scope="module")
+def dpo_run(demo, tmp_path_factory):
+    "A 2-rank FSDP DPO run on 64 of the demo's pairs, through the whole product."
+    root = tmp_path_factory.mktemp("dpo")
+    lines = Path(demo.pref_train_file).read_text().splitlines()
+    (root / "pairs.jsonl").write_text("\n".join(lines[:64]) + "\n")
+    (root / "held.jsonl").write_text("\n".join(Path(demo.pref_eval_file).read_text().splitlines()[:16]) + "\n")
+    env = dict(ILAB_NB_RUNS=str(root / "runs"), ILAB_NB_LOCKS=str(root / "locks"), ILAB_NB_CPU_SLOTS="2")
+    old = {k: os.environ.get(k) for k in env}; os.environ.update(env)
+    try:
+        s = FineTuneSession(model=str(demo.model_dir), data=str(root / "pairs.jsonl"), eval_data=str(root / "held.jsonl"), **DPO)
+        s.start()
+        assert s.wait(timeout=600) == "completed", s.reason
+        yield s
+    finally:
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+
+
+@pytest.mark.processes
+def test_dpo_run_on_two_ranks(dpo_run):
+    paths = RunPaths(dpo_run.run_dir)
+    head = _records(dpo_run.run_dir, "header")[0]
+    assert (head["method"], head["data_kind"], head["strategy"], head["world_size"]) == ("dpo", "preference", "fsdp", 2)
+    train, ev = _records(dpo_run.run_dir, "train"), _records(dpo_run.run_dir, "eval")
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)          # the policy is the reference at step 1
+    assert all(k in r for r in train for k in METRICS) and all(r["pairs"] > 0 for r in train)
+    assert sum(r["pairs"] for r in train[:2]) > 0 and train[-1]["loss"] < math.log(2)
+    steps = [r["step"] for r in ev]                                          # every 3 steps and at the end of the epoch
+    assert steps[0] == 0 and 3 in steps and steps[-1] == 6 and all(f"eval_{k}" in r for r in ev for k in METRICS)
+    assert ev[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-5) and ev[0]["eval_pairs"] == 16
+    assert ev[0]["eval_rewards/margins"] == 0 and ev[0]["eval_rewards/accuracies"] == 0       # untrained: ties
+    assert ev[-1]["eval_rewards/margins"] != 0
+    ref = torch.load(paths.reference_logps)                                  # kept in the run directory, every pair
+    assert {k: len(v) for k, v in ref.items()} == {"train": 64, "eval": 16}
+    assert (paths.final / "config.json").exists() and {3, 6} <= {c["step"] for c in dpo_run.checkpoints}
+
+
+def _resume_copy(src: RunPaths, rd: Path, step: int):
+    (rd / "logs").mkdir(parents=True); (rd / "checkpoints").mkdir()
+    shutil.copy(src.config, RunPaths(rd).config)
+    shutil.copytree(src.checkpoint(step), RunPaths(rd).checkpoint(step))
+    RunPaths(rd).reference_logps.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src.reference_logps, RunPaths(rd).reference_logps)
+    write_accelerate_config(rd)
+    cmd = accelerate_command(rd, {"num_processes": 2, "device": "cpu"})[:-2] + ["--resume", str(RunPaths(rd).checkpoint(step)),
+                                                                                 "--attempt", "2"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.processes
+def test_dpo_resume_reads_the_kept_reference_and_repeats_the_trajectory(dpo_run, tmp_path):
+    src = RunPaths(dpo_run.run_dir)
+    rd = tmp_path / "resumed"
+    r = _resume_copy(src, rd, 3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    full = {x["step"]: x for x in _records(src.root, "train")}
+    again = {x["step"]: x for x in _records(rd, "train")}
+    assert sorted(again) == [4, 5, 6]
+    for k in again:
+        for m in ("loss", "rewards/margins", "logps/chosen"):
+            assert again[k][m] == pytest.approx(full[k][m], rel=1e-4, abs=1e-6), (k, m)
+    assert _records(rd, "header")[0]["resumed_from_step"] == 3
+    # the kept reference was read, not recomputed (from the trained policy it would differ)
+    assert torch.equal(torch.load(RunPaths(rd).reference_logps)["train"], torch.load(src.reference_logps)["train"])
+    # (a resumed attempt without the kept file refuses to go on: nbs/04d_dpo.ipynb checks DPO.prepare on it)
+
+
+@pytest.mark.processes
+def test_continued_pretraining_on_plain_text_lowers_held_out_perplexity(demo, tmp_path, monkeypatch):
+    "The shipped documents, packed into full rows with EOS between them, on 2 FSDP ranks: held-out perplexity falls."
+    for k, v in dict(ILAB_NB_RUNS=str(tmp_path / "runs"), ILAB_NB_LOCKS=str(tmp_path / "locks"), ILAB_NB_CPU_SLOTS="2").items():
+        monkeypatch.setenv(k, v)
+    s = FineTuneSession(model=str(demo.model_dir), data=str(demo.text_train_file), eval_data=str(demo.text_eval_file),
+                        num_processes=2, strategy="fsdp", device="cpu", num_train_epochs=1, logging_steps=3,
+                        learning_rate=3e-3, max_tokens_per_batch=2048, max_seq_len=256, seed=0)
+    s.start()
+    assert s.wait(timeout=600) == "completed", s.reason
+    head = _records(s.run_dir, "header")[0]
+    assert (head["method"], head["data_kind"], head["world_size"]) == ("sft", "text", 2)
+    stats = head["data_stats"]["train"]
+    assert "400 documents packed into" in stats["note"] and stats["packing_efficiency"] > 0.95
+    assert "documents packed into" in s.logs(200)                             # said where the user reads it
+    ev = _records(s.run_dir, "eval")
+    assert [r["step"] for r in ev] == [0, ev[-1]["step"]] and ev[-1]["step"] >= 8   # before, and after the epoch
+    assert ev[0]["eval_perplexity"] == pytest.approx(math.exp(ev[0]["eval_loss"]), rel=1e-6)
+    assert ev[1]["eval_perplexity"] < 0.5 * ev[0]["eval_perplexity"]
