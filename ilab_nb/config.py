@@ -470,13 +470,9 @@ def _existing_file(v):
     return v
 
 # %% ../nbs/00_config.ipynb #dff9bb49
-def config_problems(c) -> list:
-    "Cross-field problems of config `c`: `[(field, message)]`."
+def _device_problems(c) -> list:
+    "Problems of the strategy, the number of processes and the GPU indices taken together."
     p = []
-    if c.eval_data is not None and c.eval_split > 0:
-        p.append(("eval_split", "set either eval_data or eval_split, not both"))
-    if c.eval_steps is not None and c.eval_data is None and c.eval_split == 0 and not c.eval_prompts:
-        p.append(("eval_steps", "there is no eval data to evaluate: set eval_data, eval_split or eval_prompts, or leave eval_steps unset"))
     if c.strategy == "single" and c.num_processes != 1:
         p.append(("strategy", f"'single' runs one process but num_processes is {c.num_processes}; use fsdp or ddp, or num_processes=1"))
     if c.strategy == "ddp" and c.num_processes < 2:
@@ -486,6 +482,26 @@ def config_problems(c) -> list:
             p.append(("devices", f"{len(c.devices)} GPU indices given for num_processes={c.num_processes}; give one per process"))
         if c.device == "cpu":
             p.append(("devices", "GPU indices given but device is 'cpu'; use device='cuda' or 'auto', or drop devices"))
+    return p
+
+def _method_problems(c) -> list:
+    "DPO's rules: both answers of a pair in one micro-batch; its settings only on a DPO run."
+    p = []
+    if c.method == "dpo" and c.max_tokens_per_batch < 2 * c.max_seq_len:
+        p.append(("max_tokens_per_batch", f"a DPO micro-batch holds both answers of a pair: max_tokens_per_batch "
+                  f"({c.max_tokens_per_batch}) must be at least 2 x max_seq_len ({2 * c.max_seq_len})"))
+    for k, default in (("beta", 0.1), ("loss_type", "sigmoid")):     # a DPO setting away from its default on an SFT run
+        if c.method != "dpo" and getattr(c, k) != default: p.append((k, "is DPO's; set method='dpo', or drop it"))
+    return p
+
+def config_problems(c) -> list:
+    "Cross-field problems of config `c`: `[(field, message)]`."
+    p = []
+    if c.eval_data is not None and c.eval_split > 0:
+        p.append(("eval_split", "set either eval_data or eval_split, not both"))
+    if c.eval_steps is not None and c.eval_data is None and c.eval_split == 0 and not c.eval_prompts:
+        p.append(("eval_steps", "there is no eval data to evaluate: set eval_data, eval_split or eval_prompts, or leave eval_steps unset"))
+    p += _device_problems(c)
     if c.warmup_steps > 0 and c.warmup_ratio > 0:
         p.append(("warmup_ratio", "set either warmup_steps or warmup_ratio, not both"))
     if (c.warmup_steps > 0 or c.warmup_ratio > 0) and c.lr_scheduler_type == "constant":
@@ -498,12 +514,7 @@ def config_problems(c) -> list:
                   "use strategy='fsdp' or drop cpu_offload"))
     if c.cpu_offload and c.device == "cpu":
         p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
-    if c.method == "dpo" and c.max_tokens_per_batch < 2 * c.max_seq_len:
-        p.append(("max_tokens_per_batch", f"a DPO micro-batch holds both answers of a pair: max_tokens_per_batch "
-                  f"({c.max_tokens_per_batch}) must be at least 2 x max_seq_len ({2 * c.max_seq_len})"))
-    for k, default in (("beta", 0.1), ("loss_type", "sigmoid")):     # a DPO setting away from its default on an SFT run
-        if c.method != "dpo" and getattr(c, k) != default: p.append((k, "is DPO's; set method='dpo', or drop it"))
-    return p + _machine_problems(c)
+    return p + _method_problems(c) + _machine_problems(c)
 
 # %% ../nbs/00_config.ipynb #c8f80c23
 class TrainConfig(_MethodFields):
