@@ -469,7 +469,7 @@ def _existing_file(v):
         raise ValueError(f"file not found (looked in {Path.cwd()}); give the path of an existing accelerate config YAML")
     return v
 
-# %% ../nbs/00_config.ipynb #dff9bb49
+# %% ../nbs/00_config.ipynb #b4829517
 def _device_problems(c) -> list:
     "Problems of the strategy, the number of processes and the GPU indices taken together."
     p = []
@@ -484,6 +484,7 @@ def _device_problems(c) -> list:
             p.append(("devices", "GPU indices given but device is 'cpu'; use device='cuda' or 'auto', or drop devices"))
     return p
 
+# %% ../nbs/00_config.ipynb #6647eb73
 def _method_problems(c) -> list:
     "DPO's rules: both answers of a pair in one micro-batch; its settings only on a DPO run."
     p = []
@@ -494,6 +495,7 @@ def _method_problems(c) -> list:
         if c.method != "dpo" and getattr(c, k) != default: p.append((k, "is DPO's; set method='dpo', or drop it"))
     return p
 
+# %% ../nbs/00_config.ipynb #c988965e
 def config_problems(c) -> list:
     "Cross-field problems of config `c`: `[(field, message)]`."
     p = []
