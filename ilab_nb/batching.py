@@ -158,7 +158,7 @@ def plan_stats(plan: list[list[list[int]]], lengths: Sequence[int], layout: str)
     _check_layout(layout)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     costs = np.array([[batch_cost(lengths[b], layout) for b in step] for step in plan] or [[0]], dtype=float)
-    used = sum(len(b) for step in plan for b in step)
+    used = len({i for step in plan for b in step for i in b})     # distinct: a plan of several epochs repeats them
     real = int(sum(int(lengths[b].sum()) for step in plan for b in step))
     computed = int(costs.sum())
     worst, mean = costs.max(axis=1), costs.mean(axis=1)
