@@ -10,10 +10,11 @@ Stages:
   pytest    the CUDA tests (`pytest -m cuda tests/test_gpu_paths.py`: varlen kernel in bf16, generation from a packed model)
   runs      a short real run of each CUDA option through FineTuneSession, each with what its header must say: fsdp +
             packed bf16 with eval prompts, single with bf16 autocast, ddp with autocast (two GPUs or more),
-            cpu_offload, torch_compile, gradient checkpointing, LoRA adapters (bf16 base), a CPU fsdp run on the GPU
-            machine, and a resume from a
+            cpu_offload, torch_compile, gradient checkpointing, LoRA adapters (bf16 base), DPO on preference pairs and
+            plain text (both packed), a CPU fsdp run on the GPU machine, and a resume from a
             checkpoint (the trajectory after it against the uninterrupted run's)
-  bench     bench/bench_gpu.py (a ~1B Llama, FSDP2 bf16, packed vs bucketed): tokens/s, MFU, peak memory
+  bench     bench/bench_gpu.py (a ~1B Llama, FSDP2 bf16, packed vs bucketed): tokens/s, MFU, peak memory; and
+            bench/bench_lora.py --cuda (LoRA against a full fine-tune: tokens/s, peak memory, checkpoint size)
 
 In a dry run (no GPU needed) the CUDA tests are only collected, the first run trains on CPU (fp32, 2 steps) and the
 others are built and preflighted without starting, and the bench runs `--tiny`: the code of every stage runs.
@@ -46,6 +47,10 @@ RUNS = [
     dict(name="fsdp LoRA bf16", fields=dict(strategy="fsdp", precision="bf16", lora=dict(r=8, lora_alpha=16), save_steps=3),
          expect=dict(finetuning="lora", mixed_precision=lambda v: (v or {}).get("param_dtype") == "bfloat16",
                      trainable_params=lambda v: isinstance(v, int) and v > 0)),
+    dict(name="fsdp DPO bf16", data="pref_", fields=dict(strategy="fsdp", precision="bf16", batching="auto", method="dpo"),
+         expect=dict(method="dpo", data_kind="preference", layout="packed", attn_implementation="ilab_packed")),
+    dict(name="fsdp plain text bf16", data="text_", fields=dict(strategy="fsdp", precision="bf16", batching="auto"),
+         expect=dict(method="sft", data_kind="text", layout="packed")),
     dict(name="fsdp on 2 CPU ranks on a GPU machine", cpu=True, fields=dict(strategy="fsdp", device="cpu", num_processes=2),
          expect=dict(device_type="cpu", backend="gloo", world_size=2)),
 ]
@@ -127,7 +132,8 @@ def one_run(spec, a, demo, data, runs_root, n_gpus):
     if cpu_form:        # the CPU form of a CUDA run: fp32, no offload or compile, two steps
         fields.update(device="cpu", precision="fp32", cpu_offload=False, torch_compile=False, max_steps=2)
         if fields["strategy"] == "ddp": fields["num_processes"] = 2
-    s = FineTuneSession(model=str(demo.model_dir), data=str(data["train"]), eval_data=str(data["eval"]), runs_root=runs_root,
+    kind = spec.get("data", "")                                        # "" chat, "pref_" preference pairs, "text_" documents
+    s = FineTuneSession(model=str(demo.model_dir), data=str(data[f"{kind}train"]), eval_data=str(data[f"{kind}eval"]), runs_root=runs_root,
                         name=spec["name"].split(",")[0].split()[0], **fields)
     from ilab_nb.rundir import SCHEMA
     unknown = set(spec["expect"]) - set(SCHEMA["header"]["required"]) - set(SCHEMA["header"]["optional"])
@@ -195,6 +201,17 @@ def run_bench(a, out_dir):
     return dict(table=rows)
 
 
+def run_bench_lora(a, out_dir):
+    "bench/bench_lora.py --cuda: LoRA against a full fine-tune on every local GPU (the CPU table is bench/results_lora.md)."
+    if a.dry_run: raise Skip("dry run: its CPU form is `python bench/bench_lora.py` (bench/results_lora.md)")
+    out = out_dir / "results_lora_gpu.md"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_lora.py"), "--cuda", "--out", str(out)], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])})
+    if r.returncode != 0: raise RuntimeError(f"bench_lora.py exit {r.returncode}: {r.stderr[-1500:]}")
+    return dict(table=[l for l in out.read_text().splitlines() if l.startswith("| full") or l.startswith("| LoRA")])
+
+
 def summary_md(results, a) -> str:
     lines = [f"# GPU check{' (dry run on CPU)' if a.dry_run else ''}: `python tools/gpu_check.py{' --dry-run' if a.dry_run else ''}`",
              "", f"{time.strftime('%Y-%m-%d %H:%M')}, {sum(r['status'] == 'passed' for r in results)} passed, "
@@ -227,7 +244,9 @@ def main(argv=None):
         import torch
         demo = demo_assets(out_dir / "demo")
         data = {}
-        for k, f, n in (("train", demo.train_file, 64), ("eval", demo.eval_file, 16)):
+        for k, f, n in (("train", demo.train_file, 64), ("eval", demo.eval_file, 16), ("pref_train", demo.pref_train_file, 64),
+                        ("pref_eval", demo.pref_eval_file, 16), ("text_train", demo.text_train_file, 64),
+                        ("text_eval", demo.text_eval_file, 8)):
             data[k] = out_dir / f"{k}.jsonl"
             with open(f) as src: data[k].write_text("".join(src.readline() for _ in range(n)))
         n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -235,6 +254,7 @@ def main(argv=None):
         for spec in RUNS: stage(results, f"run: {spec['name']}", lambda spec=spec: one_run(spec, a, demo, data, runs_root, n_gpus))
         stage(results, "run: resume from a checkpoint", lambda: resume_run(a, demo, data, runs_root))
     if "bench" in want: stage(results, "bench_gpu.py" + (" --tiny" if a.dry_run else ""), lambda: run_bench(a, out_dir))
+    if "bench" in want: stage(results, "bench_lora.py --cuda", lambda: run_bench_lora(a, out_dir))
     (out_dir / "summary.json").write_text(json.dumps(results, indent=1, default=str))
     (out_dir / "summary.md").write_text(summary_md(results, a))
     print(summary_md(results, a))
