@@ -314,8 +314,9 @@ def shard_model(model, blocks: list, cfg: TrainConfig, env: DistEnv):
     for m in blocks:
         if adapters := L.adapter_modules(m): fully_shard(adapters, mesh=mesh, **policies)   # LoRA: a unit of their own
         fully_shard(m, mesh=mesh, **policies)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)    # the root is needed at once in backward
-    return model
+    root = model.get_base_model() if L.is_adapted(model) else model    # peft's wrapper holds no weights, and its generate
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, **policies)     # calls the inner model: that is the root
+    return model                                                              # (needed at once in backward: kept gathered)
 
 # %% ../nbs/05_worker.ipynb #da902443
 def check_sharded(model, env: DistEnv):

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.processes
 
 LORA = dict(r=8, lora_alpha=16)
 FIELDS = dict(num_processes=2, device="cpu", max_steps=6, save_steps=3, logging_steps=1, learning_rate=1e-2,
-              max_tokens_per_batch=1024, max_seq_len=256, batching="bucketed", seed=3, lora=LORA)
+              max_tokens_per_batch=1024, max_seq_len=256, batching="bucketed", seed=3, lora=LORA,
+              eval_prompts=["What is the capital of Nutoland?"], eval_steps=3, eval_max_new_tokens=6)
 
 
 def _losses(run_dir):
@@ -87,6 +88,10 @@ def test_fsdp_lora_trains_adapters_only_and_merges_after(lora_run, demo):
     assert hasattr(model, "peft_config") and tok.pad_token_id is not None
     assert not hasattr(s.load_model()[0], "peft_config")                      # final/: the merged model
     assert losses and all(v == v for v in losses.values())
+    # eval_prompts answered by the adapted model at every evaluation (generation through peft's wrapper under FSDP)
+    samples = [json.loads(l) for l in paths.metrics.read_text().splitlines() if '"samples"' in l]
+    samples = [r for r in samples if r["kind"] == "samples"]
+    assert [r["step"] for r in samples] == [0, 3, 6] and all(isinstance(r["samples"][0]["answer"], str) for r in samples)
 
 
 def test_resume_restores_all_of_the_adapters_and_the_trajectory(lora_run, tmp_path):
