@@ -15,6 +15,8 @@ from ilab_nb.config import TrainConfig
 from ilab_nb.launcher import accelerate_command, write_accelerate_config
 from ilab_nb.rundir import RunPaths
 
+from conftest import runs_env
+
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -77,17 +79,12 @@ def dpo_run(demo, tmp_path_factory):
     lines = Path(demo.pref_train_file).read_text().splitlines()
     (root / "pairs.jsonl").write_text("\n".join(lines[:64]) + "\n")
     (root / "held.jsonl").write_text("\n".join(Path(demo.pref_eval_file).read_text().splitlines()[:16]) + "\n")
-    env = dict(ILAB_NB_RUNS=str(root / "runs"), ILAB_NB_LOCKS=str(root / "locks"), ILAB_NB_CPU_SLOTS="2")
-    old = {k: os.environ.get(k) for k in env}; os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:                      # the module's runs: their own root, locks, 2 slots
+        for k, v in runs_env(root).items(): mp.setenv(k, v)
         s = FineTuneSession(model=str(demo.model_dir), data=str(root / "pairs.jsonl"), eval_data=str(root / "held.jsonl"), **DPO)
         s.start()
         assert s.wait(timeout=600) == "completed", s.reason
         yield s
-    finally:
-        for k, v in old.items():
-            if v is None: os.environ.pop(k, None)
-            else: os.environ[k] = v
 
 
 @pytest.mark.processes
@@ -141,10 +138,8 @@ def test_dpo_resume_reads_the_kept_reference_and_repeats_the_trajectory(dpo_run,
 
 
 @pytest.mark.processes
-def test_continued_pretraining_on_plain_text_lowers_held_out_perplexity(demo, tmp_path, monkeypatch):
+def test_continued_pretraining_on_plain_text_lowers_held_out_perplexity(demo, runs_root):
     "The shipped documents, packed into full rows with EOS between them, on 2 FSDP ranks: held-out perplexity falls."
-    for k, v in dict(ILAB_NB_RUNS=str(tmp_path / "runs"), ILAB_NB_LOCKS=str(tmp_path / "locks"), ILAB_NB_CPU_SLOTS="2").items():
-        monkeypatch.setenv(k, v)
     s = FineTuneSession(model=str(demo.model_dir), data=str(demo.text_train_file), eval_data=str(demo.text_eval_file),
                         num_processes=2, strategy="fsdp", device="cpu", num_train_epochs=1, logging_steps=3,
                         learning_rate=3e-3, max_tokens_per_batch=2048, max_seq_len=256, seed=0)

@@ -12,6 +12,8 @@ from ilab_nb import FineTuneSession
 from ilab_nb.launcher import accelerate_command, write_accelerate_config
 from ilab_nb.rundir import RunPaths
 
+from conftest import runs_env
+
 pytestmark = pytest.mark.processes
 
 LORA = dict(r=8, lora_alpha=16)
@@ -40,17 +42,12 @@ def _worker(rd, extra=()):
 def lora_run(demo, small_train, tmp_path_factory):
     "The 2-rank FSDP LoRA run, through the whole product (preflight, supervisor, accelerate launch)."
     root = tmp_path_factory.mktemp("lora")
-    env = dict(ILAB_NB_RUNS=str(root / "runs"), ILAB_NB_LOCKS=str(root / "locks"), ILAB_NB_CPU_SLOTS="2")
-    old = {k: os.environ.get(k) for k in env}; os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:                      # the module's runs: their own root, locks, 2 slots
+        for k, v in runs_env(root).items(): mp.setenv(k, v)
         s = FineTuneSession(model=str(demo.model_dir), data=str(small_train), strategy="fsdp", **FIELDS)
         s.start()
         assert s.wait(timeout=600) == "completed", s.reason
         yield s
-    finally:
-        for k, v in old.items():
-            if v is None: os.environ.pop(k, None)
-            else: os.environ[k] = v
 
 
 def test_fsdp_lora_trains_adapters_only_and_merges_after(lora_run, demo):
