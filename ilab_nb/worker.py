@@ -802,13 +802,7 @@ def params_per_rank(model, env: DistEnv) -> list[int]:
     dist.all_gather(per_rank, mine)
     return [int(t.item()) for t in per_rank]
 
-# %% ../nbs/05_worker.ipynb #378c146b
-@patch
-def _data_kind(self:Attempt) -> str:
-    "What the run trains on: chat, text or preference."
-    return {"TextSFT": "text", "DPO": "preference"}.get(type(self.method).__name__, "chat")
-
-# %% ../nbs/05_worker.ipynb #0f8b9805
+# %% ../nbs/05_worker.ipynb #e29d6c23
 @patch
 def write_header(self:Attempt):
     "Write the attempt's header record to `metrics.jsonl`."
@@ -824,7 +818,7 @@ def write_header(self:Attempt):
                        gradient_checkpointing=checkpointing_in_effect(model),
                        plan=B.plan_stats(plan, self.lengths, self.layout), data_stats=self.data_stats, versions=_versions(),
                        loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
-                       method=cfg.method, data_kind=self._data_kind(), **L.finetuning_info(unwrap(model), cfg), **self.model_info)
+                       method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg), **self.model_info)
 
 # %% ../nbs/05_worker.ipynb #c57c50c9
 @patch
