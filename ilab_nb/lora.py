@@ -4,7 +4,7 @@
 
 # %% ../nbs/04a_lora.ipynb #f1f40fdc
 from __future__ import annotations
-import json, math, os, re
+import json, math, os, re, sys
 from pathlib import Path
 
 from .config import TrainConfig      # torch and peft are imported where they are used: the session imports this
@@ -25,6 +25,8 @@ def lora_config(cfg: TrainConfig):
 
 # %% ../nbs/04a_lora.ipynb #4a8609c7
 def _lora_layers(model):
+    "The peft LoRA layers in `model`: none when peft was never imported (a full fine-tune does not pay its import)."
+    if "peft" not in sys.modules: return []
     from peft.tuners.lora import LoraLayer
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
