@@ -242,7 +242,7 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None) -> str:
     kill_run_processes(self.run_dir, ProcessRef.from_dict(st.get("launcher")))
     try: self.store.write_state(self.run_id, status=State.cancelled, forced=True,
                                 reason=f"stopped on request; nothing had ended {waited:.0f} s after the request, so stop() killed the run")
-    except StateError: pass
+    except StateError: return self.status     # another caller (or the supervisor) recorded the ending first: one event
     self.store.append_event(self.run_id, Event.cancelled, by=f"stop() in pid {os.getpid()}", forced=True)
     return self.status
 
@@ -255,12 +255,16 @@ def resume(self:FineTuneSession) -> FineTuneSession:
         raise RuntimeError(f"Run {self.run_id} is {st.get('status', 'not started')}; only a cancelled or failed run can be resumed.")
     ckpts = self.checkpoints
     if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to resume from; start a new run instead.")
-    attempt = int(st.get("attempt", 1)) + 1
+    attempt, by = int(st.get("attempt", 1)) + 1, f"pid {os.getpid()} on {socket.gethostname()}"
+    try:     # the claim: under the state's lock the run must still be this ended attempt, so one caller of many wins
+        self.store.write_state(self.run_id, new_attempt=True, expect={"status": (State.failed, State.cancelled), "attempt": (attempt - 1,)},
+                               status=State.queued, attempt=attempt, resume_from=ckpts[-1]["path"],
+                               resumed_from_step=ckpts[-1]["step"], claimed_by=f"resumed by {by}")
+    except StateError as e:
+        raise RuntimeError(f"Run {self.run_id} was not resumed: another caller resumed it first. {e}") from None
     stop = RunPaths(self.run_dir).stop
     if stop.exists(): stop.rename(stop.with_name(f"stop.attempt-{attempt - 1}"))
-    self.store.write_state(self.run_id, new_attempt=True, status=State.queued, attempt=attempt, resume_from=ckpts[-1]["path"],
-                           resumed_from_step=ckpts[-1]["step"])
-    self.store.append_event(self.run_id, Event.resumed, attempt=attempt, from_step=ckpts[-1]["step"], by=f"pid {os.getpid()}")
+    self.store.append_event(self.run_id, Event.resumed, attempt=attempt, from_step=ckpts[-1]["step"], by=by)
     self._spawn(attempt, resume=ckpts[-1]["path"])
     return self
 
