@@ -13,10 +13,11 @@ from .launcher import cpu_slots
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['PreflightError', 'mount_of', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus', 'used_gpus',
-           'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'count_params',
-           'count_params_of', 'memory_estimate', 'check_memory', 'check_disk', 'cluster_device', 'backend_preflight',
-           'first_sample', 'preflight']
+__all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus',
+           'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes',
+           'count_params', 'count_params_of', 'memory_estimate', 'check_memory', 'check_disk', 'cluster_device',
+           'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri', 'check_destinations',
+           'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -36,28 +37,32 @@ def mount_of(path) -> tuple:
 _VIRTUAL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
                "pstore", "efivarfs", "fusectl", "binfmt_misc", "mqueue", "autofs"}
 
-# %% ../nbs/07_preflight.ipynb #3fc9ac47
-def check_runs_root(root) -> Path:
-    "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
-    root = Path(root).expanduser().absolute(); p = root
+# %% ../nbs/07_preflight.ipynb #1f26ff3a
+def check_destination(path, name: str, choose: str) -> Path:
+    """The folder where `path` would be made (`path`, or the nearest folder above it that exists), after a probe file
+    was written and deleted there; else a `PreflightError` that names `name` and says to `choose` another."""
+    root = Path(path).expanduser().absolute(); p = root
     while not os.path.lexists(p): p = p.parent
-    what = f"runs_root {root}" + (f": {p}" if p != root else "")
+    what = f"{name} {root}" + (f": {p}" if p != root else "")
     if p.is_symlink() and not p.exists():
-        raise PreflightError(f"{what} is a symbolic link to {os.readlink(p)}, which does not exist; choose another runs_root.")
+        raise PreflightError(f"{what} is a symbolic link to {os.readlink(p)}, which does not exist; {choose}.")
     if not p.is_dir():
-        raise PreflightError(f"{what} is a file, not a directory; choose a directory for the runs (runs_root= or $ILAB_NB_RUNS).")
+        raise PreflightError(f"{what} is a file, not a directory; {choose}.")
     mount, fs = mount_of(p)
     if fs in _VIRTUAL_FS:
-        raise PreflightError(f"runs_root {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; "
-                             "choose a directory on a disk (runs_root= or $ILAB_NB_RUNS).")
+        raise PreflightError(f"{name} {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; {choose}.")
     try: fd, probe = tempfile.mkstemp(dir=p, prefix=".ilab_nb-probe-")
     except OSError as e:
         why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user (EACCES)",
                errno.EPERM: "is not writable by this user (EPERM)"}.get(
                    e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
-        raise PreflightError(f"{what} {why}; choose a writable directory (runs_root= or $ILAB_NB_RUNS).") from None
+        raise PreflightError(f"{what} {why}; {choose}.") from None
     os.close(fd); os.unlink(probe)
     return p
+
+def check_runs_root(root) -> Path:
+    "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
+    return check_destination(root, "runs_root", "choose a writable directory on a disk for the runs (runs_root= or $ILAB_NB_RUNS)")
 
 # %% ../nbs/07_preflight.ipynb #17bc56c1
 def resolve_hub_model(model, timeout=5.0) -> str:
@@ -308,13 +313,66 @@ def first_sample(record: dict, tok) -> dict:
                              "after the chat template; check its roles.")
     return sample
 
-# %% ../nbs/07_preflight.ipynb #3567b2bd
+# %% ../nbs/07_preflight.ipynb #982f2f90
+_TRACKER_IMPORTS = {"tensorboard": "torch.utils.tensorboard", "mlflow": "mlflow.tracking"}
+
+@functools.lru_cache(maxsize=None)
+def _import_error(module: str) -> str | None:
+    import importlib
+    try: importlib.import_module(module); return None
+    except Exception as e: return f"{type(e).__name__}: {e}"
+
+def check_tracker_imports(report_to) -> None:
+    "Import the module each tracker of `report_to` runs on (once per process); refuse one that does not import."
+    for name in report_to:
+        if (err := _import_error(_TRACKER_IMPORTS[name])) is not None:
+            raise PreflightError(f"report_to={name!r}: {_TRACKER_IMPORTS[name]} is installed but does not import ({err}); "
+                                 f"repair the {name} install, or drop {name!r} from report_to.")
+
+# %% ../nbs/07_preflight.ipynb #7967166d
+def check_mlflow_uri(uri: str, timeout: float = 5.0) -> str:
+    "`uri` once MLflow can use it: a file store or SQLite file writable, an HTTP server answering."
+    from urllib.parse import urlparse, unquote
+    import urllib.request, urllib.error
+    name, u = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's file store"), urlparse(uri)
+    choose = "set MLFLOW_TRACKING_URI to a writable directory or a server that answers, or drop 'mlflow' from report_to"
+    if u.scheme in ("", "file"): check_destination(unquote(u.path) or uri, name, choose)
+    elif u.scheme == "sqlite": check_destination(Path(unquote(u.path)).parent if u.path not in ("", "/:memory:") else ".", name, choose)
+    elif u.scheme in ("http", "https"):
+        try: urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).close()
+        except urllib.error.HTTPError: pass                      # a server answered
+        except Exception as e:
+            why = getattr(e, "reason", e)
+            raise PreflightError(f"{name} {uri}: no MLflow server answers there ({type(why).__name__}: {why}); start the server, "
+                                 f"or {choose}.") from None
+    return uri
+
+# %% ../nbs/07_preflight.ipynb #a2fc6ef0
+def check_destinations(cfg, runs_root) -> dict:
+    "The writable folders (and URIs) of everything the run writes outside its run directory; a `PreflightError` for one that is not."
+    from ilab_nb.launcher import locks_dir
+    from ilab_nb.trackers import tensorboard_dir, mlflow_tracking_uri
+    out, run_dir = {}, Path(runs_root).expanduser().absolute() / ".ilab_nb-run"      # a run directory to be
+    if cfg.backend == "local":
+        name = "ILAB_NB_LOCKS" if os.environ.get("ILAB_NB_LOCKS") else "the device locks' directory"
+        out["locks_dir"] = str(check_destination(locks_dir(), name, "set ILAB_NB_LOCKS to a writable directory on a disk "
+                                                 "(this machine's device locks and queue)"))
+    check_tracker_imports(cfg.report_to)
+    if "tensorboard" in cfg.report_to:
+        tb = Path(os.path.normpath(tensorboard_dir(run_dir, cfg.logging_dir)))
+        out["logging_dir"] = str(check_destination(tb, "logging_dir", "choose a writable logging_dir (relative paths are "
+                                                   "taken from the run directory)"))
+    if "mlflow" in cfg.report_to: out["mlflow_tracking_uri"] = check_mlflow_uri(mlflow_tracking_uri(run_dir))
+    return out
+
+# %% ../nbs/07_preflight.ipynb #bcf90514
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
     from ilab_nb.data import load_records, load_tokenizer, ensure_chat_template, check_method, DataError, KIND_PLURALS
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
     check_runs_root(runs_root)
+    destinations = check_destinations(cfg, runs_root)
     model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
     records = load_records(cfg.data)
     check_method(cfg.method, records[0]["kind"])
@@ -336,5 +394,5 @@ def preflight(cfg, runs_root) -> dict:
     disk = check_disk(cfg, runs_root)
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
-            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
+            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), "destinations": destinations, **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
             **cpus, **disk, **backend_preflight(cfg, runs_root)}
