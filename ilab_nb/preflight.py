@@ -15,9 +15,9 @@ from .lora import adapter_param_count
 # %% auto #0
 __all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus',
            'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes',
-           'count_params', 'count_params_of', 'memory_estimate', 'check_memory', 'check_disk', 'cluster_device',
-           'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri', 'check_destinations',
-           'preflight']
+           'safetensors_problem', 'model_files_problem', 'count_params', 'count_params_of', 'memory_estimate',
+           'check_memory', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
+           'check_mlflow_uri', 'check_destinations', 'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -189,6 +189,38 @@ def tensor_shapes(model_dir) -> dict:
 def tensor_sizes(model_dir) -> dict:
     "`{name: number of elements}` of every tensor in the model's safetensors files, read from their headers only."
     return {k: math.prod(s) for k, s in tensor_shapes(model_dir).items()}
+
+# %% ../nbs/07_preflight.ipynb #22359bf9
+def safetensors_problem(f) -> str | None:
+    "Why the safetensors file `f` cannot be loaded (cut short, not safetensors), or None when its length matches its header."
+    import struct
+    f = Path(f)
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            if size < 8: return f"{f.name} is unreadable: {size} bytes, shorter than a safetensors header"
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if 8 + n > size: return f"{f.name} is unreadable: its header says {n} bytes but the file has {size}"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as e: return f"{f.name} is unreadable ({type(e).__name__}: {e})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)), default=0)
+    if 8 + n + end != size: return f"{f.name} is unreadable: it has {size} bytes, its header describes {8 + n + end} (cut short while written?)"
+    return None
+
+def model_files_problem(d) -> str | None:
+    "Why the saved model (or adapter) folder `d` is incomplete or unreadable, or None when every weight file is whole."
+    from ilab_nb.rundir import CKPT_MARKER
+    d = Path(d)
+    if d.parent.name == "checkpoints" and d.name.lstrip(".").removeprefix("tmp-").startswith("step-") and not (d / CKPT_MARKER).exists():
+        return f"{d} is an incomplete checkpoint: it has no {CKPT_MARKER} marker (its save did not finish); load a complete one"
+    for idx in d.glob("*.safetensors.index.json"):
+        try: shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e: return f"{d}: {idx.name} is unreadable ({type(e).__name__})"
+        if missing := [s for s in shards if not (d / s).exists()]:
+            return f"{d} is incomplete: {idx.name} names {len(shards)} shard(s), {len(missing)} missing ({missing[0]}, ...)"
+    for f in sorted(d.glob("*.safetensors")) + sorted(d.glob("adapter/*.safetensors")):
+        if why := safetensors_problem(f): return f"{d}: {why}"
+    return None
 
 # %% ../nbs/07_preflight.ipynb #a2aa8686
 def count_params(model_dir) -> dict:
