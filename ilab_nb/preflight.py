@@ -16,8 +16,9 @@ from .lora import adapter_param_count
 __all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus',
            'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes',
            'safetensors_problem', 'model_files_problem', 'count_params', 'count_params_of', 'memory_estimate',
-           'check_memory', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
-           'check_mlflow_uri', 'check_destinations', 'preflight']
+           'kv_cache_bytes', 'check_memory', 'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight',
+           'first_sample', 'check_tracker_imports', 'check_mlflow_uri', 'check_destinations', 'check_eval_prompts',
+           'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -263,13 +264,24 @@ def _lora_hint(cfg, shapes: dict, cap: int) -> str:
     need = _estimate(cfg.model_copy(update=dict(lora={"r": 8})), shapes)["device_bytes"]
     return f", or LoRA adapters: lora={{'r': 8}} needs about {need / 2**30:.1f} GiB" + ("" if need <= 0.9 * cap else " (neither fits)")
 
-# %% ../nbs/07_preflight.ipynb #830215bc
-def check_memory(cfg, kind: str, gpus: list = ()) -> dict | None:
-    "Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless `ignore_memory_estimate`."
+# %% ../nbs/07_preflight.ipynb #8181e979
+def kv_cache_bytes(model_config: dict, tokens: int, precision: str) -> int:
+    "Bytes of the key/value cache `generate` keeps for `tokens` positions (all prompts of a batch together)."
+    c = model_config; heads = c.get("num_attention_heads") or 1
+    head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // heads
+    return 2 * (c.get("num_hidden_layers") or 0) * (c.get("num_key_value_heads") or heads) * head_dim * tokens * (2 if precision == "bf16" else 4)
+
+def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0) -> dict | None:
+    """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless `ignore_memory_estimate`.
+    `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps."""
     mp = Path(cfg.model).expanduser()
     if not (mp.is_dir() and any(mp.glob("*.safetensors"))): return None       # a hub id or .bin weights: nothing to read cheaply
     shapes = tensor_shapes(mp)
     est = _estimate(cfg, shapes)
+    if generation_tokens:
+        mc = read_json_file(mp / "config.json")
+        est["generation_bytes"] = g = kv_cache_bytes(mc, generation_tokens, cfg.precision)
+        est["extra"] += g; est["device_bytes"] += g
     if kind != "cuda" or not gpus: return est
     used = used_gpus(cfg, gpus) or gpus
     est["device_total_bytes"] = cap = min(g["total_bytes"] for g in used)
@@ -282,6 +294,13 @@ def check_memory(cfg, kind: str, gpus: list = ()) -> dict | None:
             f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
             f"cpu_offload=True, or precision='bf16'{_lora_hint(cfg, shapes, cap)}; or set ignore_memory_estimate=True to start anyway.")
     return est
+
+# %% ../nbs/07_preflight.ipynb #65c594f9
+def read_json_file(path) -> dict:
+    "The JSON object in `path`, {} when it is missing or not an object."
+    try: d = json.loads(Path(path).read_text())
+    except (OSError, ValueError): return {}
+    return d if isinstance(d, dict) else {}
 
 # %% ../nbs/07_preflight.ipynb #2fb709d8
 def _free_bytes(path) -> int:
@@ -397,7 +416,31 @@ def check_destinations(cfg, runs_root) -> dict:
     if "mlflow" in cfg.report_to: out["mlflow_tracking_uri"] = check_mlflow_uri(mlflow_tracking_uri(run_dir))
     return out
 
-# %% ../nbs/07_preflight.ipynb #bcf90514
+# %% ../nbs/07_preflight.ipynb #881eee8d
+def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
+    "`{prompt_tokens, generation_tokens}` of `cfg.eval_prompts`; a `PreflightError` with the numbers when they do not fit."
+    if not cfg.eval_prompts: return None
+    lens = []
+    for p in cfg.eval_prompts:             # as the worker's generate_samples formats them
+        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        lens.append(len(tok(text, add_special_tokens=False)["input_ids"]))
+    new, pos = cfg.eval_max_new_tokens, model_config.get("max_position_embeddings") or model_config.get("n_positions")
+    limit, what = ((pos, f"the model's {pos} positions (max_position_embeddings)") if pos and pos < cfg.max_seq_len
+                   else (cfg.max_seq_len, f"max_seq_len={cfg.max_seq_len}"))
+    for i, n in enumerate(lens):
+        if n + new > limit:
+            raise PreflightError(f"eval_prompts[{i}] is {n} tokens after the chat template; with eval_max_new_tokens={new} its answer "
+                                 f"would reach {n + new} tokens, past {what}: shorten the prompt or lower eval_max_new_tokens.")
+    batch = len(lens) * (max(lens) + new)
+    if batch > cfg.max_tokens_per_batch:
+        raise PreflightError(f"the {len(lens)} eval_prompts are generated in one batch padded to the longest: {len(lens)} x ({max(lens)} "
+                             f"+ eval_max_new_tokens={new}) = {batch} tokens, more than max_tokens_per_batch={cfg.max_tokens_per_batch} "
+                             "(a training micro-batch), so an evaluation would take more memory than a training step: use fewer or "
+                             "shorter prompts, or lower eval_max_new_tokens.")
+    return {"prompt_tokens": lens, "generation_tokens": batch}
+
+# %% ../nbs/07_preflight.ipynb #b26dc5c5
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
     from ilab_nb.data import load_records, load_tokenizer, ensure_chat_template, check_method, DataError, KIND_PLURALS
@@ -420,11 +463,13 @@ def preflight(cfg, runs_root) -> dict:
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
+    prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
-    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [])
+    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
+                          generation_tokens=(prompts or {}).get("generation_tokens", 0))
     disk = check_disk(cfg, runs_root)
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
-            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), "destinations": destinations, **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
+            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
             **cpus, **disk, **backend_preflight(cfg, runs_root)}

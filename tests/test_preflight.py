@@ -116,6 +116,16 @@ def test_read_only_destinations_are_refused_at_construction(read_only_dir, demo,
     assert listing(d) == [] and not runs_root.exists()
 
 
+def test_eval_prompts_are_bounded_by_the_model_at_construction(demo, small_train, runs_root):
+    "Issue 20 item 3: a prompt past max_seq_len (was: accepted; the first evaluation grew a rank until the OOM killer ended it)."
+    with pytest.raises(PreflightError) as e:
+        make_session(demo, small_train, runs_root, eval_steps=1, eval_prompts=["Hi", " ".join(["word"] * 600)])
+    assert "eval_prompts[1] is " in str(e.value) and "past max_seq_len=256: shorten the prompt" in str(e.value), str(e.value)
+    s = make_session(demo, small_train, runs_root, eval_steps=1, eval_prompts=["Hi"], eval_max_new_tokens=8)
+    assert s.preflight["memory"]["generation_bytes"] > 0 and s.preflight["eval_prompts"]["generation_tokens"] > 8
+    assert not runs_root.exists()
+
+
 # --- item 7: a hub id with no network ------------------------------------------------------------------------------
 
 HUB_SCRIPT = """
