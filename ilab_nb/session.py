@@ -7,6 +7,8 @@ from __future__ import annotations
 import json, math, os, socket, shutil, sys, time
 from pathlib import Path
 
+import psutil
+
 from .config import TrainConfig, ConfigError, InMemoryData, load_config
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
                               kill_run_processes, run_processes)
@@ -238,7 +240,9 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None) -> str:
     st = self.state
     if st.get("status") in TERMINAL: return st["status"]
     sup = ProcessRef.from_dict(st.get("supervisor"))
-    if sup is not None and (p := sup.process()) is not None: p.kill()
+    if sup is not None and (p := sup.process()) is not None:
+        try: p.kill()
+        except psutil.Error: pass          # it died meanwhile (another caller's stop, say)
     kill_run_processes(self.run_dir, ProcessRef.from_dict(st.get("launcher")))
     try: self.store.write_state(self.run_id, status=State.cancelled, forced=True,
                                 reason=f"stopped on request; nothing had ended {waited:.0f} s after the request, so stop() killed the run")

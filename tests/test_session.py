@@ -273,3 +273,38 @@ def test_two_resumes_at_once_one_wins(runs_root, tmp_path):
     assert [e["event"] for e in store.events(rid)].count("resumed") == 1    # one resumed event
     test_state = store.read_state(rid)
     assert (test_state["status"], test_state["attempt"]) == ("queued", 2)
+
+
+STOP_RACER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import psutil
+    from ilab_nb.session import FineTuneSession
+    runs, rid, go = sys.argv[1:]
+    kill = psutil.Process.kill
+    def at_the_same_instant(self):      # both have given up waiting and are about to kill the hung supervisor
+        Path(go + f".{os.getpid()}").touch()
+        while len(list(Path(go).parent.glob(Path(go).name + ".*"))) < 2: time.sleep(0.01)
+        return kill(self)
+    psutil.Process.kill = at_the_same_instant
+    print(FineTuneSession.attach(rid, runs).stop(timeout=0.5))
+""")
+
+
+@pytest.mark.processes
+def test_two_forced_stops_at_once_record_one_ending(runs_root, tmp_path):
+    "Issue 20 item 4: two processes force-stop one hung run at the same instant: both say cancelled, one cancelled event."
+    store, rid = RunStore(runs_root), "race-stop"
+    store.create_run(rid)
+    hung = subprocess.Popen(["sleep", "120"])
+    try:
+        store.write_state(rid, status="running", attempt=1, supervisor=ProcessRef.of(hung.pid).to_dict(), heartbeat_at=time.time() + 3600)
+        go = tmp_path / "go"
+        procs = [subprocess.Popen([sys.executable, "-c", STOP_RACER, str(runs_root), rid, str(go)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert [o[0].strip() for o in outs] == ["cancelled", "cancelled"], outs
+        assert [e["event"] for e in store.events(rid)].count("cancelled") == 1, store.events(rid)   # was: two
+        assert hung.wait(10) == -9
+    finally:
+        hung.kill(); hung.wait()
