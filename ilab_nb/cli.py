@@ -102,14 +102,14 @@ def follow_log(s, n=50, rank=None, poll_s=0.5, out=None):
     follow = [paths.supervisor_log] + ([] if rank == "supervisor" else [paths.rank_log(0 if rank is None else rank)])
     pos = {p: (p.stat().st_size if p.exists() else 0) for p in follow}
     while True:
-        done = s.status in TERMINAL          # read once more after the run ended: its last lines
+        status = s.status; done = status in TERMINAL          # read once more after the run ended: its last lines
         for p in follow:
             text, pos[p] = _new_lines(p, pos[p])
             if text: out.write(text); out.flush()
         if done: break
         time.sleep(poll_s)
     st = s.monitor.state()
-    print(f"--- run {s.monitor.run_id} {status_of(st)} (attempt {st.get('attempt', 1)})"
+    print(f"--- run {s.monitor.run_id} {status} (attempt {st.get('attempt', 1)})"
           + (f": {st['reason']}" if st.get("reason") else ""), file=out)
     out.flush()
 

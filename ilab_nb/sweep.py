@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_sweep.ipynb #0077e846
 from __future__ import annotations
-import html, itertools, math, os, socket, time
+import html, itertools, json, math, os, socket, time
 from pathlib import Path
 
 import ipywidgets as W
