@@ -135,7 +135,7 @@ def sweep(cls:FineTuneSession, model=None, data=None, *, grid=None, config=None,
     "Queue one run per combination of the fields given as lists (`learning_rate=[1e-4, 3e-4]`); returns a `Sweep`."
     return Sweep.create(model, data, grid=grid, config=config, runs_root=runs_root, name=name, **fields)
 
-# %% ../nbs/14_sweep.ipynb #95e52324
+# %% ../nbs/14_sweep.ipynb #ef74f53a
 MISSING = "missing"     # the status of a sweep's run whose directory is gone
 
 class MissingRun:
@@ -150,6 +150,7 @@ class MissingRun:
 
 def _ended(status: str) -> bool: return status in TERMINAL or status == MISSING
 
+# %% ../nbs/14_sweep.ipynb #fd5ecf7a
 def _read_spec(path: Path) -> dict:
     "The sweep's `sweep.json`; a `ValueError` that says it is unreadable or incomplete (never 'no sweep')."
     try: spec = json.loads(path.read_text())
