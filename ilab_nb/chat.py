@@ -12,7 +12,8 @@ import torch
 from .core import patch
 
 # %% auto #0
-__all__ = ['stream_reply', 'Chat', 'transcript_html', 'ChatBox', 'terminal_chat']
+__all__ = ['ContextFull', 'model_positions', 'fit_new_tokens', 'stream_reply', 'Chat', 'transcript_html', 'ChatBox',
+           'terminal_chat']
 
 # %% ../nbs/16_chat.ipynb #639811ad
 def _stop_on(event: threading.Event):
@@ -30,14 +31,35 @@ def _generation_kwargs(tokenizer, max_new_tokens, temperature: float, stop: thre
     return dict(max_new_tokens=int(max_new_tokens), pad_token_id=pad, use_cache=True,
                 stopping_criteria=StoppingCriteriaList([_stop_on(stop)]), **sampling)
 
-# %% ../nbs/16_chat.ipynb #5e73d067
+# %% ../nbs/16_chat.ipynb #e5e29eb5
+class ContextFull(ValueError):
+    "The conversation already fills the model's positions: there is no room left for an answer."
+
+def model_positions(model) -> int | None:
+    "The positions the model can attend over (`max_position_embeddings`, or `n_positions`), None when its config does not say."
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+def fit_new_tokens(prompt_tokens: int, max_new_tokens: int, positions: int | None) -> tuple:
+    "`(max new tokens that fit, a note saying it was cut or None)`; `ContextFull` when the prompt leaves no position."
+    if positions is None or prompt_tokens + max_new_tokens <= positions: return int(max_new_tokens), None
+    if prompt_tokens >= positions:
+        raise ContextFull(f"the conversation is {prompt_tokens} tokens after the chat template, and the model has {positions} "
+                          "positions: no room is left for an answer; start a new conversation (Clear, /reset) or send less.")
+    left = positions - prompt_tokens
+    return left, (f"max_new_tokens={max_new_tokens} cut to {left}: the conversation is {prompt_tokens} tokens and the model "
+                  f"has {positions} positions")
+
+# %% ../nbs/16_chat.ipynb #80eb5d62
 def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
-                 stop: threading.Event | None = None):
-    "Yield the assistant's answer to `messages` piece by piece (greedy when `temperature` is 0)."
+                 stop: threading.Event | None = None, notes: list | None = None):
+    "Yield the assistant's answer to `messages` piece by piece (greedy when `temperature` is 0); `notes` gets what was cut."
     from transformers import TextIteratorStreamer
     stop = stop or threading.Event()
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     x = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    max_new_tokens, note = fit_new_tokens(x["input_ids"].shape[1], max_new_tokens, model_positions(model))
+    if note is not None and notes is not None: notes.append(note)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs, failed = _generation_kwargs(tokenizer, max_new_tokens, temperature, stop), []
     def work():
@@ -59,18 +81,20 @@ class Chat:
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.messages: list[dict] = []; self.stop_event = threading.Event()
 
-# %% ../nbs/16_chat.ipynb #62e478a5
+# %% ../nbs/16_chat.ipynb #52e65923
 @patch
 def ask(self:Chat, text: str):
     "Yield the answer to `text` piece by piece; the turn is added to `messages` when the answer ends."
-    self.stop_event.clear()
+    self.stop_event.clear(); self.notes = []
     msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages + [{"role": "user", "content": text}]
-    answer = ""
+    answer, refused = "", False
     try:
-        for piece in stream_reply(self.model, self.tokenizer, msgs, self.max_new_tokens, self.temperature, self.stop_event):
+        for piece in stream_reply(self.model, self.tokenizer, msgs, self.max_new_tokens, self.temperature, self.stop_event, self.notes):
             answer += piece; yield piece
+    except ContextFull:
+        refused = True; raise           # nothing was asked: the conversation stays as it was
     finally:
-        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.strip()}]
+        if not refused: self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.strip()}]
 
 # %% ../nbs/16_chat.ipynb #3f834225
 @patch
@@ -123,7 +147,7 @@ class ChatBox(W.VBox):
         self.children = (self.title, self.transcript, W.HBox([self.input, self.send_button, self.stop_button, self.clear_button]),
                          W.HBox([self.max_new_tokens, self.temperature]), self.status)
 
-# %% ../nbs/16_chat.ipynb #d505d0c9
+# %% ../nbs/16_chat.ipynb #c75c694a
 @patch
 def _answer(self:ChatBox, text: str):
     t0, n, answer = time.time(), 0, ""
@@ -133,7 +157,8 @@ def _answer(self:ChatBox, text: str):
             answer += piece; n += 1
             self.transcript.value = transcript_html(before, answer)
         stopped = self.chat.stop_event.is_set()
-        self.status.value = f"<span style='color:#5f6368'>{'stopped' if stopped else 'done'} · {time.time() - t0:.1f} s</span>"
+        self.status.value = (f"<span style='color:#5f6368'>{'stopped' if stopped else 'done'} · {time.time() - t0:.1f} s</span>"
+                             + "".join(f"<br><span style='color:#b06000'>{html.escape(n)}</span>" for n in self.chat.notes))
     except Exception as e:
         self.error = e
         self.status.value = f"<span style='color:#d93025'>generation failed: {html.escape(f'{type(e).__name__}: {e}')}</span>"
@@ -174,13 +199,15 @@ def from_session(cls:ChatBox, session, checkpoint=None, **kwargs) -> ChatBox:
     model, tokenizer = session.load_model(checkpoint)
     return cls(model, tokenizer, title=f"{session.run_id} · {session.model_path(checkpoint).name}", **kwargs)
 
-# %% ../nbs/16_chat.ipynb #30dc53e9
+# %% ../nbs/16_chat.ipynb #9941fc82
 def _reply(chat, text: str, out):
     out.write("model> "); out.flush()
     try:
         for piece in chat.ask(text): out.write(piece); out.flush()
+        for n in chat.notes: out.write(f" [{n}]")
     except KeyboardInterrupt:
         chat.stop(); out.write(" [stopped]")
+    except ContextFull as e: out.write(f"[refused: {e}]")
     out.write("\n"); out.flush()
 
 # %% ../nbs/16_chat.ipynb #139a794c

@@ -7,7 +7,7 @@ __all__ = ['STATUS_COLOURS', 'run_curves', 'smooth_ema', 'LRFormatter', 'nice_ce
            'format_number', 'render_text', 'latest_samples', 'samples_html', 'Refresher', 'in_kernel', 'Dashboard',
            'LossComparison', 'compare']
 
-# %% ../nbs/09_dashboard.ipynb #5488d098
+# %% ../nbs/09_dashboard.ipynb #f7099f2a
 import html
 import io
 import math
@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .core import patch
 from .monitor import RunMonitor, data_notes
+from .trackers import tracker_notes
 from .rundir import ACTIVE, TERMINAL, State, standing_records, status_of
 
 # %% ../nbs/09_dashboard.ipynb #f41ab6c6
@@ -562,14 +563,16 @@ def _progress_html(p: dict, status: str, header) -> str:
     return text + "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
                           for n in data_notes(header))
 
-# %% ../nbs/09_dashboard.ipynb #c9529485
+# %% ../nbs/09_dashboard.ipynb #a4fbb0d0
 @patch
 def _show_progress(self:Dashboard, status: str) -> bool:
     p = self.monitor.progress()
     step, total = p.get("step") or 0, p.get("total_steps") or 0
     ch = self._set(self.progress, max(total, step, 1), "max")
     ch |= self._set(self.progress, step)
-    return self._set(self.progress_text, _progress_html(p, status, self.monitor.header)) | ch
+    notes = "".join(f'<div class="ilab-tracker-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
+                    for n in tracker_notes(self.monitor.state()))       # a tracker broken mid-run (ilab_nb.trackers)
+    return self._set(self.progress_text, _progress_html(p, status, self.monitor.header) + notes) | ch
 
 # %% ../nbs/09_dashboard.ipynb #49eaa966
 @patch

@@ -83,6 +83,7 @@ class _Problems(list):
 
 # %% ../nbs/01_data.ipynb #6b786c14
 ROLES = ("system", "user", "assistant")
+_SHAPE_KEYS = ("messages", "conversations", "instruction", "input", "output", "text", "chosen", "rejected", "prompt")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 SHAPES = ('Accepted rows: {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}; '
           'ShareGPT {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}; '
@@ -105,16 +106,17 @@ def _text(obj: dict, key: str, optional: bool = False) -> str | None:
     "The non-empty string `obj[key]` (None when optional and absent)."
     v = obj.get(key)
     if v is None and optional: return None
-    if isinstance(v, str) and not v.strip(): raise _Bad(f"'{key}' is empty")
-    if not isinstance(v, str): raise _Bad(f"'{key}' must be a non-empty string" + ("" if v is None else f", got {_json_type(v)}"))
+    if v is None: raise _Bad(f"'{key}' is missing" + (" (null)" if key in obj else ""))
+    if not isinstance(v, str): raise _Bad(f"'{key}' must be a string, got {_json_type(v)}")
+    if not v.strip(): raise _Bad(f"'{key}' is empty")
     return v
 
 # %% ../nbs/01_data.ipynb #a5f4f313
 def _sharegpt_messages(turns) -> list:
     "The messages of a ShareGPT `conversations` list (`from`/`value` turns)."
     if not isinstance(turns, list) or not turns:
-        raise _Bad(f"'conversations' must be a non-empty list of {{\"from\", \"value\"}} objects, got {_json_type(turns)}"
-                   + (" (empty)" if turns == [] else ""))
+        raise _Bad(f"'conversations' must be a non-empty list of {{\"from\", \"value\"}} objects, got "
+                   + ("an empty array" if turns == [] else _json_type(turns)))
     out = []
     for i, t in enumerate(turns, 1):
         if not isinstance(t, dict) or "from" not in t:
@@ -137,8 +139,7 @@ def _alpaca_messages(obj: dict) -> list:
 def _input_output_messages(obj: dict) -> list:
     "An `input`/`output` row (optional `system`) as messages."
     q, a = _text(obj, "input"), _text(obj, "output")
-    s = obj.get("system")
-    if s is not None and (not isinstance(s, str) or not s.strip()): raise _Bad("'system' must be a non-empty string when given")
+    s = _text(obj, "system", optional=True)
     system = [{"role": "system", "content": s}] if s is not None else []
     return system + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
 
@@ -149,12 +150,14 @@ def _row_messages(obj: Any) -> list:
     if obj.get("messages") is not None:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise _Bad(f"'messages' must be a non-empty list of {{\"role\", \"content\"}} objects, got {_json_type(msgs)}"
-                       + (" (empty)" if msgs == [] else ""))
+            raise _Bad(f"'messages' must be a non-empty list of {{\"role\", \"content\"}} objects, got "
+                       + ("an empty array" if msgs == [] else _json_type(msgs)))
         return msgs
     if obj.get("conversations") is not None: return _sharegpt_messages(obj["conversations"])
     if obj.get("instruction") is not None: return _alpaca_messages(obj)
     if obj.get("input") is not None or obj.get("output") is not None: return _input_output_messages(obj)
+    if nulls := [k for k in _SHAPE_KEYS if k in obj and obj[k] is None]:     # a DataFrame's missing value: not an unknown shape
+        raise _Bad(f"'{nulls[0]}' is missing (null)")
     keys = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
     raise _Bad(f"a row of unknown shape (keys: {keys})", hint=SHAPES)
 
@@ -190,7 +193,8 @@ def _messages_of(v, key: str, role: str) -> list[dict]:
     if isinstance(v, str):
         if not v.strip(): raise _Bad(f"'{key}' is empty")
         return [{"role": role, "content": v}]
-    if not isinstance(v, list) or not v: raise _Bad(f"'{key}' must be a non-empty string or list of messages, got {_json_type(v)}")
+    if not isinstance(v, list) or not v:
+        raise _Bad(f"'{key}' must be a non-empty string or list of messages, got " + ("an empty array" if v == [] else _json_type(v)))
     out = []
     for i, m in enumerate(v, 1):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -240,6 +244,7 @@ _SHAPE_COLUMNS = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"
 
 def _check_columns(columns, where) -> None:
     "A table whose columns fit no accepted shape is one error."
+    if not list(columns): raise DataError.collected([_problem("is empty: it has no columns and no rows", where)])
     if not any(s <= set(columns) for s in _SHAPE_COLUMNS):
         raise DataError.collected([_problem(f"has columns {sorted(map(str, columns))}, which fit none of the accepted shapes",
                                             where, hint=SHAPES)])

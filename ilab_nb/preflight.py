@@ -13,10 +13,12 @@ from .launcher import cpu_slots
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['PreflightError', 'mount_of', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus', 'used_gpus',
-           'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'count_params',
-           'count_params_of', 'memory_estimate', 'check_memory', 'check_disk', 'cluster_device', 'backend_preflight',
-           'first_sample', 'preflight']
+__all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus',
+           'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes',
+           'safetensors_problem', 'model_files_problem', 'count_params', 'count_params_of', 'memory_estimate',
+           'kv_cache_bytes', 'check_memory', 'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight',
+           'first_sample', 'check_tracker_imports', 'check_mlflow_uri', 'check_destinations', 'check_eval_prompts',
+           'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -36,28 +38,32 @@ def mount_of(path) -> tuple:
 _VIRTUAL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
                "pstore", "efivarfs", "fusectl", "binfmt_misc", "mqueue", "autofs"}
 
-# %% ../nbs/07_preflight.ipynb #3fc9ac47
-def check_runs_root(root) -> Path:
-    "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
-    root = Path(root).expanduser().absolute(); p = root
+# %% ../nbs/07_preflight.ipynb #1f26ff3a
+def check_destination(path, name: str, choose: str) -> Path:
+    """The folder where `path` would be made (`path`, or the nearest folder above it that exists), after a probe file
+    was written and deleted there; else a `PreflightError` that names `name` and says to `choose` another."""
+    root = Path(path).expanduser().absolute(); p = root
     while not os.path.lexists(p): p = p.parent
-    what = f"runs_root {root}" + (f": {p}" if p != root else "")
+    what = f"{name} {root}" + (f": {p}" if p != root else "")
     if p.is_symlink() and not p.exists():
-        raise PreflightError(f"{what} is a symbolic link to {os.readlink(p)}, which does not exist; choose another runs_root.")
+        raise PreflightError(f"{what} is a symbolic link to {os.readlink(p)}, which does not exist; {choose}.")
     if not p.is_dir():
-        raise PreflightError(f"{what} is a file, not a directory; choose a directory for the runs (runs_root= or $ILAB_NB_RUNS).")
+        raise PreflightError(f"{what} is a file, not a directory; {choose}.")
     mount, fs = mount_of(p)
     if fs in _VIRTUAL_FS:
-        raise PreflightError(f"runs_root {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; "
-                             "choose a directory on a disk (runs_root= or $ILAB_NB_RUNS).")
+        raise PreflightError(f"{name} {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; {choose}.")
     try: fd, probe = tempfile.mkstemp(dir=p, prefix=".ilab_nb-probe-")
     except OSError as e:
         why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user (EACCES)",
                errno.EPERM: "is not writable by this user (EPERM)"}.get(
                    e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
-        raise PreflightError(f"{what} {why}; choose a writable directory (runs_root= or $ILAB_NB_RUNS).") from None
+        raise PreflightError(f"{what} {why}; {choose}.") from None
     os.close(fd); os.unlink(probe)
     return p
+
+def check_runs_root(root) -> Path:
+    "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
+    return check_destination(root, "runs_root", "choose a writable directory on a disk for the runs (runs_root= or $ILAB_NB_RUNS)")
 
 # %% ../nbs/07_preflight.ipynb #17bc56c1
 def resolve_hub_model(model, timeout=5.0) -> str:
@@ -185,6 +191,38 @@ def tensor_sizes(model_dir) -> dict:
     "`{name: number of elements}` of every tensor in the model's safetensors files, read from their headers only."
     return {k: math.prod(s) for k, s in tensor_shapes(model_dir).items()}
 
+# %% ../nbs/07_preflight.ipynb #22359bf9
+def safetensors_problem(f) -> str | None:
+    "Why the safetensors file `f` cannot be loaded (cut short, not safetensors), or None when its length matches its header."
+    import struct
+    f = Path(f)
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            if size < 8: return f"{f.name} is unreadable: {size} bytes, shorter than a safetensors header"
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if 8 + n > size: return f"{f.name} is unreadable: its header says {n} bytes but the file has {size}"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as e: return f"{f.name} is unreadable ({type(e).__name__}: {e})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)), default=0)
+    if 8 + n + end != size: return f"{f.name} is unreadable: it has {size} bytes, its header describes {8 + n + end} (cut short while written?)"
+    return None
+
+def model_files_problem(d) -> str | None:
+    "Why the saved model (or adapter) folder `d` is incomplete or unreadable, or None when every weight file is whole."
+    from ilab_nb.rundir import CKPT_MARKER
+    d = Path(d)
+    if d.parent.name == "checkpoints" and d.name.lstrip(".").removeprefix("tmp-").startswith("step-") and not (d / CKPT_MARKER).exists():
+        return f"{d} is an incomplete checkpoint: it has no {CKPT_MARKER} marker (its save did not finish); load a complete one"
+    for idx in d.glob("*.safetensors.index.json"):
+        try: shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e: return f"{d}: {idx.name} is unreadable ({type(e).__name__})"
+        if missing := [s for s in shards if not (d / s).exists()]:
+            return f"{d} is incomplete: {idx.name} names {len(shards)} shard(s), {len(missing)} missing ({missing[0]}, ...)"
+    for f in sorted(d.glob("*.safetensors")) + sorted(d.glob("adapter/*.safetensors")):
+        if why := safetensors_problem(f): return f"{d}: {why}"
+    return None
+
 # %% ../nbs/07_preflight.ipynb #a2aa8686
 def count_params(model_dir) -> dict:
     "Parameters in the model's safetensors files, read from their headers only: total, largest block, and outside the blocks."
@@ -226,13 +264,24 @@ def _lora_hint(cfg, shapes: dict, cap: int) -> str:
     need = _estimate(cfg.model_copy(update=dict(lora={"r": 8})), shapes)["device_bytes"]
     return f", or LoRA adapters: lora={{'r': 8}} needs about {need / 2**30:.1f} GiB" + ("" if need <= 0.9 * cap else " (neither fits)")
 
-# %% ../nbs/07_preflight.ipynb #830215bc
-def check_memory(cfg, kind: str, gpus: list = ()) -> dict | None:
-    "Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless `ignore_memory_estimate`."
+# %% ../nbs/07_preflight.ipynb #8181e979
+def kv_cache_bytes(model_config: dict, tokens: int, precision: str) -> int:
+    "Bytes of the key/value cache `generate` keeps for `tokens` positions (all prompts of a batch together)."
+    c = model_config; heads = c.get("num_attention_heads") or 1
+    head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // heads
+    return 2 * (c.get("num_hidden_layers") or 0) * (c.get("num_key_value_heads") or heads) * head_dim * tokens * (2 if precision == "bf16" else 4)
+
+def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0) -> dict | None:
+    """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless `ignore_memory_estimate`.
+    `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps."""
     mp = Path(cfg.model).expanduser()
     if not (mp.is_dir() and any(mp.glob("*.safetensors"))): return None       # a hub id or .bin weights: nothing to read cheaply
     shapes = tensor_shapes(mp)
     est = _estimate(cfg, shapes)
+    if generation_tokens:
+        mc = read_json_file(mp / "config.json")
+        est["generation_bytes"] = g = kv_cache_bytes(mc, generation_tokens, cfg.precision)
+        est["extra"] += g; est["device_bytes"] += g
     if kind != "cuda" or not gpus: return est
     used = used_gpus(cfg, gpus) or gpus
     est["device_total_bytes"] = cap = min(g["total_bytes"] for g in used)
@@ -245,6 +294,13 @@ def check_memory(cfg, kind: str, gpus: list = ()) -> dict | None:
             f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
             f"cpu_offload=True, or precision='bf16'{_lora_hint(cfg, shapes, cap)}; or set ignore_memory_estimate=True to start anyway.")
     return est
+
+# %% ../nbs/07_preflight.ipynb #65c594f9
+def read_json_file(path) -> dict:
+    "The JSON object in `path`, {} when it is missing or not an object."
+    try: d = json.loads(Path(path).read_text())
+    except (OSError, ValueError): return {}
+    return d if isinstance(d, dict) else {}
 
 # %% ../nbs/07_preflight.ipynb #2fb709d8
 def _free_bytes(path) -> int:
@@ -308,13 +364,90 @@ def first_sample(record: dict, tok) -> dict:
                              "after the chat template; check its roles.")
     return sample
 
-# %% ../nbs/07_preflight.ipynb #3567b2bd
+# %% ../nbs/07_preflight.ipynb #982f2f90
+_TRACKER_IMPORTS = {"tensorboard": "torch.utils.tensorboard", "mlflow": "mlflow.tracking"}
+
+@functools.lru_cache(maxsize=None)
+def _import_error(module: str) -> str | None:
+    import importlib
+    try: importlib.import_module(module); return None
+    except Exception as e: return f"{type(e).__name__}: {e}"
+
+def check_tracker_imports(report_to) -> None:
+    "Import the module each tracker of `report_to` runs on (once per process); refuse one that does not import."
+    for name in report_to:
+        if (err := _import_error(_TRACKER_IMPORTS[name])) is not None:
+            raise PreflightError(f"report_to={name!r}: {_TRACKER_IMPORTS[name]} is installed but does not import ({err}); "
+                                 f"repair the {name} install, or drop {name!r} from report_to.")
+
+# %% ../nbs/07_preflight.ipynb #7967166d
+def check_mlflow_uri(uri: str, timeout: float = 5.0) -> str:
+    "`uri` once MLflow can use it: a file store or SQLite file writable, an HTTP server answering."
+    from urllib.parse import urlparse, unquote
+    import urllib.request, urllib.error
+    name, u = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's file store"), urlparse(uri)
+    choose = "set MLFLOW_TRACKING_URI to a writable directory or a server that answers, or drop 'mlflow' from report_to"
+    if u.scheme in ("", "file"): check_destination(unquote(u.path) or uri, name, choose)
+    elif u.scheme == "sqlite": check_destination(Path(unquote(u.path)).parent if u.path not in ("", "/:memory:") else ".", name, choose)
+    elif u.scheme in ("http", "https"):
+        try: urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).close()
+        except urllib.error.HTTPError: pass                      # a server answered
+        except Exception as e:
+            why = getattr(e, "reason", e)
+            raise PreflightError(f"{name} {uri}: no MLflow server answers there ({type(why).__name__}: {why}); start the server, "
+                                 f"or {choose}.") from None
+    return uri
+
+# %% ../nbs/07_preflight.ipynb #a2fc6ef0
+def check_destinations(cfg, runs_root) -> dict:
+    "The writable folders (and URIs) of everything the run writes outside its run directory; a `PreflightError` for one that is not."
+    from ilab_nb.launcher import locks_dir
+    from ilab_nb.trackers import tensorboard_dir, mlflow_tracking_uri
+    out, run_dir = {}, Path(runs_root).expanduser().absolute() / ".ilab_nb-run"      # a run directory to be
+    if cfg.backend == "local":
+        name = "ILAB_NB_LOCKS" if os.environ.get("ILAB_NB_LOCKS") else "the device locks' directory"
+        out["locks_dir"] = str(check_destination(locks_dir(), name, "set ILAB_NB_LOCKS to a writable directory on a disk "
+                                                 "(this machine's device locks and queue)"))
+    check_tracker_imports(cfg.report_to)
+    if "tensorboard" in cfg.report_to:
+        tb = Path(os.path.normpath(tensorboard_dir(run_dir, cfg.logging_dir)))
+        out["logging_dir"] = str(check_destination(tb, "logging_dir", "choose a writable logging_dir (relative paths are "
+                                                   "taken from the run directory)"))
+    if "mlflow" in cfg.report_to: out["mlflow_tracking_uri"] = check_mlflow_uri(mlflow_tracking_uri(run_dir))
+    return out
+
+# %% ../nbs/07_preflight.ipynb #881eee8d
+def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
+    "`{prompt_tokens, generation_tokens}` of `cfg.eval_prompts`; a `PreflightError` with the numbers when they do not fit."
+    if not cfg.eval_prompts: return None
+    lens = []
+    for p in cfg.eval_prompts:             # as the worker's generate_samples formats them
+        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        lens.append(len(tok(text, add_special_tokens=False)["input_ids"]))
+    new, pos = cfg.eval_max_new_tokens, model_config.get("max_position_embeddings") or model_config.get("n_positions")
+    limit, what = ((pos, f"the model's {pos} positions (max_position_embeddings)") if pos and pos < cfg.max_seq_len
+                   else (cfg.max_seq_len, f"max_seq_len={cfg.max_seq_len}"))
+    for i, n in enumerate(lens):
+        if n + new > limit:
+            raise PreflightError(f"eval_prompts[{i}] is {n} tokens after the chat template; with eval_max_new_tokens={new} its answer "
+                                 f"would reach {n + new} tokens, past {what}: shorten the prompt or lower eval_max_new_tokens.")
+    batch = len(lens) * (max(lens) + new)
+    if batch > cfg.max_tokens_per_batch:
+        raise PreflightError(f"the {len(lens)} eval_prompts are generated in one batch padded to the longest: {len(lens)} x ({max(lens)} "
+                             f"+ eval_max_new_tokens={new}) = {batch} tokens, more than max_tokens_per_batch={cfg.max_tokens_per_batch} "
+                             "(a training micro-batch), so an evaluation would take more memory than a training step: use fewer or "
+                             "shorter prompts, or lower eval_max_new_tokens.")
+    return {"prompt_tokens": lens, "generation_tokens": batch}
+
+# %% ../nbs/07_preflight.ipynb #b26dc5c5
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
     from ilab_nb.data import load_records, load_tokenizer, ensure_chat_template, check_method, DataError, KIND_PLURALS
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
     check_runs_root(runs_root)
+    destinations = check_destinations(cfg, runs_root)
     model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
     records = load_records(cfg.data)
     check_method(cfg.method, records[0]["kind"])
@@ -330,11 +463,13 @@ def preflight(cfg, runs_root) -> dict:
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
+    prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
-    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [])
+    memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
+                          generation_tokens=(prompts or {}).get("generation_tokens", 0))
     disk = check_disk(cfg, runs_root)
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
-            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
+            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
             **cpus, **disk, **backend_preflight(cfg, runs_root)}

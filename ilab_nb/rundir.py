@@ -255,6 +255,7 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 stop_requested_at="float", forced="bool", resume_from="str", resumed_from_step="int",
                                 attempts="list", backend="str", job_id="str", job_attempt="int", job_state="str?",
                                 pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
+                                claimed_by="str", tracker_errors="list",
                                 **{f"{s}_at": "float" for s in STATES})),
     "lifecycle": dict(file="events.jsonl", doc="`event` in " + " | ".join(LIFECYCLE_EVENTS),
                       required=dict(time="float", event="str"), values=dict(event=LIFECYCLE_EVENTS),

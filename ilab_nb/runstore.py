@@ -191,10 +191,11 @@ def read_state(self:RunStore, run_id) -> dict:
     if not p.state.exists() and not p.state_prev.exists(): return {}
     return rebuild_state(p.root)
 
-# %% ../nbs/03_runstore.ipynb #9da7f557
+# %% ../nbs/03_runstore.ipynb #1a9a8adb
 @patch
-def write_state(self:RunStore, run_id, *, new_attempt=False, **fields) -> dict:
-    "Merge `fields` into the run's state atomically; returns the new state. Raises `StateError` out of a terminal state."
+def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fields) -> dict:
+    """Merge `fields` into the run's state atomically; returns the new state. Raises `StateError` out of a terminal state,
+    or when the state under the lock does not match `expect` (`{field: allowed values}`): a claim two callers cannot both win."""
     if "status" in fields and fields["status"] not in STATES:
         raise ValueError(f"Unknown status {fields['status']!r}; expected one of {STATES}")
     p = RunPaths(self.run_dir(run_id))
@@ -202,6 +203,11 @@ def write_state(self:RunStore, run_id, *, new_attempt=False, **fields) -> dict:
         st = self.read_state(run_id); now = time.time()
         st.pop("rebuilt_from", None)
         if st.pop("state_error", None) and p.state.exists(): os.replace(p.state, p.state_corrupt(now))   # keep the bad bytes
+        for k, allowed in (expect or {}).items():
+            if st.get(k) not in allowed:
+                raise StateError(f"Run {run_id} is now {st.get('status', 'without a state')} (attempt {st.get('attempt', '?')}"
+                                 + (f", {st['claimed_by']}" if st.get("claimed_by") else "") + f"): its {k} is {st.get(k)!r}, "
+                                 f"not {' or '.join(map(repr, allowed))}; nothing was written.")
         if st.get("status") in TERMINAL and not new_attempt:
             raise StateError(f"Run {run_id} is already {st['status']}; its state is final "
                              f"(refused update {sorted(fields)}). Resume it to start a new attempt.")

@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_sweep.ipynb #0077e846
 from __future__ import annotations
-import html, itertools, math, os, socket, time
+import html, itertools, json, math, os, socket, time
 from pathlib import Path
 
 import ipywidgets as W
@@ -17,8 +17,8 @@ from .core import patch
 from .rundir import RunPaths
 
 # %% auto #0
-__all__ = ['EXTRA_SUMMARY', 'SWEEPS_DIR', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary', 'sweeps_dir', 'Sweep',
-           'sweep_table_html', 'SweepDashboard']
+__all__ = ['EXTRA_SUMMARY', 'SWEEPS_DIR', 'MISSING', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary',
+           'sweeps_dir', 'Sweep', 'MissingRun', 'sweep_table_html', 'SweepDashboard']
 
 # %% ../nbs/14_sweep.ipynb #5828eab4
 def _takes_list(field: str) -> bool:
@@ -135,16 +135,47 @@ def sweep(cls:FineTuneSession, model=None, data=None, *, grid=None, config=None,
     "Queue one run per combination of the fields given as lists (`learning_rate=[1e-4, 3e-4]`); returns a `Sweep`."
     return Sweep.create(model, data, grid=grid, config=config, runs_root=runs_root, name=name, **fields)
 
-# %% ../nbs/14_sweep.ipynb #7ade56e6
+# %% ../nbs/14_sweep.ipynb #ef74f53a
+MISSING = "missing"     # the status of a sweep's run whose directory is gone
+
+class MissingRun:
+    "Stands in a `Sweep` for a run whose directory was deleted: status `missing`, no records, nothing to stop."
+    def __init__(self, run_id: str, store: RunStore):
+        self.run_id, self.run_dir = run_id, store.run_dir(run_id)
+        self.monitor, self.status, self.checkpoints = RunMonitor(self.run_dir), MISSING, []
+        self.reason = f"its run directory {self.run_dir} is gone (deleted?)"
+    def progress(self) -> dict: return self.monitor.progress()
+    def stop(self, wait=True, **kwargs) -> str: return MISSING
+    def __repr__(self): return f"MissingRun({self.run_id!r}: {self.reason})"
+
+def _ended(status: str) -> bool: return status in TERMINAL or status == MISSING
+
+# %% ../nbs/14_sweep.ipynb #fd5ecf7a
+def _read_spec(path: Path) -> dict:
+    "The sweep's `sweep.json`; a `ValueError` that says it is unreadable or incomplete (never 'no sweep')."
+    try: spec = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Sweep {path.parent.name}: {path} is unreadable ({type(e).__name__}: {e}); its runs are still "
+                         f"there: FineTuneSession.list_runs() lists them (their ids start with {path.parent.name}-).") from None
+    runs = spec.get("runs") if isinstance(spec, dict) else None
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("run_id"), str) for r in runs) \
+            or not isinstance(spec.get("axes"), dict):
+        raise ValueError(f"Sweep {path.parent.name}: {path} is incomplete (it needs 'axes' and 'runs' with a run_id each); "
+                         f"its runs are still there: FineTuneSession.list_runs() lists them.")
+    for r in runs: r.setdefault("values", {})
+    return spec
+
 @patch(cls_method=True)
 def attach(cls:Sweep, sweep_id: str, runs_root=None) -> Sweep:
-    "The `Sweep` with id `sweep_id`, from any process."
-    d = sweeps_dir(runs_root) / validate_run_id(sweep_id)
-    spec = read_json(d / "sweep.json")
-    if spec is None:
+    "The `Sweep` with id `sweep_id`, from any process; a run whose directory is gone is in it as a `MissingRun`."
+    d, store = sweeps_dir(runs_root) / validate_run_id(sweep_id), RunStore(runs_root)
+    if not (d / "sweep.json").exists():
         known = sorted(p.name for p in sweeps_dir(runs_root).glob("*") if (p / "sweep.json").exists())[-5:]
         raise FileNotFoundError(f"No sweep {sweep_id!r} in {d.parent}" + (f"; recent sweeps: {', '.join(known)}." if known else "."))
-    return cls(sweep_id, spec, [FineTuneSession.attach(r["run_id"], runs_root) for r in spec["runs"]], runs_root)
+    spec = _read_spec(d / "sweep.json")
+    runs = [FineTuneSession.attach(r["run_id"], runs_root) if store.run_dir(r["run_id"]).is_dir() else MissingRun(r["run_id"], store)
+            for r in spec["runs"]]
+    return cls(sweep_id, spec, runs, runs_root)
 
 # %% ../nbs/14_sweep.ipynb #f2857c5b
 @patch(cls_method=True)
@@ -162,16 +193,16 @@ def results(self:Sweep):
         rows.append(dict(run_id=s.run_id, **r["values"], status=s.status, **run_summary(s.monitor)))
     return pd.DataFrame(rows)
 
-# %% ../nbs/14_sweep.ipynb #7ea50b99
+# %% ../nbs/14_sweep.ipynb #c913e603
 @patch
 def wait(self:Sweep, timeout=None, poll_s: float = 1.0) -> list:
     "Block until every run has ended; returns their statuses."
     t0 = time.time()
     while True:
         st = [s.status for s in self.sessions]
-        if all(x in TERMINAL for x in st): return st
+        if all(_ended(x) for x in st): return st
         if timeout is not None and time.time() - t0 > timeout:
-            raise TimeoutError(f"Sweep {self.sweep_id}: {sum(x not in TERMINAL for x in st)} run(s) still going after {timeout} s.")
+            raise TimeoutError(f"Sweep {self.sweep_id}: {sum(not _ended(x) for x in st)} run(s) still going after {timeout} s.")
         time.sleep(poll_s)
 
 # %% ../nbs/14_sweep.ipynb #4d8b5024
@@ -181,13 +212,14 @@ def stop(self:Sweep, wait: bool = True) -> list:
     for s in self.sessions: s.stop(wait=False)
     return [s.stop(wait=True) for s in self.sessions] if wait else [s.status for s in self.sessions]
 
-# %% ../nbs/14_sweep.ipynb #0914d5a4
+# %% ../nbs/14_sweep.ipynb #f267fcd1
 @patch
 def compare(self:Sweep, **kwargs):
     "The runs' loss curves overlaid (`ilab_nb.dashboard.compare`), labelled by their varied values."
     from ilab_nb.dashboard import compare
-    labels = [", ".join(f"{k}={v}" for k, v in r["values"].items()) for r in self.spec["runs"]]
-    return compare(self.sessions, labels=labels, **kwargs)
+    pairs = [(s, r) for s, r in zip(self.sessions, self.spec["runs"]) if s.status != MISSING]   # a deleted run has no curve
+    labels = [", ".join(f"{k}={v}" for k, v in r["values"].items()) for _, r in pairs]
+    return compare([s for s, _ in pairs], labels=labels, **kwargs)
 
 # %% ../nbs/14_sweep.ipynb #ccbfeccc
 def _table_row(s, values: dict) -> list:
@@ -229,7 +261,7 @@ class SweepDashboard(W.VBox):
         self.update()
         if autostart or (autostart is None and in_kernel()): self.start()
 
-# %% ../nbs/14_sweep.ipynb #3c5665d2
+# %% ../nbs/14_sweep.ipynb #d0d5ba96
 @patch
 def update(self:SweepDashboard) -> bool:
     "One refresh; returns whether any run is still going."
@@ -237,7 +269,7 @@ def update(self:SweepDashboard) -> bool:
     n = sum(len(s.monitor.records) for s in self.sweep.sessions)
     if n != self._n:
         self._n = n; self.image.value = self.sweep.compare().png()
-    self.going = any(s.status not in TERMINAL for s in self.sweep.sessions)
+    self.going = any(not _ended(s.status) for s in self.sweep.sessions)
     self.stop_button.layout.display = None if self.going else "none"
     return self.going
 

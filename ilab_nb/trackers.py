@@ -12,7 +12,7 @@ from .rundir import Event, RunPaths
 
 # %% auto #0
 __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'mlflow_tracking_uri', 'MLflowTracker',
-           'TrackedWriter', 'open_trackers']
+           'TrackedWriter', 'record_tracker_error', 'tracker_notes', 'open_trackers']
 
 # %% ../nbs/15_trackers.ipynb #d84537eb
 _DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -132,27 +132,52 @@ def finish(self:MLflowTracker, status: str, final_path=None):
     if final_path: self.client.set_tag(self.run_id, "final_model_path", str(final_path))
     self.client.set_terminated(self.run_id, status=_MLFLOW_STATUS.get(status, "FAILED"))
 
-# %% ../nbs/15_trackers.ipynb #9b3daeeb
+# %% ../nbs/15_trackers.ipynb #b58b1486
 class TrackedWriter:
     "A `MetricsWriter` that also forwards every record to the trackers of `report_to`."
     def __init__(self, writer, trackers: list, run_dir):
-        self.writer, self.trackers, self.run_dir = writer, list(trackers), Path(run_dir)
+        self.writer, self.trackers, self.run_dir, self.step = writer, list(trackers), Path(run_dir), None
 
     def __getattr__(self, name): return getattr(self.writer, name)
 
-# %% ../nbs/15_trackers.ipynb #5ad1c3ab
+# %% ../nbs/15_trackers.ipynb #23830699
+def record_tracker_error(run_dir, tracker: str, error: str, step=None) -> bool:
+    "Add `{tracker, error, step, time}` to `tracker_errors` in the run's state; False when it has no state or its state is final."
+    from ilab_nb.runstore import RunStore, StateError
+    d = Path(run_dir)
+    if not RunPaths(d).state.exists(): return False
+    store = RunStore(d.parent)
+    try:
+        prev = store.read_state(d.name).get("tracker_errors") or []
+        store.write_state(d.name, tracker_errors=prev + [dict(tracker=tracker, error=error, step=step, time=time.time())])
+        return True
+    except (StateError, OSError): return False
+
+def tracker_notes(state: dict) -> list[str]:
+    "One sentence per tracker that broke during the run, from its state's `tracker_errors`."
+    return [f"{e.get('tracker')} broke" + (f" at step {e['step']}" if e.get("step") is not None else " at the run's set-up")
+            + f" ({e.get('error')}); it got no more records (metrics.jsonl has them all)"
+            for e in (state or {}).get("tracker_errors") or [] if isinstance(e, dict)]
+
+@patch
+def _broke(self:TrackedWriter, name: str, e: Exception):
+    "Report tracker `name` broken by `e`: in the rank-0 log and in the run's state."
+    err = f"{type(e).__name__}: {e}"[:500]
+    print(f"[ilab_nb.trackers] {name} failed ({err}); it gets no more records", flush=True)
+    record_tracker_error(self.run_dir, name, err, self.step)
+
 @patch
 def _each(self:TrackedWriter, what, *args):
     for t in list(self.trackers):
         try: getattr(t, what)(*args)
         except Exception as e:
-            print(f"[ilab_nb.trackers] {t.name} failed ({type(e).__name__}: {e}); it gets no more records", flush=True)
-            self.trackers.remove(t)
+            self.trackers.remove(t); self._broke(t.name, e)
 
-# %% ../nbs/15_trackers.ipynb #9453a0ea
+# %% ../nbs/15_trackers.ipynb #61fdc0c6
 @patch
 def write(self:TrackedWriter, kind: str, **fields):
     self.writer.write(kind, **fields)
+    if fields.get("step") is not None: self.step = fields["step"]
     self._each("log", dict(kind=kind, time=time.time(), **fields))
     if kind == "event" and fields.get("event") in _MLFLOW_STATUS:
         final = RunPaths(self.run_dir).final if fields["event"] == Event.completed else None
@@ -164,11 +189,15 @@ def close(self:TrackedWriter):
     self._each("finish", Event.failed, None); self.trackers = []
     self.writer.close()
 
-# %% ../nbs/15_trackers.ipynb #0148aa12
+# %% ../nbs/15_trackers.ipynb #c4b8af28
 def open_trackers(writer, run_dir, cfg, rank: int):
     "`writer` wrapped with the trackers of `cfg.report_to` (rank 0 only)."
     if rank != 0 or not cfg.report_to: return writer
     config, run_dir = cfg.model_dump(mode="json"), Path(run_dir)
     made = {"tensorboard": lambda: TensorBoardTracker(tensorboard_dir(run_dir, cfg.logging_dir), config),
             "mlflow": lambda: MLflowTracker(run_dir, config)}
-    return TrackedWriter(writer, [made[n]() for n in cfg.report_to], run_dir)
+    tw = TrackedWriter(writer, [], run_dir)
+    for n in cfg.report_to:        # one that fails to open is a tracker broken at the set-up: reported, not fatal
+        try: tw.trackers.append(made[n]())
+        except Exception as e: tw._broke(n, e)
+    return tw

@@ -34,9 +34,9 @@ def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, ru
         out = ilab("stop", run_id, "--runs-root", runs_root, check=0).stdout          # from another process
         assert out.strip() == f"{run_id}: cancelled"
         followed, _ = follower.communicate(timeout=30)                                # -f ends with the run
-        assert "stopped" in followed or "step" in followed, followed[-2000:]
     finally:
         follower.kill(); follower.wait()
+    assert_followed(followed, run_id, 1)
     assert not run_processes(runs_root / run_id)
     st = ilab("status", run_id, "--runs-root", runs_root, "--json", check=0).stdout
     assert json.loads(st)["status"] == "cancelled"
@@ -44,11 +44,27 @@ def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, ru
 
     out = ilab("resume", run_id, "--runs-root", runs_root, check=0).stdout
     assert "attempt 2" in out
-    wait_until(lambda: RunStore(runs_root).read_state(run_id)["status"] == "running", 150, poll=1, what="attempt 2 running")
-    ilab("stop", run_id, "--no-wait", "--runs-root", runs_root, check=0)
-    w = ilab("watch", run_id, "--runs-root", runs_root, check=1)                      # ends cancelled: exit 1
+    follower = subprocess.Popen([*CLI, "logs", run_id, "-f", "-n", "0", "--runs-root", str(runs_root)],   # attempt 2, from queued
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        wait_until(lambda: RunStore(runs_root).read_state(run_id)["status"] == "running", 150, poll=1, what="attempt 2 running")
+        ilab("stop", run_id, "--no-wait", "--runs-root", runs_root, check=0)
+        w = ilab("watch", run_id, "--runs-root", runs_root, check=1)                      # ends cancelled: exit 1
+        followed, _ = follower.communicate(timeout=30)
+    finally:
+        follower.kill(); follower.wait()
     assert "cancelled" in w.stdout and "attempt 2" in w.stdout
+    assert_followed(followed, run_id, 2)
     assert not run_processes(runs_root / run_id)
+
+
+def assert_followed(followed, run_id, attempt):
+    "Issue 20 item 6: `logs -f` of a queued run shows the supervisor's lines, then rank 0's training lines, then the ending."
+    launch, step = followed.find("launching: "), re.search(r"^step \d+/300 epoch ", followed, re.M)
+    assert step, followed[-3000:]                                    # was: only the supervisor's log, never a step
+    if attempt == 1: assert 0 <= launch < step.start(), followed[-3000:]   # (attempt 2's launch may precede the follower)
+    assert followed.index("stop requested by") > step.start(), followed[-3000:]
+    assert followed.rstrip().splitlines()[-1].startswith(f"--- run {run_id} cancelled (attempt {attempt})"), followed[-3000:]
 
 
 def test_bad_input_exits_2_with_the_reason(config_file, runs_root):

@@ -107,8 +107,8 @@ def test_utf8_bom_is_accepted(tmp_path):
     ('{"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
      "message 2 is a system message; a system message may only come first"),
     ('{"messages": [{"role": "assistant", "content": "a"}]}', "message 1 is an assistant message"),
-    ('{"input": "q"}', "'output' must be a non-empty string"),
-    ('{"input": "q", "output": 5}', "'output' must be a non-empty string, got a number"),
+    ('{"input": "q"}', "'output' is missing"),
+    ('{"input": "q", "output": 5}', "'output' must be a string, got a number"),
 ])
 def test_each_problem_names_file_and_line(tmp_path, line, text):
     p = write_jsonl(tmp_path / "train.jsonl", [{"input": "q", "output": "a"}, "", line])
@@ -359,7 +359,7 @@ def test_data_in_memory_names_the_row_as_python_indexes_it():
     df.loc[17, "output"] = None                                       # pandas: a missing value
     with pytest.raises(DataError) as ei:
         load_chat_records(df)
-    assert str(ei.value) == "row 17 of the DataFrame: 'output' must be a non-empty string"
+    assert str(ei.value) == "row 17 of the DataFrame: 'output' is missing (null)"
     rows = [dict(r) for r in QA]
     rows[3] = {"messages": [msg("user", "hi"), msg("bot", "yo")]}
     with pytest.raises(DataError, match=r"^row 3 of the list: message 2 has unknown role 'bot'"):
@@ -408,7 +408,7 @@ def test_sharegpt_and_alpaca_rows_become_messages(tmp_path):
         load_chat_records(bad)
     assert str(ei.value).splitlines() == [
         f"{bad}, line 1: conversation turn 2 has unknown 'from' 'bing' (expected human, gpt or system)",
-        "... and 1 more problem:", f"  {bad}, line 2: 'output' must be a non-empty string"]
+        "... and 1 more problem:", f"  {bad}, line 2: 'output' is missing"]
 
 
 def test_json_arrays_parquet_directories_and_globs(tmp_path):
@@ -417,7 +417,7 @@ def test_json_arrays_parquet_directories_and_globs(tmp_path):
     starts = [i + 1 for i, l in enumerate((tmp_path / "arr.json").read_text().splitlines()) if l == "  {"]
     assert [r["source"] for r in recs] == [f"{tmp_path / 'arr.json'}:{n}" for n in starts]
     (tmp_path / "bad.json").write_text('[\n {"input": "q", "output": "a"},\n {"input": "q"}\n]')
-    with pytest.raises(DataError, match=r"bad\.json, line 3: 'output' must be a non-empty string"):
+    with pytest.raises(DataError, match=r"bad\.json, line 3: 'output' is missing"):
         load_chat_records(tmp_path / "bad.json")
     pd.DataFrame([{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": str(i)}]} for i in range(7)]
                  ).to_parquet(tmp_path / "sg.parquet")
@@ -509,3 +509,17 @@ def test_a_run_from_a_dataframe_end_to_end(tracked_run):
     assert dropped == 1 and note.startswith(f"1 sample of {TRAIN_LINES + 1} was longer than max_seq_len=256 tokens and dropped"), note
     log = (s.run_dir / "logs" / "rank-0.log").read_text()
     assert f"training data: {note}" in log and "Token indices sequence length" not in log
+
+
+def test_messages_never_contradict_themselves():
+    "Issue 20 item 4: an empty Dataset is empty (was: 'has columns []'); a missing value is missing (was: 'unknown shape (keys: 'text')')."
+    from ilab_nb.config import TrainConfig
+    from ilab_nb.data import load_records
+    for data, said in [(datasets.Dataset.from_dict({}), "the Dataset: is empty: it has no columns and no rows"),
+                       (pd.DataFrame(), "the DataFrame: is empty: it has no columns and no rows"),
+                       (pd.DataFrame([{"text": "a"}, {"text": None}]), "row 1 of the DataFrame: 'text' is missing (null)"),
+                       ([{"prompt": "q", "chosen": [], "rejected": "b"}], "'chosen' must be a non-empty string or list of messages, got an empty array"),
+                       ([{"messages": []}], "objects, got an empty array"),
+                       ([{"input": "q", "output": 5}], "'output' must be a string, got a number")]:
+        with pytest.raises(DataError) as ei: load_records(TrainConfig(model="m", data=data).data)
+        assert said in str(ei.value) and "has columns []" not in str(ei.value), str(ei.value)

@@ -100,6 +100,32 @@ def test_read_only_runs_root_is_refused_at_construction(below, read_only_dir, de
     assert listing(d) == []
 
 
+@pytest.mark.processes        # mount and umount, as root
+def test_read_only_destinations_are_refused_at_construction(read_only_dir, demo, small_train, runs_root, monkeypatch):
+    "Issue 20 item 2: the device locks, TensorBoard's logging_dir and MLflow's file store on a read-only filesystem."
+    d, why = read_only_dir
+    monkeypatch.setenv("ILAB_NB_LOCKS", str(d / "locks"))      # was: start() said queued, the supervisor died with a traceback
+    with pytest.raises(PreflightError) as e: make_session(demo, small_train, runs_root)
+    assert f"ILAB_NB_LOCKS {d / 'locks'}: {d} {why}; set ILAB_NB_LOCKS to a writable directory" in str(e.value), str(e.value)
+    monkeypatch.setenv("ILAB_NB_LOCKS", str(runs_root.parent / "locks"))
+    with pytest.raises(PreflightError) as e: make_session(demo, small_train, runs_root, report_to="tensorboard", logging_dir=str(d / "tb"))
+    assert f"logging_dir {d / 'tb'}: {d} {why}" in str(e.value), str(e.value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (d / "mlruns").as_uri())   # was: accepted; rank 0 failed at its set-up
+    with pytest.raises(PreflightError) as e: make_session(demo, small_train, runs_root, report_to="mlflow")
+    assert f"MLFLOW_TRACKING_URI {d / 'mlruns'}: {d} {why}" in str(e.value), str(e.value)
+    assert listing(d) == [] and not runs_root.exists()
+
+
+def test_eval_prompts_are_bounded_by_the_model_at_construction(demo, small_train, runs_root):
+    "Issue 20 item 3: a prompt past max_seq_len (was: accepted; the first evaluation grew a rank until the OOM killer ended it)."
+    with pytest.raises(PreflightError) as e:
+        make_session(demo, small_train, runs_root, eval_steps=1, eval_prompts=["Hi", " ".join(["word"] * 600)])
+    assert "eval_prompts[1] is " in str(e.value) and "past max_seq_len=256: shorten the prompt" in str(e.value), str(e.value)
+    s = make_session(demo, small_train, runs_root, eval_steps=1, eval_prompts=["Hi"], eval_max_new_tokens=8)
+    assert s.preflight["memory"]["generation_bytes"] > 0 and s.preflight["eval_prompts"]["generation_tokens"] > 8
+    assert not runs_root.exists()
+
+
 # --- item 7: a hub id with no network ------------------------------------------------------------------------------
 
 HUB_SCRIPT = """

@@ -234,3 +234,77 @@ def test_bad_input_fails_at_construction_and_writes_nothing(case, demo, small_tr
     for w in words: assert w in str(e.value), str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == before and not runs_root.exists()
     assert not run_processes_under(runs_root)
+
+
+RESUME_RACER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from ilab_nb.session import FineTuneSession
+    runs, rid, go, spawned = sys.argv[1:]
+    s = FineTuneSession.attach(rid, runs)
+    ckpts = FineTuneSession.checkpoints.fget
+    def at_the_same_instant(self):      # every racer has read the run as cancelled before any of them claims it
+        Path(go + f".{os.getpid()}").touch()
+        while len(list(Path(go).parent.glob(Path(go).name + ".*"))) < 2: time.sleep(0.01)
+        return ckpts(self)
+    FineTuneSession.checkpoints = property(at_the_same_instant)
+    FineTuneSession._spawn = lambda self, attempt, resume=None: open(spawned, "a").write(f"{os.getpid()} {attempt}\\n")
+    try: s.resume(); print("resumed")
+    except RuntimeError as e: print("refused:", e)
+""")
+
+
+@pytest.mark.processes
+def test_two_resumes_at_once_one_wins(runs_root, tmp_path):
+    "Issue 20 item 4: two processes resume one stopped run at the same instant; exactly one gets the new attempt."
+    from ilab_nb.rundir import CKPT_MARKER, RunPaths
+    store, rid = RunStore(runs_root), "race-resume"
+    paths = RunPaths(store.create_run(rid))
+    store.write_state(rid, status="cancelled", attempt=1, reason="stopped on request")
+    ck = paths.checkpoint(2); ck.mkdir(parents=True); (ck / CKPT_MARKER).write_text("{}")
+    go, spawned = tmp_path / "go", tmp_path / "spawned"
+    procs = [subprocess.Popen([sys.executable, "-c", RESUME_RACER, str(runs_root), rid, str(go), str(spawned)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    said = sorted(o[0].strip() for o in outs)
+    assert said[0].startswith("refused:") and said[1] == "resumed", outs
+    assert "another caller resumed it first" in said[0] and "is now queued (attempt 2, resumed by pid" in said[0], said
+    assert len(spawned.read_text().splitlines()) == 1                       # one supervisor
+    assert [e["event"] for e in store.events(rid)].count("resumed") == 1    # one resumed event
+    test_state = store.read_state(rid)
+    assert (test_state["status"], test_state["attempt"]) == ("queued", 2)
+
+
+STOP_RACER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import psutil
+    from ilab_nb.session import FineTuneSession
+    runs, rid, go = sys.argv[1:]
+    kill = psutil.Process.kill
+    def at_the_same_instant(self):      # both have given up waiting and are about to kill the hung supervisor
+        Path(go + f".{os.getpid()}").touch()
+        while len(list(Path(go).parent.glob(Path(go).name + ".*"))) < 2: time.sleep(0.01)
+        return kill(self)
+    psutil.Process.kill = at_the_same_instant
+    print(FineTuneSession.attach(rid, runs).stop(timeout=0.5))
+""")
+
+
+@pytest.mark.processes
+def test_two_forced_stops_at_once_record_one_ending(runs_root, tmp_path):
+    "Issue 20 item 4: two processes force-stop one hung run at the same instant: both say cancelled, one cancelled event."
+    store, rid = RunStore(runs_root), "race-stop"
+    store.create_run(rid)
+    hung = subprocess.Popen(["sleep", "120"])
+    try:
+        store.write_state(rid, status="running", attempt=1, supervisor=ProcessRef.of(hung.pid).to_dict(), heartbeat_at=time.time() + 3600)
+        go = tmp_path / "go"
+        procs = [subprocess.Popen([sys.executable, "-c", STOP_RACER, str(runs_root), rid, str(go)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert [o[0].strip() for o in outs] == ["cancelled", "cancelled"], outs
+        assert [e["event"] for e in store.events(rid)].count("cancelled") == 1, store.events(rid)   # was: two
+        assert hung.wait(10) == -9
+    finally:
+        hung.kill(); hung.wait()
