@@ -52,7 +52,7 @@ def _resolve_paths(cfg, config):
     if isinstance(config, (str, os.PathLike)): cfg = cfg.resolved(Path(config).expanduser().absolute().parent)
     return cfg.resolved(Path.cwd())
 
-# %% ../nbs/08_session.ipynb #3f41b0de
+# %% ../nbs/08_session.ipynb #ea6e3654
 @patch(cls_method=True)
 def attach(cls:FineTuneSession, run_id, runs_root=None) -> FineTuneSession:
     "The session of an existing run, from any process (every metric recorded so far is readable)."
@@ -64,15 +64,21 @@ def attach(cls:FineTuneSession, run_id, runs_root=None) -> FineTuneSession:
     self = cls.__new__(cls)
     self.store, self.run_id, self.queue, self.preflight = store, run_id, True, None
     self._init_common()
-    try: self.config = TrainConfig.read_json(RunPaths(self.run_dir).config)
+    try: self.config = TrainConfig.read_json(RunPaths(self.run_dir).config_for())   # the latest attempt's config
     except (ConfigError, OSError): self.config = None
     self.monitor.poll()
     return self
 
-# %% ../nbs/08_session.ipynb #55cbb589
+# %% ../nbs/08_session.ipynb #62e8f1c9
+def _lineage(fork: dict | None) -> str | None:
+    "A fork's parent, as `run@step`."
+    return f"{fork['run_id']}@{fork['step']}" if fork else None
+
+# %% ../nbs/08_session.ipynb #97543c58
 @patch(cls_method=True)
 def list_runs(cls:FineTuneSession, runs_root=None) -> list:
-    "Every run under the runs root, oldest first: `{run_id, status, attempt, step, total_steps, loss, created_at, reason}`."
+    """Every run under the runs root, oldest first: `{run_id, status, attempt, step, total_steps, loss, created_at, reason,
+    forked_from, changed}`: a fork's parent as `run@step`, and the attempts that changed settings with their fields."""
     store, out = RunStore(runs_root), []
     for rid in store.list_runs():
         try: st = store.refresh(rid)
@@ -80,7 +86,8 @@ def list_runs(cls:FineTuneSession, runs_root=None) -> list:
         m = RunMonitor(store.run_dir(rid)); m.poll(); pr = m.progress()
         out.append({"run_id": rid, "status": status_of(st, State.incomplete), "attempt": st.get("attempt"), "step": pr["step"],
                     "total_steps": pr["total_steps"], "loss": pr["loss"], "created_at": st.get("created_at"),
-                    "reason": st.get("reason")})
+                    "reason": st.get("reason"), "forked_from": _lineage(st.get("forked_from")),
+                    "changed": {int(a): sorted(ch) for a, ch in (st.get("changes") or {}).items()}})
     return out
 
 # %% ../nbs/08_session.ipynb #fbc34ad5
@@ -246,23 +253,94 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None) -> str:
     self.store.append_event(self.run_id, Event.cancelled, by=f"stop() in pid {os.getpid()}", forced=True)
     return self.status
 
-# %% ../nbs/08_session.ipynb #5683b93a
+# %% ../nbs/08_session.ipynb #9a44f5f1
 @patch
-def resume(self:FineTuneSession) -> FineTuneSession:
-    "Continue a stopped or failed run from its latest complete checkpoint, as a new attempt; returns at once."
-    st = self.state
-    if st.get("status") not in (State.failed, State.cancelled):
-        raise RuntimeError(f"Run {self.run_id} is {st.get('status', 'not started')}; only a cancelled or failed run can be resumed.")
+def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str) -> tuple:
+    "`(config, diff, preflight)` of the run going on from `ckpt` with `changes`; refusals raise ConfigError before any write."
+    from ilab_nb.config import with_changes
+    if self.config is None: raise RuntimeError(f"Run {self.run_id}: its config.json cannot be read, so it cannot {what}.")
+    cfg, diff = with_changes(self.config, changes, what)
+    step, epoch, why = ckpt["step"], ckpt.get("epoch"), None
+    if cfg.max_steps > 0 and cfg.max_steps <= step: why = ("max_steps", cfg.max_steps, f"max_steps={cfg.max_steps}")
+    elif cfg.max_steps <= 0 and epoch is not None and cfg.num_train_epochs <= epoch + 1e-9:
+        why = ("num_train_epochs", cfg.num_train_epochs, f"num_train_epochs={cfg.num_train_epochs:g} (the checkpoint is at epoch {epoch:g})")
+    if why: raise ConfigError([dict(field=why[0], type="resume", input=why[1], msg=f"{what}: {why[2]} ends at or before the "
+                                    f"checkpoint of step {step}; give a larger {why[0]} to go on from it")])
+    pf = preflight(cfg, self.store.root) if diff else self.preflight
+    return cfg, diff, pf
+
+# %% ../nbs/08_session.ipynb #f450e608
+@patch
+def resume(self:FineTuneSession, **changes) -> FineTuneSession:
+    """Continue the run from its latest complete checkpoint as a new attempt; returns at once. `changes`: settings that
+    change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...: `ilab_nb.config.RESUME_CHANGEABLE`)."""
+    st = self.state; status = st.get("status")
+    if status not in (State.failed, State.cancelled, State.completed):
+        raise RuntimeError(f"Run {self.run_id} is {status or 'not started'}; only a cancelled, failed or completed run can be resumed.")
     ckpts = self.checkpoints
     if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to resume from; start a new run instead.")
+    ck = ckpts[-1]
+    if status == State.completed and not changes:
+        raise RuntimeError(f"Run {self.run_id} is completed at step {ck['step']}; resume it with a larger max_steps (or "
+                           f"num_train_epochs) to go on, e.g. resume(max_steps={2 * ck['step']}).")
+    cfg, diff, pf = self._changed(changes, ck, "resume")
     attempt = int(st.get("attempt", 1)) + 1
-    stop = RunPaths(self.run_dir).stop
-    if stop.exists(): stop.rename(stop.with_name(f"stop.attempt-{attempt - 1}"))
-    self.store.write_state(self.run_id, new_attempt=True, status=State.queued, attempt=attempt, resume_from=ckpts[-1]["path"],
-                           resumed_from_step=ckpts[-1]["step"])
-    self.store.append_event(self.run_id, Event.resumed, attempt=attempt, from_step=ckpts[-1]["step"], by=f"pid {os.getpid()}")
-    self._spawn(attempt, resume=ckpts[-1]["path"])
+    paths = RunPaths(self.run_dir)
+    upd = {}
+    if diff:
+        self.config, self.preflight = cfg, pf
+        cfg.to_json(paths.attempt_config(attempt))
+        upd = dict(changes={**(st.get("changes") or {}), str(attempt): diff}, request=self._request(),
+                   num_processes=cfg.num_processes, devices=cfg.devices)
+    if paths.stop.exists(): paths.stop.rename(paths.stop.with_name(f"stop.attempt-{attempt - 1}"))
+    self.store.write_state(self.run_id, new_attempt=True, status=State.queued, attempt=attempt, resume_from=ck["path"],
+                           resumed_from_step=ck["step"], **upd)
+    self.store.append_event(self.run_id, Event.resumed, attempt=attempt, from_step=ck["step"], by=f"pid {os.getpid()}",
+                            **(dict(changes=diff, config=paths.attempt_config(attempt).name) if diff else {}))
+    self._spawn(attempt, resume=ck["path"])
     return self
+
+# %% ../nbs/08_session.ipynb #34a95faa
+def _link_tree(src: Path, dst: Path):
+    "Copy the tree `src` to `dst` as hard links (a plain copy where links are refused)."
+    def link(a, b):
+        try: os.link(a, b)
+        except OSError: shutil.copy2(a, b)
+    shutil.copytree(src, dst, copy_function=link)
+
+# %% ../nbs/08_session.ipynb #fc1f4244
+@patch
+def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, **changes) -> FineTuneSession:
+    """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
+    (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
+    ckpts = self.checkpoints
+    if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to fork from.")
+    ck = ckpts[-1] if step is None else next((c for c in ckpts if c["step"] == step), None)
+    if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
+    cfg, diff, pf = self._changed(changes, ck, "fork")
+    new = type(self).__new__(type(self))
+    new.store, new.queue, new.preflight = self.store, queue, pf
+    new.run_id = validate_run_id(run_id) if run_id is not None else new_run_id(name or "fork")
+    if self.store.run_dir(new.run_id).exists(): raise FileExistsError(f"Run {new.run_id!r} already exists in {self.store.root}.")
+    new._init_common()
+    src, dst = RunPaths(self.run_dir), RunPaths(self.store.create_run(new.run_id))
+    if src.data.exists():                     # data written from memory into the parent: the fork's own copy
+        _link_tree(src.data, dst.data)
+        moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data) else q for q in ps]
+        cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
+    if src.reference_logps.exists(): dst.cache.mkdir(exist_ok=True); os.link(src.reference_logps, dst.reference_logps)
+    at = dst.checkpoint(ck["step"]); tmp = dst.checkpoint_tmp(ck["step"])
+    _link_tree(Path(ck["path"]), tmp); os.replace(tmp, at)                 # complete or absent, like any checkpoint
+    lineage = dict(run_id=self.run_id, step=ck["step"], checkpoint=ck["path"], run_dir=str(self.run_dir), changes=diff)
+    write_json_atomic(dst.fork, lineage)
+    new.config = cfg; cfg.to_json(dst.config)
+    request = new._request()
+    self.store.write_state(new.run_id, status=State.queued, attempt=1, request=request, device=request["kind"],
+                           num_processes=cfg.num_processes, devices=cfg.devices, preflight=pf, forked_from=lineage,
+                           resume_from=str(at), resumed_from_step=ck["step"], **({"changes": {"1": diff}} if diff else {}))
+    self.store.append_event(new.run_id, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}", forked_from=lineage)
+    new._spawn(1, resume=str(at))
+    return new
 
 # %% ../nbs/08_session.ipynb #44368007
 @patch
