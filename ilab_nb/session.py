@@ -12,7 +12,7 @@ from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, v
                               kill_run_processes, run_processes)
 from .core import patch, require_torch
 from .monitor import RunMonitor
-from .rundir import CKPT_MARKER, Event, RunPaths, State, status_of
+from .rundir import CKPT_MARKER, TRAINER_STATE, Event, RunPaths, State, read_json, status_of
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight
 
@@ -255,11 +255,12 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None) -> str:
 
 # %% ../nbs/08_session.ipynb #9a44f5f1
 @patch
-def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str) -> tuple:
-    "`(config, diff, preflight)` of the run going on from `ckpt` with `changes`; refusals raise ConfigError before any write."
+def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=None) -> tuple:
+    "`(config, diff, preflight)` of the run going on from `ckpt` with `changes` to `base` (default: its config now)."
     from ilab_nb.config import with_changes
-    if self.config is None: raise RuntimeError(f"Run {self.run_id}: its config.json cannot be read, so it cannot {what}.")
-    cfg, diff = with_changes(self.config, changes, what)
+    base = base or self.config
+    if base is None: raise RuntimeError(f"Run {self.run_id}: its config.json cannot be read, so it cannot {what}.")
+    cfg, diff = with_changes(base, changes, what)
     step, epoch, why = ckpt["step"], ckpt.get("epoch"), None
     if cfg.max_steps > 0 and cfg.max_steps <= step: why = ("max_steps", cfg.max_steps, f"max_steps={cfg.max_steps}")
     elif cfg.max_steps <= 0 and epoch is not None and cfg.num_train_epochs <= epoch + 1e-9:
@@ -317,7 +318,8 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
     if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to fork from.")
     ck = ckpts[-1] if step is None else next((c for c in ckpts if c["step"] == step), None)
     if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
-    cfg, diff, pf = self._changed(changes, ck, "fork")
+    wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")      # the attempt that saved it
+    cfg, diff, pf = self._changed(changes, ck, "fork", TrainConfig.read_json(RunPaths(self.run_dir).config_for(wrote)))
     new = type(self).__new__(type(self))
     new.store, new.queue, new.preflight = self.store, queue, pf
     new.run_id = validate_run_id(run_id) if run_id is not None else new_run_id(name or "fork")

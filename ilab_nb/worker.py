@@ -776,14 +776,17 @@ def record_rank(run_dir, rank: int, attempt: int, status: str, **fields):
 
 # %% ../nbs/05_worker.ipynb #48dd1e07
 def data_seen_by_ranks(seen: set, env) -> dict:
-    "Per-rank count of distinct samples trained on, and the number seen by more than one rank."
+    """From each rank's `(step, sample)` pairs: per-rank count of distinct samples trained on, the number seen by more
+    than one rank, every sample seen, and the samples of each step (all ranks')."""
     sets = [seen]
     if env.world_size > 1:
-        sets = [None] * env.world_size; dist.all_gather_object(sets, sorted(seen)); sets = [set(x) for x in sets]
-    counts = {}
+        sets = [None] * env.world_size; dist.all_gather_object(sets, sorted(seen)); sets = [{tuple(x) for x in st} for st in sets]
+    counts, by_step = {}, {}
     for st in sets:
-        for i in st: counts[i] = counts.get(i, 0) + 1
-    return dict(per_rank=[len(x) for x in sets], shared=sum(1 for c in counts.values() if c > 1), samples=sorted(counts))
+        for i in {i for _, i in st}: counts[i] = counts.get(i, 0) + 1
+        for step, i in st: by_step.setdefault(str(step), []).append(i)
+    return dict(per_rank=[len({i for _, i in st}) for st in sets], shared=sum(1 for c in counts.values() if c > 1),
+                samples=sorted(counts), steps={k: sorted(v) for k, v in sorted(by_step.items(), key=lambda kv: int(kv[0]))})
 
 # %% ../nbs/05_worker.ipynb #0a6f976c
 @dataclass
@@ -930,7 +933,7 @@ def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
                   else dict(epoch=0, batches=0, world_size=None, epoch_float=0.0))
     path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
                            dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last, eval_loss=eval_loss,
-                                data_position=pos))
+                                data_position=pos, attempt=self.metrics.attempt))
     if self.env.rank == 0: prune_checkpoints(self.run_dir, self.cfg.save_total_limit)
     self.metrics.write("event", event=Event.checkpoint, step=step, epoch=epoch, path=str(path))
 
@@ -985,7 +988,7 @@ def train_loop(self:Attempt) -> dict:
         s = self.steps[step - 1]
         out = train_step(self.model, self.optimizer, self.scheduler, s["micro"], self.train_ds, self.loss_tokens, cfg, env,
                          self.layout, self.autocast, self.tokenizer.pad_token_id, self.method)
-        if seen is not None: seen.update(i for ms in s["micro"] for i in ms[env.rank])
+        if seen is not None: seen.update((step, i) for ms in s["micro"] for i in ms[env.rank])
         win["loss"][0] += out["loss_sum"]; win["loss"][1] += out["loss_tokens"]
         units = [i for ms in s["micro"] for r in ms for i in r]
         win["real"] += sum((self.real or self.lengths)[i] for i in units)
