@@ -284,7 +284,7 @@ def resume(self:FineTuneSession, **changes) -> FineTuneSession:
     if status == State.completed and not changes:
         raise RuntimeError(f"Run {self.run_id} is completed at step {ck['step']}; resume it with a larger max_steps (or "
                            f"num_train_epochs) to go on, e.g. resume(max_steps={2 * ck['step']}).")
-    cfg, diff, pf = self._changed(changes, ck, "resume")
+    cfg, diff, pf = self._changed(changes, ck, "resume") if changes or self.config is not None else (None, {}, None)
     attempt = int(st.get("attempt", 1)) + 1
     paths = RunPaths(self.run_dir)
     upd = {}
@@ -302,11 +302,12 @@ def resume(self:FineTuneSession, **changes) -> FineTuneSession:
     return self
 
 # %% ../nbs/08_session.ipynb #34a95faa
-def _link_tree(src: Path, dst: Path):
-    "Copy the tree `src` to `dst` as hard links (a plain copy where links are refused)."
+def _link_tree(src: Path, dst: Path, only: str | None = None):
+    "Copy the tree `src` (or its one file `only`) to `dst` as hard links (a plain copy where links are refused)."
     def link(a, b):
         try: os.link(a, b)
         except OSError: shutil.copy2(a, b)
+    if only is not None: return link(Path(src) / only, Path(dst) / only)
     shutil.copytree(src, dst, copy_function=link)
 
 # %% ../nbs/08_session.ipynb #fc1f4244
@@ -320,19 +321,24 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
     if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
     wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")      # the attempt that saved it
     cfg, diff, pf = self._changed(changes, ck, "fork", TrainConfig.read_json(RunPaths(self.run_dir).config_for(wrote)))
+    pf = pf or preflight(cfg, self.store.root)          # the fork's own devices and memory, as a new run's
     new = type(self).__new__(type(self))
     new.store, new.queue, new.preflight = self.store, queue, pf
     new.run_id = validate_run_id(run_id) if run_id is not None else new_run_id(name or "fork")
     if self.store.run_dir(new.run_id).exists(): raise FileExistsError(f"Run {new.run_id!r} already exists in {self.store.root}.")
     new._init_common()
     src, dst = RunPaths(self.run_dir), RunPaths(self.store.create_run(new.run_id))
-    if src.data.exists():                     # data written from memory into the parent: the fork's own copy
-        _link_tree(src.data, dst.data)
-        moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data) else q for q in ps]
-        cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
-    if src.reference_logps.exists(): dst.cache.mkdir(exist_ok=True); os.link(src.reference_logps, dst.reference_logps)
-    at = dst.checkpoint(ck["step"]); tmp = dst.checkpoint_tmp(ck["step"])
-    _link_tree(Path(ck["path"]), tmp); os.replace(tmp, at)                 # complete or absent, like any checkpoint
+    try:
+        if src.data.exists():                     # data written from memory into the parent: the fork's own copy
+            _link_tree(src.data, dst.data)
+            moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data) else q for q in ps]
+            cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
+        if src.reference_logps.exists(): dst.cache.mkdir(exist_ok=True); _link_tree(src.cache, dst.cache, only=src.reference_logps.name)
+        at = dst.checkpoint(ck["step"]); tmp = dst.checkpoint_tmp(ck["step"])
+        _link_tree(Path(ck["path"]), tmp); os.replace(tmp, at)                 # complete or absent, like any checkpoint
+    except OSError as e:          # the parent pruned that checkpoint meanwhile, a full disk, ...: no half-made fork is left
+        shutil.rmtree(dst.root, ignore_errors=True)
+        raise RuntimeError(f"Could not fork run {self.run_id} at step {ck['step']}: {type(e).__name__}: {e}") from None
     lineage = dict(run_id=self.run_id, step=ck["step"], checkpoint=ck["path"], run_dir=str(self.run_dir), changes=diff)
     write_json_atomic(dst.fork, lineage)
     new.config = cfg; cfg.to_json(dst.config)

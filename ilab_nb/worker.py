@@ -192,12 +192,12 @@ def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: 
         steps = [dict(epoch=epoch, epoch_float=position["epoch_float"], micro=[], pos=None)] * position["step"]
         if position["batches"] and (epochs_wanted is None or epoch < epochs_wanted) and not full():
             micro_e, w = _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga, position["world_size"])
-            flat = [b for ms in micro_e for b in ms]
-            micro, extra = _regroup(lengths, flat[position["batches"]:], world_size, layout, budget, cfg.seed, epoch)
+            rest = [b for ms in micro_e for b in ms][position["batches"]:]   # none: the epoch ended there
+            micro, extra = _regroup(lengths, rest, world_size, layout, budget, cfg.seed, epoch)
             chunks = [micro[i:i + ga] for i in range(0, len(micro), ga)] or [[]]
             chunks[-1] = chunks[-1] + extra              # a left-over re-plan ends the epoch, inside its last step
             done, ef0 = position["batches"], position["epoch_float"]
-            for j, ch in enumerate(chunks):
+            for j, ch in enumerate(chunks if rest else []):
                 last = j == len(chunks) - 1
                 done += sum(len(ms) for ms in ch)
                 pos = dict(epoch=epoch + 1, batches=0, world_size=None, epoch_float=epoch + 1.0) if last else \
