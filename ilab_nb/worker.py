@@ -182,39 +182,32 @@ def _regroup(lengths, batches, world_size, layout, budget, seed, epoch) -> tuple
 def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: int | None = None,
                position: dict | None = None) -> list[dict]:
     """Every optimizer step of the run: its epoch, fractional epoch, micro-steps (per-rank unit indices) and `pos`, the
-    data position after it. From a checkpoint's `position`, the steps it trained are placeholders and the rest continue
-    its epoch at the same batch, whatever the world size and accumulation now."""
+    data position after it. From a checkpoint's `position`, the steps it trained are placeholders and the rest go on
+    at the same batch of the same plan (each epoch's per-rank batches as planned for the run's first world size),
+    dealt to `world_size` ranks and `gradient_accumulation_steps` micro-steps now."""
     ga, steps, epoch, budget = cfg.gradient_accumulation_steps, [], 0, budget or cfg.max_tokens_per_batch
     epochs_wanted = math.ceil(cfg.num_train_epochs) if cfg.max_steps <= 0 else None
     full = lambda: cfg.max_steps > 0 and len(steps) >= cfg.max_steps
+    plan_w, start, ef0 = world_size, 0, None
     if position:
-        epoch = position["epoch"]
+        epoch, start, plan_w = position["epoch"], position["batches"], position.get("world_size") or world_size
+        ef0 = position["epoch_float"] if start else None
         steps = [dict(epoch=epoch, epoch_float=position["epoch_float"], micro=[], pos=None)] * position["step"]
-        if position["batches"] and (epochs_wanted is None or epoch < epochs_wanted) and not full():
-            micro_e, w = _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga, position["world_size"])
-            rest = [b for ms in micro_e for b in ms][position["batches"]:]   # none: the epoch ended there
-            micro, extra = _regroup(lengths, rest, world_size, layout, budget, cfg.seed, epoch)
-            chunks = [micro[i:i + ga] for i in range(0, len(micro), ga)] or [[]]
-            chunks[-1] = chunks[-1] + extra              # a left-over re-plan ends the epoch, inside its last step
-            done, ef0 = position["batches"], position["epoch_float"]
-            for j, ch in enumerate(chunks if rest else []):
-                last = j == len(chunks) - 1
-                done += sum(len(ms) for ms in ch)
-                pos = dict(epoch=epoch + 1, batches=0, world_size=None, epoch_float=epoch + 1.0) if last else \
-                      dict(epoch=epoch, batches=done, world_size=w, epoch_float=ef0 + (epoch + 1 - ef0) * (j + 1) / len(chunks))
-                steps.append(dict(epoch=epoch, epoch_float=pos["epoch_float"], micro=ch, pos=pos))
-                if full(): return steps[:cfg.max_steps]
-            epoch += 1
     while not full() and (epochs_wanted is None or epoch < epochs_wanted):
-        micro, _ = _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga)
-        chunks = [micro[i:i + ga] for i in range(0, len(micro), ga)]
-        for i, ch in enumerate(chunks):
-            last = i == len(chunks) - 1
-            pos = dict(epoch=epoch + 1, batches=0, world_size=None, epoch_float=epoch + 1.0) if last else \
-                  dict(epoch=epoch, batches=(i + 1) * ga * world_size, world_size=world_size, epoch_float=epoch + (i + 1) / len(chunks))
+        micro_e, _ = _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga, plan_w)
+        rest = [b for ms in micro_e for b in ms][start:]               # none: the epoch ended at the position
+        micro, extra = _regroup(lengths, rest, world_size, layout, budget, cfg.seed, epoch)
+        chunks = [micro[i:i + ga] for i in range(0, len(micro), ga)] if rest else []
+        if extra: chunks = (chunks or [[]])[:-1] + [(chunks or [[]])[-1] + extra]   # a left-over re-plan: in the last step
+        done = start
+        for j, ch in enumerate(chunks):
+            done += sum(len(ms) for ms in ch)
+            if j == len(chunks) - 1: pos = dict(epoch=epoch + 1, batches=0, world_size=plan_w, epoch_float=epoch + 1.0)
+            else: pos = dict(epoch=epoch, batches=done, world_size=plan_w, epoch_float=epoch + (j + 1) / len(chunks) if ef0 is None
+                             else ef0 + (epoch + 1 - ef0) * (j + 1) / len(chunks))
             steps.append(dict(epoch=epoch, epoch_float=pos["epoch_float"], micro=ch, pos=pos))
             if full(): return steps[:cfg.max_steps]
-        epoch += 1
+        epoch, start, ef0 = epoch + 1, 0, None
     return steps[:cfg.max_steps] if cfg.max_steps > 0 else steps
 
 # %% ../nbs/05_worker.ipynb #0451747a
