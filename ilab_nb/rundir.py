@@ -136,12 +136,13 @@ def rank_accounts(self:RunPaths) -> list:
     "The ranks' accounts that exist, in rank order."
     return _by_rank(self.ranks.glob(self.rank_account("*").name))
 
-# %% ../nbs/00_rundir.ipynb #6f20ddf0
+# %% ../nbs/00_rundir.ipynb #4ced84d4
 @patch
 def attempt_config(self:RunPaths, attempt: int) -> Path:
     "The effective config written for `attempt` when it changed settings (`config-attempt-N.json`)."
     return self.root / f"config-attempt-{int(attempt)}.json"
 
+# %% ../nbs/00_rundir.ipynb #5bdefb17
 @patch
 def config_for(self:RunPaths, attempt: int | None = None) -> Path:
     "The config attempt `attempt` runs with (None: the newest): its own file, else the newest earlier one, else config.json."

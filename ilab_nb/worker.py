@@ -160,7 +160,7 @@ def load_data(cfg: TrainConfig, tokenizer, run_dir: Path, main_first, method: Me
     if len(train) == 0: raise RuntimeError(f"No training sample is left after tokenization: {train_stats}")
     return train, evals, dict(train=train_stats, eval=eval_stats)
 
-# %% ../nbs/05_worker.ipynb #3c5ae531
+# %% ../nbs/05_worker.ipynb #4f53f2e4
 def _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga, world_of_plan=None) -> tuple:
     "The micro-steps of `epoch` as planned for `world_of_plan` ranks (default: `world_size`), cut for a fractional last epoch."
     w = world_of_plan or world_size
@@ -171,6 +171,7 @@ def _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted,
         micro = micro[:min(len(micro), max(1, round((cfg.num_train_epochs - epoch) * n_chunks)) * ga)]
     return micro, w
 
+# %% ../nbs/05_worker.ipynb #422dee15
 def _regroup(lengths, batches, world_size, layout, budget, seed, epoch) -> tuple:
     "Per-rank batches dealt `world_size` to a micro-step; what is left over (fewer than one per rank) is planned again."
     whole = len(batches) // world_size * world_size
@@ -179,6 +180,7 @@ def _regroup(lengths, batches, world_size, layout, budget, seed, epoch) -> tuple
     extra = B.plan_epoch([lengths[i] for i in left], budget, world_size, layout, seed, epoch) if left else []
     return micro, [[[left[j] for j in b] for b in ms] for ms in extra]
 
+# %% ../nbs/05_worker.ipynb #3392a004
 def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: int | None = None,
                position: dict | None = None) -> list[dict]:
     """Every optimizer step of the run: its epoch, fractional epoch, micro-steps (per-rank unit indices) and `pos`, the
@@ -880,7 +882,7 @@ def write_header(self:Attempt):
                        method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg), **self.model_info,
                        **self.lineage())
 
-# %% ../nbs/05_worker.ipynb #b499afae
+# %% ../nbs/05_worker.ipynb #7dccc59b
 def attempt_changes(run_dir, attempt: int) -> dict:
     "`{field: [old, new]}` of the config attempt `attempt` runs with against the one before (empty without its own file)."
     p = RunPaths(run_dir)
@@ -888,6 +890,7 @@ def attempt_changes(run_dir, attempt: int) -> dict:
     new, old = (json.loads(f.read_text()) for f in (p.attempt_config(attempt), p.config_for(attempt - 1)))
     return {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
 
+# %% ../nbs/05_worker.ipynb #ba77390a
 @patch
 def lineage(self:Attempt) -> dict:
     "The header's fields on how this attempt continues its run: changes, schedule, data position, fork."
