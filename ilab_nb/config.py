@@ -21,8 +21,8 @@ from pydantic_core import PydanticCustomError
 from .core import patch
 
 # %% auto #0
-__all__ = ['DataSources', 'ConfigError', 'InMemoryData', 'data_sources', 'SlurmOptions', 'config_problems', 'TrainConfig',
-           'load_config']
+__all__ = ['DataSources', 'RESUME_CHANGEABLE', 'RESUME_REFUSED', 'ConfigError', 'InMemoryData', 'data_sources', 'SlurmOptions',
+           'config_problems', 'TrainConfig', 'load_config', 'with_changes']
 
 # %% ../nbs/00_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -640,3 +640,44 @@ def load_config(x: "TrainConfig | dict | str | os.PathLike", **overrides: Any) -
     if isinstance(x, (str, os.PathLike)): return TrainConfig.from_file(x, **overrides)
     raise ConfigError([dict(field=None, type="file", input=None,
                             msg=f"cannot make a config from {type(x).__name__}; give a TrainConfig, a dict or a file path")])
+
+# %% ../nbs/00_config.ipynb #38c897bc
+RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
+                     "max_grad_norm", "gradient_accumulation_steps",
+                     "num_processes", "devices", "oversubscribe_cpus", "ignore_memory_estimate", "num_machines",
+                     "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "slurm", "launcher_args",
+                     "accelerate_config",
+                     "eval_steps", "eval_prompts", "eval_max_new_tokens", "save_steps", "save_total_limit",
+                     "logging_steps", "logging_dir", "report_to")
+
+_MEANS = {   # why a field may not change on a resume: what the checkpoint holds
+    "the checkpoint holds this model's weights": ("model", "trust_remote_code"),
+    "the checkpoint holds adapters of this shape (and merges them so)": ("lora", "merge_lora"),
+    "the checkpoint's data position counts the samples of this data, split, tokenized and batched this way":
+        ("data", "eval_data", "eval_split", "seed", "max_seq_len", "long_sequence_policy", "max_tokens_per_batch", "batching"),
+    "the optimizer state (and DPO's reference log-probabilities) belong to this training method":
+        ("method", "beta", "loss_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
+    "the model and optimizer state were sharded and cast for this strategy, precision and device":
+        ("strategy", "precision", "device", "cpu_offload", "gradient_checkpointing", "torch_compile"),
+    "a run keeps the backend that runs its processes": ("backend",),
+}
+RESUME_REFUSED = {f: why for why, fs in _MEANS.items() for f in fs}
+
+# %% ../nbs/00_config.ipynb #9bcfb202
+def with_changes(cfg: TrainConfig, changes: dict, what: str = "resume") -> tuple[TrainConfig, dict]:
+    "`cfg` with `changes` applied and `{field: [old, new]}` of those that differ; a refused or invalid change raises ConfigError."
+    old = cfg.model_dump(mode="json")
+    if unknown := [k for k in changes if k not in TrainConfig.model_fields]:
+        TrainConfig.from_dict({**cfg.model_dump(), **{k: changes[k] for k in unknown}})    # names the closest field
+    def refuse(fields):
+        if fields: raise ConfigError([dict(field=k, type="resume", input=changes[k],
+                                           msg=f"{what} cannot change it (was {_show(old[k])}): {RESUME_REFUSED[k]}; "
+                                               "start a new run instead") for k in fields])
+    try: new = TrainConfig.from_dict({**cfg.model_dump(), **changes})
+    except ConfigError:          # a refused change first, then whatever else is wrong
+        refuse([k for k in changes if k in RESUME_REFUSED and json.loads(json.dumps(changes[k], default=str)) != old[k]])
+        raise
+    dumped = new.model_dump(mode="json")
+    diff = {k: [old[k], dumped[k]] for k in changes if old[k] != dumped[k]}
+    refuse([k for k in diff if k in RESUME_REFUSED])
+    return new, diff

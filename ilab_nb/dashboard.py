@@ -7,7 +7,7 @@ __all__ = ['STATUS_COLOURS', 'run_curves', 'smooth_ema', 'LRFormatter', 'nice_ce
            'format_number', 'render_text', 'latest_samples', 'samples_html', 'Refresher', 'in_kernel', 'Dashboard',
            'LossComparison', 'compare']
 
-# %% ../nbs/09_dashboard.ipynb #f7099f2a
+# %% ../nbs/09_dashboard.ipynb #2a5ba047
 import html
 import io
 import math
@@ -24,7 +24,7 @@ from tqdm import tqdm
 from .core import patch
 from .monitor import RunMonitor, data_notes
 from .trackers import tracker_notes
-from .rundir import ACTIVE, TERMINAL, State, standing_records, status_of
+from .rundir import ACTIVE, TERMINAL, RunPaths, State, read_json, standing_records, status_of
 
 # %% ../nbs/09_dashboard.ipynb #f41ab6c6
 STATUS_COLOURS = {
@@ -754,19 +754,28 @@ def __repr__(self:LossComparison):
              f"{format_number(r['best_eval_loss'], '.4f'):>10}" for r in self.summary]
     return "\n".join(rows)
 
-# %% ../nbs/09_dashboard.ipynb #3b11e9a3
+# %% ../nbs/09_dashboard.ipynb #7ef91b4b
 _COLOURS = ["#1a73e8", "#e8710a", "#188038", "#d93025", "#9334e6", "#12b5cb", "#5f6368", "#f538a0"]
 
-def _plot_run(ax, m, label: str, col: str, smooth: float) -> dict:
+def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
     m.poll()
     c = run_curves(m.records)
+    fork = read_json(RunPaths(m.run_dir).fork, None)
+    if fork and Path(fork["run_dir"]).resolve() not in {Path(d).resolve() for d in shown} and Path(fork["run_dir"]).is_dir():
+        p = RunMonitor(fork["run_dir"]); p.poll(); pc = run_curves(p.records)
+        upto = [(k, v) for k, v in zip(pc["steps"], pc["loss"]) if k <= fork["step"]]
+        ax.plot([k for k, _ in upto], [v for _, v in upto], color=col, lw=1.2, ls="--", alpha=0.7)
+    changed = sorted({h["resumed_from_step"] for h in m.records if h.get("kind") == "header" and h.get("changes")}
+                     | ({fork["step"]} if fork else set()))
+    for k in changed: ax.axvline(k, color=col, ls=":", lw=1.2, alpha=0.8)
     ax.plot(c["steps"], c["loss"], color=col, lw=0.8, alpha=0.3)
     ax.plot(c["steps"], smooth_ema(c["loss"], smooth) if smooth else c["loss"], color=col, lw=2.2, label=label)
     if c["eval_steps"]:
         ax.plot(c["eval_steps"], c["eval_loss"], "o--", color=col, lw=1, ms=5, alpha=0.9)
     finite = [v for v in c["eval_loss"] if math.isfinite(v)]
     return {"label": label, "run_id": m.run_id, "steps": c["steps"][-1] if c["steps"] else 0,
-            "final_loss": c["loss"][-1] if c["loss"] else math.nan, "best_eval_loss": min(finite) if finite else math.nan}
+            "final_loss": c["loss"][-1] if c["loss"] else math.nan, "best_eval_loss": min(finite) if finite else math.nan,
+            "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed}
 
 # %% ../nbs/09_dashboard.ipynb #fabd5029
 def _style_comparison(ax):
@@ -780,7 +789,7 @@ def _style_comparison(ax):
         ax.spines[side].set_visible(False)
     ax.legend(fontsize=9, frameon=False, loc="upper right")
 
-# %% ../nbs/09_dashboard.ipynb #c42a3e64
+# %% ../nbs/09_dashboard.ipynb #0f7b409f
 def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, height_in: float = 3.6) -> LossComparison:
     "Overlay the loss curves (raw, smoothed, eval) of several runs: sessions, `RunMonitor`s or run directories."
     monitors = [_as_monitor(r) for r in runs]
@@ -792,6 +801,7 @@ def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, heigh
     fig = Figure(figsize=(width_in, height_in), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    summary = [_plot_run(ax, m, label, _COLOURS[i % len(_COLOURS)], smooth) for i, (m, label) in enumerate(zip(monitors, labels))]
+    shown = [m.run_dir for m in monitors]
+    summary = [_plot_run(ax, m, label, _COLOURS[i % len(_COLOURS)], smooth, shown) for i, (m, label) in enumerate(zip(monitors, labels))]
     _style_comparison(ax)
     return LossComparison(fig, summary)

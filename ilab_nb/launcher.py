@@ -557,7 +557,7 @@ def run(self:Supervisor) -> int:
     try: self._beat(supervisor=self.me.to_dict(), supervisor_log=str(p.supervisor_log.relative_to(p.root)))
     except StateError: _log("run is already final; nothing to do"); return 0
     _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
-    cfg = read_json(RunPaths(self.run_dir).config, {}) or {}
+    cfg = read_json(RunPaths(self.run_dir).config_for(self.attempt), {}) or {}   # config.json, or the attempt's changed config
     request = st.get("request") or device_request("cpu", int(cfg.get("num_processes", 1)))
     slots = self.wait_for_devices(request)
     if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == State.cancelled else 1

@@ -73,7 +73,7 @@ class RankState(Name):
     failed = auto()
     exited = auto()
 
-# %% ../nbs/00_rundir.ipynb #ebd0e7dc
+# %% ../nbs/00_rundir.ipynb #211e458d
 @dataclass(frozen=True)
 class RunPaths:
     "The paths of one run directory: `RunPaths(run_dir).stop`, `.metrics`, `.checkpoint(step)`, ..."
@@ -103,6 +103,8 @@ class RunPaths:
                                doc="A DPO run's reference log-probabilities of every pair, computed before step 1.")
     accelerate_config = property(lambda self: self.root / "accelerate.yaml",
                                  doc="The run's own `accelerate launch` config: no user default config applies.")
+    fork = property(lambda self: self.root / "fork.json",
+                    doc="A forked run's lineage: the parent run, its directory and the step of the checkpoint it started from.")
 
 # %% ../nbs/00_rundir.ipynb #e69f12f4
 @patch
@@ -133,6 +135,20 @@ def rank_logs(self:RunPaths) -> list:
 def rank_accounts(self:RunPaths) -> list:
     "The ranks' accounts that exist, in rank order."
     return _by_rank(self.ranks.glob(self.rank_account("*").name))
+
+# %% ../nbs/00_rundir.ipynb #73f6c64e
+@patch
+def attempt_config(self:RunPaths, attempt: int) -> Path:
+    "The effective config written for `attempt` when it changed settings (`config-attempt-N.json`)."
+    return self.root / f"config-attempt-{int(attempt)}.json"
+
+# %% ../nbs/00_rundir.ipynb #3628a28c
+@patch
+def config_for(self:RunPaths, attempt: int | None = None) -> Path:
+    "The config attempt `attempt` runs with (None: the newest): its own file, else the newest earlier one, else config.json."
+    nums = sorted(int(q.stem.rsplit("-", 1)[1]) for q in self.root.glob("config-attempt-*.json") if q.stem.rsplit("-", 1)[1].isdigit())
+    nums = [n for n in nums if attempt is None or n <= int(attempt)]
+    return self.attempt_config(nums[-1]) if nums else self.config
 
 # %% ../nbs/00_rundir.ipynb #107dac4e
 @patch
@@ -213,7 +229,7 @@ def standing_records(records, kinds=("train", "eval")) -> list:
         elif r.get("kind") in kinds: out.append(r)
     return out
 
-# %% ../nbs/00_rundir.ipynb #607b62aa
+# %% ../nbs/00_rundir.ipynb #e3b38720
 SCHEMA_VERSION = 1
 
 _DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")   # TRL's
@@ -230,7 +246,8 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                  load="str", mixed_precision="dict?", cpu_offload="bool", torch_compile="str?", loss="str",
                                  num_machines="int", nodes="list"),
                    optional=dict(blocks="int", finetuning="str", trainable_params="int", lora="dict?", method="str",
-                                 data_kind="str")),
+                                 data_kind="str", changes="dict", schedule="dict", forked_from="dict",
+                                 data_position="dict")),
     "train": dict(file="metrics.jsonl", doc="every `logging_steps` optimizer steps, and the last",
                   required=dict(step="int", total_steps="int", epoch="float", loss="float", learning_rate="float",
                                 grad_norm="float", tokens="int", tokens_per_s="float", real_tokens_per_s="float",
@@ -255,12 +272,13 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 stop_requested_at="float", forced="bool", resume_from="str", resumed_from_step="int",
                                 attempts="list", backend="str", job_id="str", job_attempt="int", job_state="str?",
                                 pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
-                                claimed_by="str", tracker_errors="list",
+                                claimed_by="str", tracker_errors="list", changes="dict", forked_from="dict",
                                 **{f"{s}_at": "float" for s in STATES})),
     "lifecycle": dict(file="events.jsonl", doc="`event` in " + " | ".join(LIFECYCLE_EVENTS),
                       required=dict(time="float", event="str"), values=dict(event=LIFECYCLE_EVENTS),
                       optional=dict(attempt="int", by="str?", slots="list", exit_code="int?", reason="str",
-                                    killed="int", from_step="int", forced="bool", job_id="str?", script="str")),
+                                    killed="int", from_step="int", forced="bool", job_id="str?", script="str",
+                                    changes="dict", config="str", forked_from="dict")),
     "rank": dict(file="ranks/rank-N.json", doc="each rank's own account, replaced atomically by that rank",
                  required=dict(rank="int", attempt="int", status="str", pid="int", host="str", local_rank="int", time="float"),
                  values=dict(status=tuple(RankState)), optional=dict(error="str", collective="any", outcome="str")),

@@ -35,9 +35,10 @@ __all__ = ['SAFETENSORS_FILE_BYTES', 'redirect_output', 'resolve_device', 'DistE
            'check_sharded', 'replicate', 'setup_record', 'setup_model', 'make_optimizer', 'make_scheduler',
            'chunked_loss_head', 'hidden_states_out', 'model_inputs', 'forward_with', 'train_step', 'all_reduce_sum',
            'evaluate', 'log_line', 'MetricsWriter', 'prompt_messages', 'reshard', 'generate_samples', 'write_samples',
-           'save_hf', 'save_weights', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint', 'write_final',
-           'stop_requested', 'is_collective_error', 'record_rank', 'data_seen_by_ranks', 'Attempt', 'setup_attempt',
-           'params_per_rank', 'run', 'quiet_progress_bars', 'parse_args', 'main']
+           'save_hf', 'save_weights', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint', 'retarget_schedule',
+           'write_final', 'stop_requested', 'is_collective_error', 'record_rank', 'data_seen_by_ranks', 'Attempt',
+           'resume_position', 'setup_attempt', 'params_per_rank', 'attempt_changes', 'run', 'quiet_progress_bars',
+           'parse_args', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -159,23 +160,57 @@ def load_data(cfg: TrainConfig, tokenizer, run_dir: Path, main_first, method: Me
     if len(train) == 0: raise RuntimeError(f"No training sample is left after tokenization: {train_stats}")
     return train, evals, dict(train=train_stats, eval=eval_stats)
 
-# %% ../nbs/05_worker.ipynb #70441054
-def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: int | None = None) -> list[dict]:
-    "Every optimizer step of the run: its epoch, fractional epoch and micro-steps (per-rank unit indices)."
+# %% ../nbs/05_worker.ipynb #4f53f2e4
+def _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga, world_of_plan=None) -> tuple:
+    "The micro-steps of `epoch` as planned for `world_of_plan` ranks (default: `world_size`), cut for a fractional last epoch."
+    w = world_of_plan or world_size
+    micro = B.plan_epoch(lengths, budget, w, layout, cfg.seed, epoch)
+    if not micro: raise RuntimeError("The batch plan is empty: too few samples for this many ranks and token budget.")
+    if cfg.max_steps <= 0 and epoch == epochs_wanted - 1:
+        n_chunks = -(-len(micro) // ga)
+        micro = micro[:min(len(micro), max(1, round((cfg.num_train_epochs - epoch) * n_chunks)) * ga)]
+    return micro, w
+
+# %% ../nbs/05_worker.ipynb #422dee15
+def _regroup(lengths, batches, world_size, layout, budget, seed, epoch) -> tuple:
+    "Per-rank batches dealt `world_size` to a micro-step; what is left over (fewer than one per rank) is planned again."
+    whole = len(batches) // world_size * world_size
+    micro = [batches[i:i + world_size] for i in range(0, whole, world_size)]
+    left = [i for b in batches[whole:] for i in b]
+    extra = B.plan_epoch([lengths[i] for i in left], budget, world_size, layout, seed, epoch) if left else []
+    return micro, [[[left[j] for j in b] for b in ms] for ms in extra]
+
+# %% ../nbs/05_worker.ipynb #3392a004
+def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: int | None = None,
+               position: dict | None = None) -> list[dict]:
+    """Every optimizer step of the run: its epoch, fractional epoch, micro-steps (per-rank unit indices) and `pos`, the
+    data position after it. From a checkpoint's `position`, the steps it trained are placeholders and the rest go on
+    at the same batch of the same plan (each epoch's per-rank batches as planned for the run's first world size),
+    dealt to `world_size` ranks and `gradient_accumulation_steps` micro-steps now."""
     ga, steps, epoch, budget = cfg.gradient_accumulation_steps, [], 0, budget or cfg.max_tokens_per_batch
     epochs_wanted = math.ceil(cfg.num_train_epochs) if cfg.max_steps <= 0 else None
-    while True:
-        micro = B.plan_epoch(lengths, budget, world_size, layout, cfg.seed, epoch)
-        if not micro: raise RuntimeError("The batch plan is empty: too few samples for this many ranks and token budget.")
-        chunks = [micro[i:i + ga] for i in range(0, len(micro), ga)]
-        if cfg.max_steps <= 0 and epoch == epochs_wanted - 1:
-            frac = cfg.num_train_epochs - epoch
-            chunks = chunks[:max(1, round(frac * len(chunks)))]
-        for i, ch in enumerate(chunks):
-            steps.append(dict(epoch=epoch, epoch_float=epoch + (i + 1) / len(chunks), micro=ch))
-            if cfg.max_steps > 0 and len(steps) == cfg.max_steps: return steps
-        epoch += 1
-        if epochs_wanted is not None and epoch >= epochs_wanted: return steps
+    full = lambda: cfg.max_steps > 0 and len(steps) >= cfg.max_steps
+    plan_w, start, ef0 = world_size, 0, None
+    if position:
+        epoch, start, plan_w = position["epoch"], position["batches"], position.get("world_size") or world_size
+        ef0 = position["epoch_float"] if start else None
+        steps = [dict(epoch=epoch, epoch_float=position["epoch_float"], micro=[], pos=None)] * position["step"]
+    while not full() and (epochs_wanted is None or epoch < epochs_wanted):
+        micro_e, _ = _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga, plan_w)
+        rest = [b for ms in micro_e for b in ms][start:]               # none: the epoch ended at the position
+        micro, extra = _regroup(lengths, rest, world_size, layout, budget, cfg.seed, epoch)
+        chunks = [micro[i:i + ga] for i in range(0, len(micro), ga)] if rest else []
+        if extra: chunks = (chunks or [[]])[:-1] + [(chunks or [[]])[-1] + extra]   # a left-over re-plan: in the last step
+        done = start
+        for j, ch in enumerate(chunks):
+            done += sum(len(ms) for ms in ch)
+            if j == len(chunks) - 1: pos = dict(epoch=epoch + 1, batches=0, world_size=plan_w, epoch_float=epoch + 1.0)
+            else: pos = dict(epoch=epoch, batches=done, world_size=plan_w, epoch_float=epoch + (j + 1) / len(chunks) if ef0 is None
+                             else ef0 + (epoch + 1 - ef0) * (j + 1) / len(chunks))
+            steps.append(dict(epoch=epoch, epoch_float=pos["epoch_float"], micro=ch, pos=pos))
+            if full(): return steps[:cfg.max_steps]
+        epoch, start, ef0 = epoch + 1, 0, None
+    return steps[:cfg.max_steps] if cfg.max_steps > 0 else steps
 
 # %% ../nbs/05_worker.ipynb #0451747a
 def model_config(cfg: TrainConfig):
@@ -669,6 +704,15 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     scheduler.load_state_dict(extra["scheduler"]); _set_rng_state(extra["rng"], env)
     return int(extra["step"])
 
+# %% ../nbs/05_worker.ipynb #3362dd14
+def retarget_schedule(optimizer, scheduler, cfg: TrainConfig) -> float:
+    "After a restore: the config's peak learning rate and this scheduler's shape from the restored step on; returns the lr now."
+    scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
+    for g, lam in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        g["initial_lr"] = cfg.learning_rate; g["lr"] = cfg.learning_rate * lam(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    return scheduler._last_lr[0]
+
 # %% ../nbs/05_worker.ipynb #847de471
 def write_final(run_dir: Path, model, tokenizer, env, merge_lora: bool = True):
     "The finished model in Hugging Face format in `final/` (LoRA: the adapters in `final/adapter/`, merged into `final/`)."
@@ -725,18 +769,21 @@ def record_rank(run_dir, rank: int, attempt: int, status: str, **fields):
         d.mkdir(exist_ok=True); write_json_atomic(RunPaths(run_dir).rank_account(rank), rec)
     except OSError as e: print(f"[ilab_nb.worker] could not record rank {rank} {status}: {e}", file=sys.stderr, flush=True)
 
-# %% ../nbs/05_worker.ipynb #793698c2
+# %% ../nbs/05_worker.ipynb #48dd1e07
 def data_seen_by_ranks(seen: set, env) -> dict:
-    "Per-rank count of distinct samples trained on, and the number seen by more than one rank."
+    """From each rank's `(step, sample)` pairs: per-rank count of distinct samples trained on, the number seen by more
+    than one rank, every sample seen, and the samples of each step (all ranks')."""
     sets = [seen]
     if env.world_size > 1:
-        sets = [None] * env.world_size; dist.all_gather_object(sets, sorted(seen)); sets = [set(x) for x in sets]
-    counts = {}
+        sets = [None] * env.world_size; dist.all_gather_object(sets, sorted(seen)); sets = [{tuple(x) for x in st} for st in sets]
+    counts, by_step = {}, {}
     for st in sets:
-        for i in st: counts[i] = counts.get(i, 0) + 1
-    return dict(per_rank=[len(x) for x in sets], shared=sum(1 for c in counts.values() if c > 1))
+        for i in {i for _, i in st}: counts[i] = counts.get(i, 0) + 1
+        for step, i in st: by_step.setdefault(str(step), []).append(i)
+    return dict(per_rank=[len({i for _, i in st}) for st in sets], shared=sum(1 for c in counts.values() if c > 1),
+                samples=sorted(counts), steps={k: sorted(v) for k, v in sorted(by_step.items(), key=lambda kv: int(kv[0]))})
 
-# %% ../nbs/05_worker.ipynb #80316391
+# %% ../nbs/05_worker.ipynb #0a6f976c
 @dataclass
 class Attempt:
     "What one attempt of a run trains with: set up once by `setup_attempt`."
@@ -763,12 +810,20 @@ class Attempt:
     method: object = None            # what is trained on (`ilab_nb.methods`): SFT on chat or text, or DPO
     tokens: list = None              # each unit's loss-bearing tokens, for throughput (`loss_tokens` are the units' weights)
     real: list = None                # each unit's tokens computed
+    position: dict = None            # the data position resumed from (`resume_position`), None for a fresh start
+    seen: set = None                 # the data_seen probe's samples of this rank, this attempt
 
     def forward(self, batch, fn):
         "The model on `batch`, then `fn(out, weight)` (see `forward_with`)."
         return forward_with(self.model, batch, self.env, self.autocast, fn)
 
-# %% ../nbs/05_worker.ipynb #feda92bf
+# %% ../nbs/05_worker.ipynb #47d7c1c5
+def resume_position(ckpt) -> dict | None:
+    "The data position a checkpoint was saved at (`trainer_state.json`), with its step and total; None for older ones."
+    ts = json.loads((Path(ckpt) / TRAINER_STATE).read_text())
+    return dict(ts["data_position"], step=int(ts["step"]), total_steps=ts.get("total_steps")) if ts.get("data_position") else None
+
+# %% ../nbs/05_worker.ipynb #a054c376
 def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume=None) -> Attempt:
     "Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if given."
     from accelerate import PartialState
@@ -779,17 +834,23 @@ def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, me
     train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, run_dir, PartialState().main_process_first, method)
     train_ds = train_ds.with_format(None)
     lengths, weights = method.lengths(train_ds, layout), method.weights(train_ds)
-    steps = plan_steps(lengths, cfg, env.world_size, layout, method.budget(layout))
+    position = resume_position(resume) if resume else None
+    steps = plan_steps(lengths, cfg, env.world_size, layout, method.budget(layout), position)
+    if position and position["step"] >= len(steps):
+        raise RuntimeError(f"The checkpoint {resume} is at step {position['step']}, and the plan ends at step {len(steps)}: "
+                           "there is nothing left to train (resume with a larger max_steps or num_train_epochs).")
     model, model_info = setup_model(cfg, env, layout)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, len(steps))
     start = load_checkpoint(Path(resume), model, optimizer, scheduler, env) if resume else 0
+    if resume: retarget_schedule(optimizer, scheduler, cfg)
     autocast = ((lambda: torch.autocast(env.device_type, dtype=torch.bfloat16))    # FSDP2 casts by its policy instead
                 if cfg.precision == "bf16" and cfg.strategy != "fsdp" else nullcontext)
     tokens, real = method.tokens(train_ds)
     a = Attempt(run_dir, cfg, env, layout, metrics, tokenizer, train_ds, eval_ds, data_stats, lengths, weights,
                 steps, model, model_info, optimizer, scheduler, start, bool(resume), autocast,
                 os.environ.get("ILAB_NB_RECORD_DATA_SEEN") == "1", method, tokens, real)
+    a.position = position
     method.prepare(a, a.forward)                  # DPO: the reference's log-probabilities, before step 1 (or read back)
     return a
 
@@ -802,7 +863,7 @@ def params_per_rank(model, env: DistEnv) -> list[int]:
     dist.all_gather(per_rank, mine)
     return [int(t.item()) for t in per_rank]
 
-# %% ../nbs/05_worker.ipynb #e29d6c23
+# %% ../nbs/05_worker.ipynb #0d797363
 @patch
 def write_header(self:Attempt):
     "Write the attempt's header record to `metrics.jsonl`."
@@ -818,7 +879,35 @@ def write_header(self:Attempt):
                        gradient_checkpointing=checkpointing_in_effect(model),
                        plan=B.plan_stats(plan, self.lengths, self.layout), data_stats=self.data_stats, versions=_versions(),
                        loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
-                       method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg), **self.model_info)
+                       method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg), **self.model_info,
+                       **self.lineage())
+
+# %% ../nbs/05_worker.ipynb #7dccc59b
+def attempt_changes(run_dir, attempt: int) -> dict:
+    "`{field: [old, new]}` of the config attempt `attempt` runs with against the one before (empty without its own file)."
+    p = RunPaths(run_dir)
+    if attempt <= 1 or not p.attempt_config(attempt).exists(): return {}
+    new, old = (json.loads(f.read_text()) for f in (p.attempt_config(attempt), p.config_for(attempt - 1)))
+    return {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
+
+# %% ../nbs/05_worker.ipynb #ba77390a
+@patch
+def lineage(self:Attempt) -> dict:
+    "The header's fields on how this attempt continues its run: changes, schedule, data position, fork."
+    cfg, total, p = self.cfg, len(self.steps), RunPaths(self.run_dir)
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
+    sched = dict(type=cfg.lr_scheduler_type, learning_rate=cfg.learning_rate, warmup_steps=warmup, total_steps=total)
+    out = dict(schedule=sched)
+    if self.resumed:
+        sched["learning_rate_now"] = self.scheduler.get_last_lr()[0]
+        was = (self.position or {}).get("total_steps")
+        if was is not None and was != total:
+            sched["note"] = (f"recomputed from the new total: {cfg.lr_scheduler_type} over {total} steps (was {was}), "
+                             f"continued from step {self.start}")
+        if self.position: out["data_position"] = {k: v for k, v in self.position.items() if k != "total_steps"}
+    if ch := attempt_changes(self.run_dir, self.metrics.attempt): out["changes"] = ch
+    if p.fork.exists(): out["forked_from"] = json.loads(p.fork.read_text())
+    return out
 
 # %% ../nbs/05_worker.ipynb #c57c50c9
 @patch
@@ -831,12 +920,16 @@ def evaluate_now(self:Attempt, step: int, epoch: float):
     self.metrics.write("eval", step=step, epoch=epoch, **r)
     return r["eval_loss"]
 
-# %% ../nbs/05_worker.ipynb #38b751f5
+# %% ../nbs/05_worker.ipynb #75838b92
 @patch
 def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
     "A complete checkpoint at `step` (model, optimizer, scheduler, RNG, trainer state)."
+    pos = self.steps[step - 1]["pos"] if step > 0 else None
+    pos = pos or ({k: v for k, v in self.position.items() if k not in ("step", "total_steps")} if self.position
+                  else dict(epoch=0, batches=0, world_size=None, epoch_float=0.0))
     path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
-                           dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last, eval_loss=eval_loss))
+                           dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last, eval_loss=eval_loss,
+                                data_position=pos, attempt=self.metrics.attempt))
     if self.env.rank == 0: prune_checkpoints(self.run_dir, self.cfg.save_total_limit)
     self.metrics.write("event", event=Event.checkpoint, step=step, epoch=epoch, path=str(path))
 
@@ -861,7 +954,7 @@ def window_record(self:Attempt, step: int, win: dict, grad_norm: float) -> dict:
                 efficiency=B.plan_stats(s["micro"], self.lengths, self.layout)["efficiency"],
                 elapsed_s=time.time() - win["t0"], peak_mem_mb=_peak_mem_mb(env))
 
-# %% ../nbs/05_worker.ipynb #55696d6e
+# %% ../nbs/05_worker.ipynb #e6f68604
 @patch
 def after_step(self:Attempt, step: int, last: dict, eval_loss) -> tuple:
     "Evaluate, stop or checkpoint at the boundary after `step`, as the config and `control/stop` say: `(eval_loss, stopped)`."
@@ -871,12 +964,13 @@ def after_step(self:Attempt, step: int, last: dict, eval_loss) -> tuple:
         eval_loss = self.evaluate_now(step, s["epoch_float"])
     if stop_requested(self.run_dir, self.env):
         self.checkpoint(step, s["epoch_float"], last, eval_loss)
-        self.metrics.write("event", event=Event.stopped, step=step)
+        seen = {} if self.seen is None else dict(data_seen=data_seen_by_ranks(self.seen, self.env))
+        self.metrics.write("event", event=Event.stopped, step=step, **seen)
         return eval_loss, True
     if cfg.save_steps and step % cfg.save_steps == 0 and step != total: self.checkpoint(step, s["epoch_float"], last, eval_loss)
     return eval_loss, False
 
-# %% ../nbs/05_worker.ipynb #98b529ed
+# %% ../nbs/05_worker.ipynb #f087bd6c
 @patch
 def train_loop(self:Attempt) -> dict:
     "Train from the attempt's start to the end of the plan or a stop request: `{status, step, last, eval_loss, seen}`."
@@ -884,12 +978,13 @@ def train_loop(self:Attempt) -> dict:
     self.model.train()
     eval_loss = self.evaluate_now(0, 0.0) if self.start == 0 else None
     t0, last, step, seen = time.time(), {}, self.start, (set() if self.record_data_seen else None)
+    self.seen = seen
     win = _new_window(t0)
     for step in range(self.start + 1, total + 1):
         s = self.steps[step - 1]
         out = train_step(self.model, self.optimizer, self.scheduler, s["micro"], self.train_ds, self.loss_tokens, cfg, env,
                          self.layout, self.autocast, self.tokenizer.pad_token_id, self.method)
-        if seen is not None: seen.update(i for ms in s["micro"] for i in ms[env.rank])
+        if seen is not None: seen.update((step, i) for ms in s["micro"] for i in ms[env.rank])
         win["loss"][0] += out["loss_sum"]; win["loss"][1] += out["loss_tokens"]
         units = [i for ms in s["micro"] for r in ms for i in r]
         win["real"] += sum((self.real or self.lengths)[i] for i in units)
@@ -921,11 +1016,11 @@ def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: 
     end = attempt.train_loop()
     return Event.stopped if end["status"] == Event.stopped else attempt.finish(end)
 
-# %% ../nbs/05_worker.ipynb #02f183e5
+# %% ../nbs/05_worker.ipynb #b0c2eef6
 def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
     "Train the run in `run_dir` to completion or to a stop request; returns `completed` or `stopped`."
     run_dir = Path(run_dir).resolve()
-    cfg = TrainConfig.read_json(RunPaths(run_dir).config)
+    cfg = TrainConfig.read_json(RunPaths(run_dir).config_for(attempt))   # config.json, or the attempt's changed config
     rank = int(os.environ.get("RANK", "0"))            # known before the process group exists
     metrics = MetricsWriter(RunPaths(run_dir).metrics, run_dir.name, attempt, enabled=rank == 0)
     record_rank(run_dir, rank, attempt, RankState.running)
