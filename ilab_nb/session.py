@@ -359,31 +359,6 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
     new._spawn(1, resume=str(at))
     return new
 
-# %% ../nbs/08_session.ipynb #ca4be3b0
-@patch
-def fork_sweep(self:FineTuneSession, step=None, *, grid=None, name=None, **fields):
-    "A `Sweep` of forks from this run's checkpoint at `step` (default: the latest), one per combination of the listed fields."
-    from ilab_nb.config import with_changes
-    from ilab_nb.sweep import Sweep, run_fields, sweep_axes, sweep_combinations, sweeps_dir
-    axes, common = sweep_axes(fields, grid)
-    combos = sweep_combinations(axes)
-    ckpts = self.checkpoints
-    ck = (ckpts[-1] if ckpts else None) if step is None else next((c for c in ckpts if c["step"] == step), None)
-    if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
-    wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")
-    base = TrainConfig.read_json(RunPaths(self.run_dir).config_for(wrote))
-    for i, values in enumerate(combos):
-        try: with_changes(base, run_fields(common, values), "fork")
-        except ConfigError as e: raise ConfigError(e.errors, f"fork sweep combination {i} ({values})") from None
-    sweep_id = new_run_id(name or "fork-sweep")
-    spec = dict(sweep_id=sweep_id, created_at=time.time(), by=f"pid {os.getpid()} on {socket.gethostname()}", axes=axes,
-                forked_from=dict(run_id=self.run_id, step=ck["step"]),
-                runs=[dict(run_id=f"{sweep_id}-{i:02d}", values=v) for i, v in enumerate(combos)])
-    d = sweeps_dir(self.store.root) / sweep_id; d.mkdir(parents=True)
-    write_json_atomic(d / "sweep.json", spec)
-    sessions = [self.fork(ck["step"], run_id=r["run_id"], **run_fields(common, r["values"])) for r in spec["runs"]]
-    return Sweep(sweep_id, spec, sessions, self.store.root)
-
 # %% ../nbs/08_session.ipynb #44368007
 @patch
 def model_path(self:FineTuneSession, checkpoint=None) -> Path:
