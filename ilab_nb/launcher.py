@@ -17,10 +17,11 @@ from .core import patch
 from .rundir import Event, RankState, RunPaths, State, tail_lines
 
 # %% auto #0
-__all__ = ['ACCELERATE_CONFIG', 'STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request', 'visible_devices',
-           'cuda_request', 'DeviceSlots', 'machine_args', 'free_port', 'accelerate_command', 'launch_env',
-           'write_accelerate_config', 'describe_exit', 'torchrun_failures', 'torchrun_root_cause', 'rank_records',
-           'failing_rank', 'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor', 'main']
+__all__ = ['ACCELERATE_CONFIG', 'OOM_ADVICE', 'STOP_GRACE_S', 'TERM_GRACE_S', 'locks_dir', 'cpu_slots', 'device_request',
+           'visible_devices', 'cuda_request', 'DeviceSlots', 'machine_args', 'free_port', 'accelerate_command',
+           'launch_env', 'write_accelerate_config', 'describe_exit', 'torchrun_failures', 'torchrun_root_cause',
+           'rank_records', 'cause_of', 'failing_rank', 'memory_cgroup', 'kernel_oom_kill', 'sigkill_cause',
+           'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor', 'main']
 
 # %% ../nbs/06_launcher.ipynb #2f274475
 def locks_dir(path=None) -> Path:
@@ -268,18 +269,29 @@ def rank_records(run_dir, attempt=None) -> dict:
         if rec and (attempt is None or rec.get("attempt") == attempt): out[int(rec.get("rank", p.stem[5:]))] = rec
     return out
 
-# %% ../nbs/06_launcher.ipynb #47e94075
+# %% ../nbs/06_launcher.ipynb #807b7bc8
+_LAUNCHER_SIGNALS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, 128 + signal.SIGTERM, 128 + signal.SIGINT,
+                     128 + signal.SIGHUP}      # how torchrun (or srun) ends the ranks that are left after a failure
+
+def cause_of(reports, recs) -> dict | None:
+    """The report (`{rank, exitcode, root, ...}`) of the rank that caused a failure, from every rank's exit (`reports`)
+    and own account (`recs`: `{rank: record}`): a rank that says it failed with its own error; else one killed by a
+    signal other than the launcher's SIGTERM; else one that ended without saying why; else torchrun's root cause."""
+    gone = lambda r: (recs.get(r) or {}).get("status", RankState.running) == RankState.running  # ended without saying why
+    own = lambda r: (recs.get(r) or {}).get("status") == RankState.failed and not recs[r].get("collective")
+    killed = lambda f: (f["exitcode"] < 0 or f["exitcode"] > 128) and f["exitcode"] not in _LAUNCHER_SIGNALS
+    for group in ([f for f in reports if own(f["rank"])], [f for f in reports if killed(f)],
+                  [f for f in reports if recs and gone(f["rank"])], [f for f in reports if f["exitcode"] < 0],
+                  [f for f in reports if f.get("root")], reports):
+        if group: return min(group, key=lambda f: (not f.get("root"), f["rank"]))
+    return None
+
+# %% ../nbs/06_launcher.ipynb #6e0941a2
 def failing_rank(run_dir, launcher_text="", attempt=None) -> tuple:
     "(rank, its exit code or None) of the rank that caused a failed attempt, judged from what every rank did."
     fails, recs = torchrun_failures(launcher_text), rank_records(run_dir, attempt)
-    gone = lambda r: (recs.get(r) or {}).get("status", RankState.running) == RankState.running  # ended without saying why
-    own = lambda r: (recs.get(r) or {}).get("status") == RankState.failed and not recs[r].get("collective")
-    for group in ([f for f in fails if f["exitcode"] < 0],                            # killed by a signal
-                  [f for f in fails if gone(f["rank"])], [f for f in fails if own(f["rank"])],
-                  [f for f in fails if f["root"]], fails):
-        if group:
-            f = min(group, key=lambda f: (not f["root"], f["rank"]))
-            return f["rank"], f["exitcode"]
+    if (f := cause_of(fails, recs)) is not None: return f["rank"], f["exitcode"]
+    own = lambda r: recs[r].get("status") == RankState.failed and not recs[r].get("collective")
     for rule in (own, lambda r: recs[r].get("status") == RankState.failed):                  # no torchrun report
         hit = sorted(r for r in recs if rule(r))
         if hit: return hit[0], None
@@ -287,6 +299,93 @@ def failing_rank(run_dir, launcher_text="", attempt=None) -> tuple:
     for p in logs:
         if any("Traceback" in l or "Error" in l for l in tail_lines(p, 200)): return int(p.stem.split("-")[1]), None
     return (0 if logs else None), None
+
+# %% ../nbs/06_launcher.ipynb #29bb287e
+def _read_int(p) -> int | None:
+    try: v = Path(p).read_text().split()[0]
+    except (OSError, IndexError): return None
+    return None if v == "max" else int(v)
+
+def memory_cgroup(pid="self") -> dict | None:
+    "The memory cgroup of process `pid`: `{dir, oom_kill, peak_bytes, limit_bytes}`, or None where it is not readable."
+    try: lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError: return None
+    for line in lines:                       # cgroup v1's memory controller first, then v2's unified hierarchy
+        hid, ctrls, path = (line.split(":", 2) + ["", ""])[:3]
+        v1 = "memory" in ctrls.split(",")
+        if not v1 and hid != "0": continue
+        d = Path("/sys/fs/cgroup/memory" if v1 else "/sys/fs/cgroup") / path.lstrip("/")
+        events = d / ("memory.oom_control" if v1 else "memory.events")
+        try: kills = re.search(r"^oom_kill (\d+)", events.read_text(), re.M)
+        except OSError: continue
+        if kills is None: continue
+        return {"dir": str(d), "oom_kill": int(kills.group(1)),
+                "peak_bytes": _read_int(d / ("memory.max_usage_in_bytes" if v1 else "memory.peak")),
+                "limit_bytes": _read_int(d / ("memory.limit_in_bytes" if v1 else "memory.max"))}
+    return None
+
+# %% ../nbs/06_launcher.ipynb #7f1db93d
+_OOM_LINE = re.compile(r"Killed process (\d+) \(([^)]*)\) total-vm:(\d+)kB, anon-rss:(\d+)kB, file-rss:(\d+)kB, shmem-rss:(\d+)kB")
+
+def _kernel_log() -> list | None:
+    "`[(seconds since boot, message)]` of the kernel log: `/dev/kmsg` (without blocking), else `dmesg`; None if unreadable."
+    out = []
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            while True:
+                try: rec = os.read(fd, 8192).decode("utf-8", "replace")
+                except BlockingIOError: break
+                except OSError as e:
+                    if e.errno == errno.EPIPE: continue          # a record overwritten while we read: the next one
+                    raise
+                head, _, msg = rec.partition(";")
+                f = head.split(",")
+                out.append((int(f[2]) / 1e6 if len(f) > 2 and f[2].isdigit() else 0.0, msg.strip()))
+        finally: os.close(fd)
+        return out
+    except OSError: pass
+    try: r = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired): return None
+    if r.returncode != 0: return None
+    for line in r.stdout.splitlines():
+        m = re.match(r"\[\s*([\d.]+)\]\s*(.*)", line)
+        if m: out.append((float(m.group(1)), m.group(2)))
+    return out
+
+def kernel_oom_kill(pid, since=None, log=...) -> dict | None:
+    "The kernel log's OOM kill of process `pid` (after epoch time `since`): `{pid, name, rss_bytes, line}`, or None."
+    log = _kernel_log() if log is ... else log
+    boot = psutil.boot_time()
+    for t, msg in reversed(log or []):
+        m = _OOM_LINE.search(msg)
+        if not m or int(m.group(1)) != int(pid): continue
+        if since is not None and t and boot + t < since - 5: continue        # an older process that had the same pid
+        return {"pid": int(pid), "name": m.group(2), "rss_bytes": sum(int(m.group(i)) for i in (4, 5, 6)) * 1024, "line": msg}
+    return None
+
+# %% ../nbs/06_launcher.ipynb #725f4fa3
+def _mb(n) -> str: return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+OOM_ADVICE = ("it needed more memory than the machine (or its memory limit) gives the run: lower max_tokens_per_batch "
+              "or max_seq_len, shorten eval_prompts or max_new_tokens, shard over more processes, or give it more memory")
+
+def sigkill_cause(rec, before=None, after=None, log=...) -> str:
+    """Why a rank (its account `rec`: pid, time) ended by SIGKILL: the kernel's OOM killer (with the peak memory and what
+    to change), or not it, from the kernel log (`log`: `_kernel_log()` by default; None: unreadable) and the run's memory
+    cgroup (`before`/`after`: `memory_cgroup()` at the launch and at the end)."""
+    rec, log = rec or {}, _kernel_log() if log is ... else log
+    k = kernel_oom_kill(rec["pid"], rec.get("time"), log) if rec.get("pid") and log else None
+    lim = (after or {}).get("limit_bytes")
+    lim = f" of its {_mb(lim)} limit" if lim and lim < 2**60 else ""
+    if k: return f"the kernel's OOM killer ended it at {_mb(k['rss_bytes'])} resident{lim}: {OOM_ADVICE}"
+    if before and after and before.get("dir") == after.get("dir") and after["oom_kill"] > before["oom_kill"]:
+        peak = f" (the cgroup's peak {_mb(after['peak_bytes'])}{lim})" if after.get("peak_bytes") else ""
+        return f"the kernel's OOM killer ended a process of the run's memory cgroup{peak}: {OOM_ADVICE}"
+    if log is not None and rec.get("pid") or (before and after):
+        return "not by the kernel's OOM killer (" + ("none in the kernel log" if log is not None and rec.get("pid")
+                                                     else "no OOM kill in the memory cgroup") + "): something outside the run killed it"
+    return "the kernel log and the memory cgroup are not readable here: it may have been the kernel's OOM killer"
 
 # %% ../nbs/06_launcher.ipynb #4913b081
 def classify_exit(code, stop_requested=False, forced=False, events=(), supervisor_signal=None) -> str:
@@ -310,7 +409,7 @@ def _log(msg):
     try: print(f"[supervisor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
     except OSError: pass      # a full disk must not take the supervisor down with its log
 
-# %% ../nbs/06_launcher.ipynb #5a9d39a1
+# %% ../nbs/06_launcher.ipynb #0a96638d
 STOP_GRACE_S = 60.0    # after a stop request, how long the worker gets to checkpoint and exit before SIGTERM
 
 TERM_GRACE_S = 10.0    # after SIGTERM, how long before SIGKILL
@@ -323,7 +422,7 @@ class Supervisor:
         self.attempt, self.resume, self.queue, self.worker_module, self.poll_s = attempt, resume, queue, worker_module, poll_s
         self.grace_s = float(grace_s if grace_s is not None else os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
         self.slots = DeviceSlots(locks); self.me = ProcessRef.of()
-        self.proc = self.stop_at = self.term_at = self.signum = None
+        self.proc = self.stop_at = self.term_at = self.signum = self.cgroup_at_launch = None
         self.forced = False; self.last_hb = 0.0
         self.pending, self.nospace, self.events = {}, None, []   # fields a full disk kept from state.json; what it hit
 
@@ -454,7 +553,7 @@ def _gone(self:Supervisor) -> int:
     kill_run_processes(self.run_dir)
     return 1
 
-# %% ../nbs/06_launcher.ipynb #5c1c5809
+# %% ../nbs/06_launcher.ipynb #b79e2720
 @patch
 def _launch(self:Supervisor, cfg, request, slots) -> tuple:
     write_accelerate_config(self.run_dir)
@@ -469,7 +568,7 @@ def _launch(self:Supervisor, cfg, request, slots) -> tuple:
                                  env=launch_env(self.run_dir, request, slots), process_group=0,
                                  close_fds=True, preexec_fn=_die_with_parent)
     self._beat(launcher={**ProcessRef.of(self.proc.pid).to_dict(), "pgid": self.proc.pid})
-    self.running = False
+    self.running, self.cgroup_at_launch = False, memory_cgroup()    # its OOM kills so far: the ranks share its cgroup
     return log, offset
 
 # %% ../nbs/06_launcher.ipynb #4ec33f97
@@ -496,7 +595,7 @@ def _watch(self:Supervisor, reader, events) -> int | None:
         self.proc.wait(); kill_run_processes(self.run_dir); return 1
     return None
 
-# %% ../nbs/06_launcher.ipynb #7d8e0b16
+# %% ../nbs/06_launcher.ipynb #c8df51e6
 @patch
 def _failure(self:Supervisor, code, offset, events) -> dict:
     try:
@@ -508,11 +607,16 @@ def _failure(self:Supervisor, code, offset, events) -> dict:
     why = []
     if self.signum is not None: why.append(f"its supervisor received {signal.Signals(self.signum).name}")
     if rank is not None: why.append(f"rank {rank}{where} " + (describe_exit(rank_code) if rank_code is not None else "failed"))
+    if rank_code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        why[-1] += ": " + sigkill_cause(rec, self.cgroup_at_launch, memory_cgroup())
     # The failing rank's own error; another rank's is a consequence, not the cause.
     err = rec.get("error") if rec.get("status") == RankState.failed else None
     err = err or next((e.get("error") for e in reversed(events) if e.get("event") == Event.failed and e.get("error")
                        and (rank is None or e.get("rank") in (None, rank))), None)
     if err: why.append(str(err).strip().splitlines()[-1][:500])
+    after = [f"rank {f['rank']} {describe_exit(f['exitcode'])}" for f in torchrun_failures(text)
+             if f["rank"] != rank and f["exitcode"] in _LAUNCHER_SIGNALS]
+    if after: why.append("then the launcher ended the others (" + ", ".join(sorted(after)) + ")")
     why.append(f"accelerate launch {describe_exit(code)}")
     log = RunPaths(self.run_dir).rank_log("supervisor" if rank is None else rank)
     if not log.exists(): log = RunPaths(self.run_dir).supervisor_log

@@ -11,7 +11,7 @@ from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
 from .rundir import CKPT_MARKER, Event, RankState, RunPaths, State
 from .monitor import tail_lines
-from .launcher import (accelerate_command, describe_exit, torchrun_failures, rank_records, write_accelerate_config,
+from .launcher import (accelerate_command, cause_of, describe_exit, torchrun_failures, rank_records, write_accelerate_config,
                               STOP_GRACE_S)
 
 # %% auto #0
@@ -234,14 +234,8 @@ def node_reports(run_dir, attempt) -> list:
 
 # %% ../nbs/13_slurm.ipynb #1560c6d7
 def failure_cause(reports, records=None) -> dict | None:
-    "The report of the rank that caused the failure (`records`: the ranks' own accounts, `{rank: record}`)."
-    recs = records or {}
-    gone = lambda r: (recs.get(r) or {}).get("status", RankState.running) == RankState.running
-    own = lambda r: (recs.get(r) or {}).get("status") == RankState.failed and not recs[r].get("collective")
-    for group in ([f for f in reports if f["exitcode"] < 0 or f["exitcode"] > 128], [f for f in reports if recs and gone(f["rank"])],
-                  [f for f in reports if own(f["rank"])], [f for f in reports if f.get("root")], reports):
-        if group: return min(group, key=lambda f: (not f.get("root"), f["rank"]))
-    return None
+    "The report of the rank that caused the failure (`records`: the ranks' own accounts, `{rank: record}`): `cause_of`'s rules."
+    return cause_of(reports, records or {})
 
 # %% ../nbs/13_slurm.ipynb #7b231e14
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",

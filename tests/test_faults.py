@@ -162,3 +162,23 @@ def test_disk_full_mid_run(demo, small_train, tmpfs_runs_root):
     assert files_of(ck) == before and (ck / "COMPLETE").exists()      # the complete checkpoint is untouched
     assert not list(s.run_dir.glob(".*.tmp")) and not list(s.run_dir.glob("*.tmp"))
     wait_until(lambda: not sup.alive(), 30, what="the supervisor to exit")
+
+
+@pytest.mark.processes
+def test_rank_0s_own_error_is_the_cause_not_the_rank_torchrun_then_terminated(demo, small_train, runs_root, monkeypatch):
+    # Rank 0 fails on its own (its tracker cannot be opened); torchrun then ends rank 1, which waited for it, with
+    # SIGTERM and lists it as killed by a signal. The cause is rank 0, with its own error.
+    from functools import partial
+    tests = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="fault_worker"))
+    s = make(demo, small_train, runs_root, max_steps=2).start()
+    assert s.wait(timeout=START_UP) == "failed"
+    log = (s.run_dir / "logs" / "supervisor.log").read_text()
+    assert "exitcode  : -15" in log, log[-3000:]                  # torchrun did list rank 1 as killed by SIGTERM
+    assert s.state["failed_rank"] == 0, s.reason
+    assert ("rank 0 exited with code 1; FileNotFoundError: [Errno 2] No such file or directory: "
+            "'/nonexistent/mlruns/0/meta.yaml'; then the launcher ended the others (rank 1 was killed by signal SIGTERM)"
+            in s.reason), s.reason
+    assert s.state["log_file"] == "logs/rank-0.log"
+    wait_until(lambda: not run_processes(s.run_dir), 30, what="the run's processes to end")
