@@ -85,6 +85,7 @@ class RunPaths:
     state_prev = property(lambda self: self.root / "state.json.prev", doc="The last good copy of `state.json`, written with it.")
     state_lock = property(lambda self: self.root / ".state.lock", doc="The lock every writer of `state.json` holds.")
     heartbeat = property(lambda self: self.root / ".heartbeat", doc="Touched by the supervisor: a heartbeat a full disk cannot stop.")
+    reserve = property(lambda self: self.root / ".reserve", doc="Space the supervisor sets aside and frees to write the final state on a full disk.")
     events = property(lambda self: self.root / "events.jsonl", doc="Lifecycle events, append-only.")
     metrics = property(lambda self: self.root / "metrics.jsonl", doc="Rank 0's records: header, train, eval, event.")
     control = property(lambda self: self.root / "control", doc="Requests to the run from anyone.")
