@@ -254,7 +254,7 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 command="list", launcher="dict", world_size="int?", exit_code="int?", ended_at="float",
                                 reason="str", failed_rank="int?", signal="any", log_tail="list", log_file="str",
                                 stop_requested_at="float", forced="bool", resume_from="str", resumed_from_step="int",
-                                attempts="list", backend="str", job_id="str", job_attempt="int", job_state="str?",
+                                attempts="list", backend="str", job_id="str", job_attempt="int", job_restarts="int", job_state="str?",
                                 pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
                                 **{f"{s}_at": "float" for s in STATES})),
     "lifecycle": dict(file="events.jsonl", doc="`event` in " + " | ".join(LIFECYCLE_EVENTS),
