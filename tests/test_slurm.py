@@ -108,6 +108,10 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
                what="run a's second attempt to save a checkpoint")
     requeued_at = a.checkpoints[-1]["step"]
     subprocess.run(["scontrol", "requeue", a.state["job_id"]], check=True)
+    # SLURM holds a requeued job before it is eligible again (about 2 minutes here); an administrator's release:
+    wait_until(lambda: "PENDING" in subprocess.run(["scontrol", "show", "job", "-o", a.state["job_id"]], capture_output=True,
+                                                   text=True).stdout, 120, what="the requeued job pending")
+    subprocess.run(["scontrol", "update", f"JobId={a.state['job_id']}", "StartTime=now"], check=True)
     # A finishes; the model loads; a new process sees every step.
     assert a.wait(timeout=400) == "completed", a.reason
     model, tok = a.load_model()
