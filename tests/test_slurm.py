@@ -141,11 +141,15 @@ def node_state(node) -> str:
 
 
 def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(cluster, runs_root, demo, small_train):
-    # A job with a 2-minute limit is signalled before it (--signal=B:USR1@30): every rank saves, and the run ends
-    # failed saying "time limit", with that checkpoint, before SLURM has to kill anything.
+    # A job with a 2-minute limit is signalled before it: every rank saves, and the run ends failed saying "time
+    # limit", with that checkpoint, before SLURM has to kill anything. (The default lead, a tenth of the limit or at
+    # least 30 s, would have the signal come 30-90 s into the job: the user's own --signal, 100 s, is kept instead, and
+    # makes the test a minute shorter.)
     t = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=2000, save_steps=1000),
-                           "slurm": {"partition": "debug", "time": "00:02:00"}}, name="t").start()
-    assert "#SBATCH --signal=B:USR1@30" in (t.run_dir / "slurm-attempt-1.sbatch").read_text()
+                           "slurm": {"partition": "debug", "time": "00:02:00", "sbatch_lines": ["--signal=B:USR1@100"]}},
+                        name="t").start()
+    script = (t.run_dir / "slurm-attempt-1.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@100" in script and "@30" not in script
     assert t.wait(timeout=400) == "failed"
     assert "reached its time limit (00:02:00)" in t.reason and "saved checkpoint step-" in t.reason, t.reason
     assert t.state["job_state"] == "COMPLETED" and t.checkpoints, t.state      # it stopped itself: SLURM killed nothing
