@@ -528,13 +528,21 @@ def _show_failure(self:Dashboard, status: str, state: dict) -> bool:
         return self._set(self.failure, _cancelled_html(state, resumable)) | self._set(self.failure.layout, "", "display")
     return self._set(self.failure.layout, "none", "display")
 
-# %% ../nbs/09_dashboard.ipynb #80491163
+# %% ../nbs/09_dashboard.ipynb #03aa657e
 _BADGE = ('<span style="display:inline-block;padding:3px 12px;border-radius:12px;background:{c};color:white;'
           'font-weight:600;font-size:12px;letter-spacing:.06em;text-transform:uppercase">{s}</span>')
 
+def _pending_html(status: str, state: dict) -> str:
+    "Beside the badge of a queued SLURM run: the scheduler's reason it waits (`Resources`, `Priority`, ...)."
+    why = state.get("pending_reason") if status == State.queued else None
+    if not why or why == "None": return ""
+    job = f" (job {html.escape(str(state['job_id']))})" if state.get("job_id") else ""
+    return f' <span class="ilab-pending" style="font-size:12px;color:#5f6368">waiting in SLURM{job}: {html.escape(str(why))}</span>'
+
 @patch
 def _show_status(self:Dashboard, status: str, state: dict) -> bool:
-    ch = self._set(self.badge, _BADGE.format(c=STATUS_COLOURS.get(status, "#5f6368"), s=html.escape(status)))
+    ch = self._set(self.badge, _BADGE.format(c=STATUS_COLOURS.get(status, "#5f6368"), s=html.escape(status))
+                   + _pending_html(status, state))
     attempt = state.get("attempt") or (self.monitor.header or {}).get("attempt")
     ch |= self._set(self.header, _header_html(self.monitor.run_id, attempt, self.monitor.header or {}))
     ch |= self._show_buttons(status)

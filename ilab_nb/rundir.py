@@ -85,6 +85,7 @@ class RunPaths:
     state_prev = property(lambda self: self.root / "state.json.prev", doc="The last good copy of `state.json`, written with it.")
     state_lock = property(lambda self: self.root / ".state.lock", doc="The lock every writer of `state.json` holds.")
     heartbeat = property(lambda self: self.root / ".heartbeat", doc="Touched by the supervisor: a heartbeat a full disk cannot stop.")
+    reserve = property(lambda self: self.root / ".reserve", doc="Space the supervisor sets aside and frees to write the final state on a full disk.")
     events = property(lambda self: self.root / "events.jsonl", doc="Lifecycle events, append-only.")
     metrics = property(lambda self: self.root / "metrics.jsonl", doc="Rank 0's records: header, train, eval, event.")
     control = property(lambda self: self.root / "control", doc="Requests to the run from anyone.")
@@ -270,7 +271,7 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 command="list", launcher="dict", world_size="int?", exit_code="int?", ended_at="float",
                                 reason="str", failed_rank="int?", signal="any", log_tail="list", log_file="str",
                                 stop_requested_at="float", forced="bool", resume_from="str", resumed_from_step="int",
-                                attempts="list", backend="str", job_id="str", job_attempt="int", job_state="str?",
+                                attempts="list", backend="str", job_id="str", job_attempt="int", job_restarts="int", job_state="str?",
                                 pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
                                 claimed_by="str", tracker_errors="list", changes="dict", forked_from="dict",
                                 **{f"{s}_at": "float" for s in STATES})),

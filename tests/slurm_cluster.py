@@ -51,7 +51,7 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 MpiDefault=none
-ReturnToService=2
+ReturnToService=1
 KillWait=5
 NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={p1} CPUs=1 State=UNKNOWN
 NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={p2} CPUs=1 State=UNKNOWN

@@ -136,29 +136,49 @@ def files_of(d): return {str(p.relative_to(d)): p.stat().st_size for p in sorted
 
 @pytest.mark.processes
 def test_disk_full_mid_run(demo, small_train, tmpfs_runs_root):
+    # Issue 20, item 5: the disk fills during a checkpoint save of a 2-rank FSDP run (torch's CheckpointException on
+    # both ranks) and stays full: the run ends `failed`, saying so, within a minute, with the disk still full.
     root = tmpfs_runs_root
-    s = make(demo, small_train, root, num_processes=1, strategy="single", max_steps=LONG, save_steps=2).start()
+    s = make(demo, small_train, root, max_steps=LONG, save_steps=2).start()
     ck = Path(wait_until(lambda: s.checkpoints, 2 * START_UP, what="a complete checkpoint")[0]["path"])
     before = files_of(ck)
     sup = ProcessRef.from_dict(s.state["supervisor"])
     fd = fill(root / "filler")
+    os.ftruncate(fd, os.fstat(fd).st_size - (512 << 10))     # room for metrics lines, none for the next checkpoint
     try:
-        # The rank fails on the full disk; the supervisor lives on, retrying its final state.
-        wait_until(lambda: [p.pid for p in run_processes(s.run_dir)] == [sup.pid], 150,
-                   what="the rank to end on the full disk, the supervisor alive")
-        # Reading never needs to write: status, wait, ls and status on the command line all answer.
-        assert s.status == "running"
-        with pytest.raises(TimeoutError): s.wait(timeout=2)
+        t = wait_until(lambda: s.status == "failed" and s.state, 60 + 30, what="the run to fail on the full disk")
+        assert "No space left on device while writing checkpoints/" in s.reason, s.reason
+        assert t["ended_at"] - max(os.stat(root / "filler").st_mtime, 0) < 60, (t["ended_at"], s.reason)
+        # Any observer reads it as failed: status, wait, ls and status on the command line, with the disk still full.
+        assert s.wait(timeout=5) == "failed"
         rc, out = cli("ls", runs_root=root)
-        assert rc == 0 and s.run_id in out, out
+        assert rc == 0 and "failed" in row(out, s.run_id), out
         rc, out = cli("status", s.run_id, runs_root=root)
-        assert rc == 0 and s.run_id in out, out
-        assert sup.alive() and not list(s.run_dir.glob(".*.tmp"))
+        assert rc == 0 and "No space left on device" in out, out
+        wait_until(lambda: not run_processes(s.run_dir) and not sup.alive(), 60, what="every process of the run to end")
+        assert [e["event"] for e in s.store.events(s.run_id)][-1] == "failed"
     finally:
         os.close(fd); (root / "filler").unlink()
-    # Space is back: the supervisor writes the final state at its next try.
-    assert s.wait(timeout=60) == "failed"
-    assert "No space left on device while writing" in s.reason, s.reason
     assert files_of(ck) == before and (ck / "COMPLETE").exists()      # the complete checkpoint is untouched
+    assert [c["path"] for c in s.checkpoints] == [str(ck)] or all((Path(c["path"]) / "COMPLETE").exists() for c in s.checkpoints)
     assert not list(s.run_dir.glob(".*.tmp")) and not list(s.run_dir.glob("*.tmp"))
-    wait_until(lambda: not sup.alive(), 30, what="the supervisor to exit")
+    assert not [p for p in (s.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]   # no half-written save kept
+
+@pytest.mark.processes
+def test_rank_0s_own_error_is_the_cause_not_the_rank_torchrun_then_terminated(demo, small_train, runs_root, monkeypatch):
+    # Rank 0 fails on its own (its tracker cannot be opened); torchrun then ends rank 1, which waited for it, with
+    # SIGTERM and lists it as killed by a signal. The cause is rank 0, with its own error.
+    from functools import partial
+    tests = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="fault_worker"))
+    s = make(demo, small_train, runs_root, max_steps=2).start()
+    assert s.wait(timeout=START_UP) == "failed"
+    log = (s.run_dir / "logs" / "supervisor.log").read_text()
+    assert "exitcode  : -15" in log, log[-3000:]                  # torchrun did list rank 1 as killed by SIGTERM
+    assert s.state["failed_rank"] == 0, s.reason
+    assert ("rank 0 exited with code 1; FileNotFoundError: [Errno 2] No such file or directory: "
+            "'/nonexistent/mlruns/0/meta.yaml'; then the launcher ended the others (rank 1 was killed by signal SIGTERM)"
+            in s.reason), s.reason
+    assert s.state["log_file"] == "logs/rank-0.log"
+    wait_until(lambda: not run_processes(s.run_dir), 30, what="the run's processes to end")

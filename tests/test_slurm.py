@@ -64,7 +64,8 @@ def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small
 
 
 def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, demo, small_train):
-    a = FineTuneSession(**run_cfg(demo, small_train, max_steps=16, save_steps=4), name="a").start()
+    a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=16, save_steps=4),
+                           "slurm": {"partition": "debug", "time": "00:20:00", "requeue": True}}, name="a").start()
     script = (a.run_dir / "slurm-attempt-1.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "srun --kill-on-bad-exit=1" in script
     assert a.state["job_id"] and a.state["backend"] == "slurm"
@@ -74,6 +75,8 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     # Two submissions queue in SLURM: the second waits, with SLURM's reason.
     wait_until(lambda: b.status == "queued" and b.state.get("pending_reason") not in (None, "None"), 60, what="b queued with a reason")
     assert b.state["pending_reason"] in ("Resources", "Priority", "Dependency", "Nodes_required")
+    dash = b.dashboard(); dash.update()                      # the dashboard says why SLURM keeps it waiting
+    assert f"waiting in SLURM (job {b.state['job_id']}): {b.state['pending_reason']}" in dash.badge.value, dash.badge.value
 
     # scancel from outside (a queued job): terminal, with the reason; nothing stuck.
     subprocess.run(["scancel", c.state["job_id"]], check=True)
@@ -99,12 +102,23 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     assert b.wait(timeout=240) == "failed"
     assert f"rank 1 on node {node} was killed by signal SIGKILL" in b.reason, b.reason
 
-    # A finishes from its checkpoint; the model loads; a new process sees every step.
+    # A runs from its checkpoint; once it has saved another, `scontrol requeue` of its job (as a preemption does):
+    # SLURM starts the job again, and it resumes from the latest complete checkpoint as attempt 3.
+    wait_until(lambda: a.status == "running" and a.checkpoints and a.checkpoints[-1]["step"] > stopped_at, 400,
+               what="run a's second attempt to save a checkpoint")
+    requeued_at = a.checkpoints[-1]["step"]
+    subprocess.run(["scontrol", "requeue", a.state["job_id"]], check=True)
+    # SLURM holds a requeued job before it is eligible again (about 2 minutes here); an administrator's release:
+    wait_until(lambda: "PENDING" in subprocess.run(["scontrol", "show", "job", "-o", a.state["job_id"]], capture_output=True,
+                                                   text=True).stdout, 120, what="the requeued job pending")
+    subprocess.run(["scontrol", "update", f"JobId={a.state['job_id']}", "StartTime=now"], check=True)
+    # A finishes; the model loads; a new process sees every step.
     assert a.wait(timeout=400) == "completed", a.reason
     model, tok = a.load_model()
     assert model.num_parameters() == head["params_total"]
-    a.monitor.poll(); header2 = [r for r in a.monitor.records if r.get("kind") == "header"][-1]
-    assert header2["attempt"] == 2 and header2["resumed_from_step"] == stopped_at
+    a.monitor.poll(); headers = [r for r in a.monitor.records if r.get("kind") == "header"]
+    assert [(h["attempt"], h.get("resumed_from_step")) for h in headers][1:] == [(2, stopped_at), (3, requeued_at)], headers
+    assert a.state["attempt"] == 3
     out = subprocess.run([sys.executable, "-c", f"from ilab_nb import FineTuneSession as S; s = S.attach({a.run_id!r}); "
                           "print(s.status, sorted({r['step'] for r in s.metrics() if r['kind'] == 'train'}))"],
                          capture_output=True, text=True, timeout=120, env=os.environ)
@@ -120,3 +134,44 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
         probs += [p for e in s.store.events(s.run_id) for p in schema_problems(e, "lifecycle")]
         probs += [p for r in s.monitor.records if r.get("kind") in ("header", "train", "eval", "event") for p in schema_problems(r, r["kind"])]
         assert not probs, (s.run_id, probs)
+
+
+def node_state(node) -> str:
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout.strip()
+
+
+def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(cluster, runs_root, demo, small_train):
+    # A job with a 2-minute limit is signalled before it: every rank saves, and the run ends failed saying "time
+    # limit", with that checkpoint, before SLURM has to kill anything. (The default lead, a tenth of the limit or at
+    # least 30 s, would have the signal come 30-90 s into the job: the user's own --signal, 100 s, is kept instead, and
+    # makes the test a minute shorter.)
+    t = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=2000, save_steps=1000),
+                           "slurm": {"partition": "debug", "time": "00:02:00", "sbatch_lines": ["--signal=B:USR1@100"]}},
+                        name="t").start()
+    script = (t.run_dir / "slurm-attempt-1.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@100" in script and "@30" not in script
+    assert t.wait(timeout=400) == "failed"
+    assert "reached its time limit (00:02:00)" in t.reason and "saved checkpoint step-" in t.reason, t.reason
+    assert t.state["job_state"] == "COMPLETED" and t.checkpoints, t.state      # it stopped itself: SLURM killed nothing
+    ck = t.checkpoints[-1]["step"]
+    assert f"step-{ck:08d}" in t.reason
+
+    # resume() continues it from that checkpoint as attempt 2 (given more time, so the limit's signal is not next).
+    t.resume()
+    subprocess.run(["scontrol", "update", f"JobId={t.state['job_id']}", "TimeLimit=00:20:00"], check=True)
+    wait_until(lambda: t.status == "running" and (t.progress()["step"] or 0) > ck, 400, what="attempt 2 training past the checkpoint")
+    t.monitor.poll(); head = [r for r in t.monitor.records if r.get("kind") == "header"][-1]
+    assert (head["attempt"], head["resumed_from_step"]) == (2, ck)
+
+    # The node of rank 1 fails (set down, as SLURM does with a node that stops answering): the run fails naming it,
+    # and no process of the run is left on either node.
+    node = head["nodes"][1]
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=ilab_nb test node failure"], check=True)
+    try:
+        assert t.wait(timeout=180) == "failed"
+        assert f"lost node {node} (" in t.reason and "ilab_nb test node failure" in t.reason, t.reason
+        assert t.state["failed_node"] == node and t.state["job_state"].startswith("NODE_FAIL"), t.state
+        wait_until(lambda: not run_processes_under(runs_root), 60, what="every process of the run gone, on both nodes")
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+        wait_until(lambda: node_state(node) == "idle", 120, what=f"node {node} back")
