@@ -119,6 +119,12 @@ def rank_account(self:RunPaths, rank) -> Path:
     "Where `rank` writes its own account of itself."
     return self.ranks / f"rank-{rank}.json"
 
+# %% ../nbs/00_rundir.ipynb #d9fa05a8
+@patch
+def rank_reserve(self:RunPaths, rank) -> Path:
+    "Space `rank` sets aside beside its account while it trains, and frees so that its last account fits on a full disk."
+    return self.ranks / f".rank-{rank}.reserve"
+
 # %% ../nbs/00_rundir.ipynb #16eef27e
 def _by_rank(paths) -> list:
     "`rank-N.*` files in rank order (rank 10 after rank 9)."

@@ -319,17 +319,36 @@ def _link_tree(src: Path, dst: Path, only: str | None = None):
     if only is not None: return link(Path(src) / only, Path(dst) / only)
     shutil.copytree(src, dst, copy_function=link)
 
-# %% ../nbs/08_session.ipynb #60c27a36
+# %% ../nbs/08_session.ipynb #f9adf7c3
 @patch
-def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, **changes) -> FineTuneSession:
-    """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
-    (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
+def checkpoint_at(self:FineTuneSession, step=None) -> tuple[dict, TrainConfig]:
+    "The complete checkpoint at `step` (default: the latest) and the config of the attempt that wrote it: what a fork starts from."
     ckpts = self.checkpoints
     if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to fork from.")
     ck = ckpts[-1] if step is None else next((c for c in ckpts if c["step"] == step), None)
     if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
     wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")      # the attempt that saved it
-    cfg, diff, pf = self._changed(changes, ck, "fork", TrainConfig.read_json(RunPaths(self.run_dir).config_for(wrote)))
+    return ck, TrainConfig.read_json(RunPaths(self.run_dir).config_for(wrote))
+
+# %% ../nbs/08_session.ipynb #d7fa9e66
+def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig) -> tuple[TrainConfig, Path]:
+    "Link the fork's starting files from `src` into `dst`; returns the config with its data paths moved, and the checkpoint."
+    if src.data.exists():                     # data written from memory into the parent: the fork's own copy
+        _link_tree(src.data, dst.data)
+        moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data) else q for q in ps]
+        cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
+    if src.reference_logps.exists(): dst.cache.mkdir(exist_ok=True); _link_tree(src.cache, dst.cache, only=src.reference_logps.name)
+    at, tmp = dst.checkpoint(ck["step"]), dst.checkpoint_tmp(ck["step"])
+    _link_tree(Path(ck["path"]), tmp); os.replace(tmp, at)                 # complete or absent, like any checkpoint
+    return cfg, at
+
+# %% ../nbs/08_session.ipynb #efcdfb5a
+@patch
+def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, **changes) -> FineTuneSession:
+    """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
+    (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
+    ck, base = self.checkpoint_at(step)
+    cfg, diff, pf = self._changed(changes, ck, "fork", base)
     pf = pf or preflight(cfg, self.store.root)          # the fork's own devices and memory, as a new run's
     new = type(self).__new__(type(self))
     new.store, new.queue, new.preflight = self.store, queue, pf
@@ -337,14 +356,7 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
     if self.store.run_dir(new.run_id).exists(): raise FileExistsError(f"Run {new.run_id!r} already exists in {self.store.root}.")
     new._init_common()
     src, dst = RunPaths(self.run_dir), RunPaths(self.store.create_run(new.run_id))
-    try:
-        if src.data.exists():                     # data written from memory into the parent: the fork's own copy
-            _link_tree(src.data, dst.data)
-            moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data) else q for q in ps]
-            cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
-        if src.reference_logps.exists(): dst.cache.mkdir(exist_ok=True); _link_tree(src.cache, dst.cache, only=src.reference_logps.name)
-        at = dst.checkpoint(ck["step"]); tmp = dst.checkpoint_tmp(ck["step"])
-        _link_tree(Path(ck["path"]), tmp); os.replace(tmp, at)                 # complete or absent, like any checkpoint
+    try: cfg, at = _fork_files(src, dst, ck, cfg)
     except OSError as e:          # the parent pruned that checkpoint meanwhile, a full disk, ...: no half-made fork is left
         shutil.rmtree(dst.root, ignore_errors=True)
         raise RuntimeError(f"Could not fork run {self.run_id} at step {ck['step']}: {type(e).__name__}: {e}") from None

@@ -14,7 +14,7 @@ from .runstore import RunStore, TERMINAL, new_run_id, validate_run_id, write_jso
 from .monitor import RunMonitor
 from .session import FineTuneSession
 from .core import patch
-from .rundir import TRAINER_STATE, RunPaths
+from .rundir import RunPaths
 
 # %% auto #0
 __all__ = ['EXTRA_SUMMARY', 'SWEEPS_DIR', 'MISSING', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary',
@@ -141,11 +141,7 @@ def fork_sweep(self:FineTuneSession, step=None, *, grid=None, name=None, **field
     "A `Sweep` of forks from this run's checkpoint at `step` (default: the latest), one per combination of the listed fields."
     axes, common = sweep_axes(fields, grid)
     combos = sweep_combinations(axes)
-    ckpts = self.checkpoints
-    ck = (ckpts[-1] if ckpts else None) if step is None else next((c for c in ckpts if c["step"] == step), None)
-    if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
-    wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")
-    base = TrainConfig.read_json(RunPaths(self.run_dir).config_for(wrote))
+    ck, base = self.checkpoint_at(step)
     for i, values in enumerate(combos):
         try: with_changes(base, run_fields(common, values), "fork")
         except ConfigError as e: raise ConfigError(e.errors, f"fork sweep combination {i} ({values})") from None

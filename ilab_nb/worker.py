@@ -766,7 +766,7 @@ def record_rank(run_dir, rank: int, attempt: int, status: str, **fields):
     rec = dict(rank=rank, attempt=attempt, status=status, pid=os.getpid(), host=socket.gethostname(),
                local_rank=int(os.environ.get("LOCAL_RANK", rank)), time=time.time(), **fields)
     d = RunPaths(run_dir).ranks; acct = RunPaths(run_dir).rank_account(rank)
-    reserve = acct.with_name(f".{acct.stem}.reserve")
+    reserve = RunPaths(run_dir).rank_reserve(rank)
     for _ in range(2):
         try:
             if not d.parent.is_dir(): return                 # the run directory is gone: never re-create it
