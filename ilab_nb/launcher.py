@@ -324,7 +324,7 @@ def memory_cgroup(pid="self") -> dict | None:
                 "limit_bytes": _read_int(d / ("memory.limit_in_bytes" if v1 else "memory.max"))}
     return None
 
-# %% ../nbs/06_launcher.ipynb #7f1db93d
+# %% ../nbs/06_launcher.ipynb #64847e88
 _OOM_LINE = re.compile(r"Killed process (\d+) \(([^)]*)\) total-vm:(\d+)kB, anon-rss:(\d+)kB, file-rss:(\d+)kB, shmem-rss:(\d+)kB")
 
 def _kernel_log() -> list | None:
@@ -353,6 +353,7 @@ def _kernel_log() -> list | None:
         if m: out.append((float(m.group(1)), m.group(2)))
     return out
 
+# %% ../nbs/06_launcher.ipynb #6a65784c
 def kernel_oom_kill(pid, since=None, log=...) -> dict | None:
     "The kernel log's OOM kill of process `pid` (after epoch time `since`): `{pid, name, rss_bytes, line}`, or None."
     log = _kernel_log() if log is ... else log
