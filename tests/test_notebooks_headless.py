@@ -4,8 +4,9 @@ sweep. Its numbers of steps and its training data come from the environment (ILA
 this test proves that every cell runs and the widgets are live, not that the model learns (the suite's `demo_run`,
 160 steps of the same config, proves that; tests/test_cli.py reads its figures).
 
-The tutorial's stopped-and-resumed run is also the suite's proof of FineTuneSession.resume(): a new attempt from the
-stop's checkpoint whose metrics continue the first attempt's.
+The tutorial's stopped-and-resumed run is also the suite's proof of FineTuneSession.resume() and of a stopped run
+resumed with a larger max_steps: a new attempt from the stop's checkpoint whose metrics continue the first attempt's
+to the new total, over a schedule recomputed for it.
 
 nbdev_test skips the tutorial's training cells (`#| notest`); this test runs all of them. The executed
 notebook is written to artifacts/12_tutorial.executed.ipynb (git-ignored) for inspection."""
@@ -24,9 +25,10 @@ from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
-# The tutorial's own numbers are 160, 20, 30 and 10 steps; a short first run still leaves 12 steps between its first
-# checkpoint (where the tutorial stops it) and its end.
-TUTORIAL = dict(max_steps=16, save_steps=4, second_run_steps=4, sweep_steps=2)
+# The tutorial's own numbers are 160 steps (resumed for 20 more), 20, 30 and 10; a short first run still leaves 12
+# steps between its first checkpoint (where the tutorial stops it) and its end.
+TUTORIAL = dict(max_steps=16, save_steps=4, more_steps=4, second_run_steps=4, sweep_steps=2)
+TOTAL = TUTORIAL["max_steps"] + TUTORIAL["more_steps"]      # the first run, resumed with more steps
 DATA_LINES = 600        # about 8 steps an epoch at the demo config's 2 x 2048 tokens
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.processes]
@@ -61,7 +63,7 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     print(f"\n[measured] tutorial executed in {time.perf_counter() - t0:.1f} s")
 
     # the dashboards' progress bars: the resumed run, the second run and the attached one end complete (value == max)
-    steps = {TUTORIAL["max_steps"], TUTORIAL["second_run_steps"]}
+    steps = {TOTAL, TUTORIAL["second_run_steps"]}
     bars = [s for s, _ in widget_models(nb, "IntProgressModel") if "ilab-progress" in s.get("_dom_classes", [])]
     assert len(bars) >= 3, f"expected the tutorial's dashboards in the widget state, found {len(bars)} progress bars"
     done = [b for b in bars if b["bar_style"] == "success"]
@@ -78,7 +80,7 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     assert pngs, "the compare() cell has no image/png output"
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "cancelled" in text and "completed" in text
-    assert f"held-out exact-match accuracy after {TUTORIAL['max_steps']} steps:" in text
+    assert f"held-out exact-match accuracy after {TOTAL} steps:" in text
 
     # FineTuneSession.resume(), on the tutorial's first run: stopped at a checkpoint, resumed as attempt 2 from it,
     # completed; the logged steps (every 2nd, logging_steps=2) continue without a gap or a repeat; nothing is left.
@@ -96,9 +98,13 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     assert saved and saved[-1] == at                # the stop wrote a checkpoint at the step it stopped at
     headers = [r for r in m.records if r.get("kind") == "header"]
     assert [(h["attempt"], h["resumed_from_step"]) for h in headers] == [(1, None), (2, at)]
+    # resumed with more steps than it started with: the new total, the change recorded, the schedule recomputed
+    assert [h["total_steps"] for h in headers] == [TUTORIAL["max_steps"], TOTAL]
+    assert headers[1]["changes"] == {"max_steps": [TUTORIAL["max_steps"], TOTAL]} and st["changes"] == {"2": headers[1]["changes"]}
+    assert f"over {TOTAL} steps (was {TUTORIAL['max_steps']})" in headers[1]["schedule"]["note"], headers[1]["schedule"]
     train = m.train_records
     logged = [r["step"] for r in train]
-    assert logged == sorted(set(logged)) and logged[-1] == TUTORIAL["max_steps"]
-    assert set(range(2, TUTORIAL["max_steps"] + 1, 2)) <= set(logged)
+    assert logged == sorted(set(logged)) and logged[-1] == TOTAL
+    assert set(range(2, TOTAL + 1, 2)) <= set(logged)
     assert all((r["attempt"] == 1) == (r["step"] <= at) for r in train), [(r["step"], r["attempt"]) for r in train]
     wait_until(lambda: not run_processes(run_dir), 30, what=f"every process of {run_id} to end")
