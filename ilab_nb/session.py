@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from .config import TrainConfig, ConfigError, InMemoryData, load_config
+from .config import TrainConfig, ConfigError, InMemoryData, load_config, with_changes
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
                               kill_run_processes, run_processes)
 from .core import patch, require_torch
@@ -261,7 +261,6 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None) -> str:
 @patch
 def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=None) -> tuple:
     "`(config, diff, preflight)` of the run going on from `ckpt` with `changes` to `base` (default: its config now)."
-    from ilab_nb.config import with_changes
     base = base or self.config
     if base is None: raise RuntimeError(f"Run {self.run_id}: its config.json cannot be read, so it cannot {what}.")
     cfg, diff = with_changes(base, changes, what)
