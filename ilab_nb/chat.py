@@ -150,20 +150,21 @@ class ChatBox(W.VBox):
 # %% ../nbs/16_chat.ipynb #c75c694a
 @patch
 def _answer(self:ChatBox, text: str):
-    t0, n, answer = time.time(), 0, ""
+    t0, answer, status = time.time(), "", ""
     before = list(self.chat.messages) + [{"role": "user", "content": text}]
     try:
         for piece in self.chat.ask(text):
-            answer += piece; n += 1
+            answer += piece
             self.transcript.value = transcript_html(before, answer)
-        stopped = self.chat.stop_event.is_set()
-        self.status.value = (f"<span style='color:#5f6368'>{'stopped' if stopped else 'done'} · {time.time() - t0:.1f} s</span>"
-                             + "".join(f"<br><span style='color:#b06000'>{html.escape(n)}</span>" for n in self.chat.notes))
+        ended = "stopped" if self.chat.stop_event.is_set() else "done"
+        status = (f"<span style='color:#5f6368'>{ended} · {time.time() - t0:.1f} s</span>"
+                  + "".join(f"<br><span style='color:#b06000'>{html.escape(note)}</span>" for note in self.chat.notes))
     except Exception as e:
         self.error = e
-        self.status.value = f"<span style='color:#d93025'>generation failed: {html.escape(f'{type(e).__name__}: {e}')}</span>"
+        status = f"<span style='color:#d93025'>generation failed: {html.escape(f'{type(e).__name__}: {e}')}</span>"
     finally:
         self.transcript.value = transcript_html(self.chat.messages)
+        self.status.value = status
         self.send_button.disabled, self.stop_button.disabled = False, True
         self.busy.clear()
 
