@@ -86,9 +86,12 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
         "Stop what start() started, by pid."
         for p in reversed(self.procs):
             if p.poll() is None: p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 5     # a slurmd whose node was set down and back does not always end on SIGTERM: killed
         for p in self.procs:
-            try: p.wait(timeout=20)
-            except subprocess.TimeoutExpired: p.kill(); p.wait()
+            try: p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill(); p.wait()
+                with open(self.dir / "log" / "daemons.out", "a") as f: f.write(f"stop: {' '.join(p.args[:4])} killed after SIGTERM\n")
         self.procs = []
         if self.munged_pid:
             try: os.kill(self.munged_pid, signal.SIGTERM)
