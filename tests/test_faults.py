@@ -1,5 +1,5 @@
 """Issue 7, faults of the run directory itself, with real processes: a full disk mid-run (a real small tmpfs as the
-runs root), an unreadable `state.json`, a run directory deleted while its ranks train, a run id with a trailing
+runs root; filled during a checkpoint, while only metrics are written, and while the final model is written), an unreadable `state.json`, a run directory deleted while its ranks train, a run id with a trailing
 newline, and the message of a forced `stop()`. (A `state.json` corrupted while its run trains and as it ends:
 tests/test_session.py::test_queue_and_stop_with_a_corrupt_state.)"""
 import errno, os, shutil, signal, subprocess
@@ -163,6 +163,54 @@ def test_disk_full_mid_run(demo, small_train, tmpfs_runs_root):
     assert [c["path"] for c in s.checkpoints] == [str(ck)] or all((Path(c["path"]) / "COMPLETE").exists() for c in s.checkpoints)
     assert not list(s.run_dir.glob(".*.tmp")) and not list(s.run_dir.glob("*.tmp"))
     assert not [p for p in (s.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]   # no half-written save kept
+
+def disk_full_ending(s, root, *what):
+    """The run fails on the full disk within a minute, naming one of `what` (the file or directory it was writing), and
+    every observer reads it so; the disk stays full."""
+    t = wait_until(lambda: s.status == "failed" and s.state, 60 + 30, what=f"the run to fail on the full disk ({what})")
+    said = [f"No space left on device while writing {w}" for w in what]
+    assert any(x in s.reason for x in said), s.reason
+    assert t["ended_at"] - os.stat(root / "filler").st_mtime < 60, (t["ended_at"], s.reason)
+    assert s.wait(timeout=5) == "failed"
+    rc, out = cli("status", s.run_id, runs_root=root)
+    assert rc == 0 and any(x in out for x in said), out
+    wait_until(lambda: not run_processes(s.run_dir), 60, what="every process of the run to end")
+    assert [e["event"] for e in s.store.events(s.run_id)][-1] == "failed"
+
+
+@pytest.mark.processes
+def test_disk_full_while_writing_metrics(demo, small_train, tmpfs_runs_root):
+    # Issue 20, item 5: the disk fills while the run trains and writes only its metrics (no checkpoint is due): rank 0's
+    # next record cannot be written, to metrics.jsonl or as its line in the rank's log (whichever file needs a new
+    # block first); the run ends failed naming that file, its final state written from the supervisor's reserve.
+    root = tmpfs_runs_root
+    s = make(demo, small_train, root, max_steps=LONG).start()
+    wait_until(lambda: s.progress()["step"], START_UP, what="a logged step")
+    fd = fill(root / "filler")
+    try: disk_full_ending(s, root, "metrics.jsonl", "logs/rank-0.log")
+    finally: os.close(fd); (root / "filler").unlink()
+    s.monitor.poll(); assert s.monitor.train_records          # what was written before still reads
+
+
+@pytest.mark.processes
+def test_disk_full_while_writing_the_final_model(demo, small_train, tmpfs_runs_root):
+    # Issue 20, item 5: a stopped run is resumed; once the resume has passed its preflight, the disk fills up to
+    # room for one more checkpoint and not for final/ (another writer on the same disk): the last checkpoint is saved,
+    # the final model is not; the run ends failed naming final/, the checkpoints intact.
+    root = tmpfs_runs_root
+    s = make(demo, small_train, root, max_steps=LONG).start()
+    wait_until(lambda: s.progress()["step"], START_UP, what="a logged step")
+    assert s.stop(timeout=120) == "cancelled"
+    ck = Path(s.checkpoints[-1]["path"]); size = sum(files_of(ck).values())
+    s.resume(max_steps=s.checkpoints[-1]["step"] + 2)
+    fd = fill(root / "filler")
+    os.ftruncate(fd, os.fstat(fd).st_size - size - (2 << 20))   # one checkpoint, the reserves and metrics: not final/
+    try:
+        disk_full_ending(s, root, "final/")
+    finally: os.close(fd); (root / "filler").unlink()
+    assert not (s.run_dir / "final").exists() and not (s.run_dir / ".tmp-final").exists()   # no half-written model kept
+    assert len(s.checkpoints) == 2 and all((Path(c["path"]) / "COMPLETE").exists() for c in s.checkpoints)
+
 
 @pytest.mark.processes
 def test_rank_0s_own_error_is_the_cause_not_the_rank_torchrun_then_terminated(demo, small_train, runs_root, monkeypatch):
