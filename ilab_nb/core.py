@@ -8,7 +8,7 @@ import errno, functools, importlib.metadata, inspect, os, re, typing
 from contextlib import contextmanager
 
 # %% auto #0
-__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'require_torch', 'no_space', 'writing']
+__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'require_torch', 'no_space', 'writing', 'size_text', 'count_text']
 
 # %% ../nbs/00_core.ipynb #5960fd12
 def patch_to(cls, as_prop: bool = False, cls_method: bool = False):
@@ -60,3 +60,13 @@ def writing(path):
     except BaseException as e:            # torch's CheckpointException is a BaseException
         if path is None or not no_space(e) or getattr(e, "filename", None) == str(path): raise
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+
+# %% ../nbs/00_core.ipynb #bc2b0961
+def size_text(n: float) -> str:
+    "Bytes at their scale: `3.0 GiB`, `81 MiB`, `12 KiB`, `0 B`."
+    if n >= 2**30: return f"{n / 2**30:.1f} GiB"
+    return next(f"{n / 2**p:.0f} {u}" for u, p in (("MiB", 20), ("KiB", 10), ("B", 0)) if n >= 2**p or p == 0)
+
+def count_text(n: float) -> str:
+    "A parameter count at its scale: `1.24B`, `7.0M`, `512K`, `96`."
+    return next((f"{n / d:.{k}f}{u}" for u, d, k in (("B", 1e9, 2), ("M", 1e6, 1), ("K", 1e3, 0)) if n >= d), f"{n:.0f}")

@@ -13,7 +13,7 @@ from filelock import FileLock, Timeout
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, RUN_ENV,
                               kill_run_processes, read_json, write_json_atomic)
 from .monitor import MetricsReader
-from .core import no_space, patch
+from .core import no_space, patch, size_text
 from .rundir import Event, RankState, RunPaths, State, tail_lines
 
 # %% auto #0
@@ -366,8 +366,6 @@ def kernel_oom_kill(pid, since=None, log=...) -> dict | None:
     return None
 
 # %% ../nbs/06_launcher.ipynb #725f4fa3
-def _mb(n) -> str: return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
 OOM_ADVICE = ("it needed more memory than the machine (or its memory limit) gives the run: lower max_tokens_per_batch "
               "or max_seq_len, shorten eval_prompts or max_new_tokens, shard over more processes, or give it more memory")
 
@@ -378,10 +376,10 @@ def sigkill_cause(rec, before=None, after=None, log=...) -> str:
     rec, log = rec or {}, _kernel_log() if log is ... else log
     k = kernel_oom_kill(rec["pid"], rec.get("time"), log) if rec.get("pid") and log else None
     lim = (after or {}).get("limit_bytes")
-    lim = f" of its {_mb(lim)} limit" if lim and lim < 2**60 else ""
-    if k: return f"the kernel's OOM killer ended it at {_mb(k['rss_bytes'])} resident{lim}: {OOM_ADVICE}"
+    lim = f" of its {size_text(lim)} limit" if lim and lim < 2**60 else ""
+    if k: return f"the kernel's OOM killer ended it at {size_text(k['rss_bytes'])} resident{lim}: {OOM_ADVICE}"
     if before and after and before.get("dir") == after.get("dir") and after["oom_kill"] > before["oom_kill"]:
-        peak = f" (the cgroup's peak {_mb(after['peak_bytes'])}{lim})" if after.get("peak_bytes") else ""
+        peak = f" (the cgroup's peak {size_text(after['peak_bytes'])}{lim})" if after.get("peak_bytes") else ""
         return f"the kernel's OOM killer ended a process of the run's memory cgroup{peak}: {OOM_ADVICE}"
     if log is not None and rec.get("pid") or (before and after):
         return "not by the kernel's OOM killer (" + ("none in the kernel log" if log is not None and rec.get("pid")

@@ -8,7 +8,7 @@ import errno, functools, json, math, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
 from .config import TrainConfig
-from .core import require_torch
+from .core import count_text, require_torch, size_text
 from .launcher import cpu_slots
 from .lora import adapter_param_count
 
@@ -288,7 +288,7 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0) ->
     if est["device_bytes"] > 0.9 * cap and not cfg.ignore_memory_estimate:
         G = 2**30
         raise PreflightError(
-            f"The model ({est['params'] / 1e9:.2f}B parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU before activations "
+            f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU before activations "
             f"(strategy={cfg.strategy!r}, {cfg.num_processes} processes, precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: "
             f"{est['per_rank_state'] / G:.1f} GiB of weights, gradients and AdamW state, {est['gathered'] / G:.1f} GiB gathered, "
             f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
@@ -318,9 +318,9 @@ def check_disk(cfg, runs_root) -> dict:
     per_ckpt, final = 16 * n, 4 * n
     need, free = final + (keep + 1) * per_ckpt, _free_bytes(runs_root)
     if need > free:
-        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {need / 2**30:.1f} GiB for {keep} checkpoint(s) "
-                             f"of {per_ckpt / 2**30:.2f} GiB and the final model ({final / 2**30:.2f} GiB in float32, "
-                             f"{n / 1e9:.2f}B parameters), but {free / 2**30:.1f} GiB is free. "
+        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {size_text(need)} for {keep} checkpoint(s) "
+                             f"of {size_text(per_ckpt)} and the final model ({size_text(final)} in float32, "
+                             f"{count_text(n)} parameters), but {size_text(free)} is free. "
                              "Free some space, choose another runs_root, or set save_total_limit.")
     return {"weights_bytes": w, "params": n, "checkpoints_kept": keep, "need_bytes": need, "free_bytes": free}
 
