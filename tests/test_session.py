@@ -107,10 +107,22 @@ def corrupt(run_dir, garbage="garbage"):
 
 
 @pytest.mark.processes
-def test_queue_and_stop_with_a_corrupt_state(demo, small_train, runs_root):
-    a = make(demo, small_train, runs_root, max_steps=LONG)
+def test_queue_and_stop_with_a_corrupt_state(demo, small_train, runs_root, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)           # MLflow's file store in <runs_root>/.mlruns
+    a = make(demo, small_train, runs_root, max_steps=LONG, report_to=["mlflow"])
     a.start()
     first_train_record(a.run_dir)
+    assert a.status == "running"
+
+    # (Issue 20, item 2) a tracker that breaks mid-run: MLflow's store vanishes (moved away, as a cleanup script might):
+    # the run trains on, and the break is in its state, on its dashboard and in `ilab-nb status`, not only in a log.
+    (runs_root / ".mlruns").rename(runs_root / ".mlruns-moved")
+    broke = wait_until(lambda: a.state.get("tracker_errors"), 60, what="the tracker's break in the state")
+    assert broke[0]["tracker"] == "mlflow" and broke[0]["step"] >= 1 and ".mlruns" in broke[0]["error"], broke
+    dash = a.dashboard(); dash.update()
+    assert f"mlflow broke at step {broke[0]['step']}" in dash.progress_text.value, dash.progress_text.value
+    out = ilab("status", a.run_id, "--runs-root", runs_root, check=0, timeout=120).stdout
+    assert f"tracker:  mlflow broke at step {broke[0]['step']}" in out and "metrics.jsonl has them all" in out, out
     assert a.status == "running"
 
     # The same devices (both CPU slots): a second run waits in the queue; queue=False refuses at once, naming the holder.
