@@ -313,6 +313,42 @@ def test_two_resumes_at_once_one_wins(runs_root, tmp_path):
     assert (test_state["status"], test_state["attempt"]) == ("queued", 2)
 
 
+START_RACER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import ilab_nb.session as S
+    model, data, runs, go, fields = sys.argv[1:]
+    blockers = S.DeviceSlots.blockers
+    def at_the_same_instant(self, *a, **kw):   # both callers find the devices free before either supervisor holds them
+        out = blockers(self, *a, **kw)
+        Path(go + f".{os.getpid()}").touch()
+        while len(list(Path(go).parent.glob(Path(go).name + ".*"))) < 2: time.sleep(0.01)
+        return out
+    S.DeviceSlots.blockers = at_the_same_instant
+    s = S.FineTuneSession(model, data, runs_root=runs, queue=False, max_steps=5000, **eval(fields)).start()
+    print(s.run_id)
+""")
+
+
+@pytest.mark.processes
+def test_two_starts_at_once_on_the_same_devices_one_runs(demo, small_train, runs_root, tmp_path):
+    "Issue 20 item 4: two processes start runs on the same two CPU slots at the same instant (queue=False): one holds them."
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", START_RACER, str(demo.model_dir), str(small_train), str(runs_root), str(go),
+                               repr(FIELDS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    ids = [o[0].strip().splitlines()[-1] for o in outs if o[0].strip()]
+    assert len(ids) == 2 and all(p.returncode == 0 for p in procs), outs          # both checks passed: the race is real
+    runs = [FineTuneSession.attach(i, runs_root) for i in ids]
+    wait_until(lambda: any(r.status == "failed" for r in runs), 120, what="one of the two to be refused")
+    lost, won = sorted(runs, key=lambda r: r.status != "failed")
+    assert won.status in ("starting", "running"), (won.status, won.reason)
+    assert (f"was not queued (queue=False) and its devices ['cpu-0', 'cpu-1'] are busy: held by or promised to run(s) {won.run_id}"
+            in lost.reason), lost.reason
+    assert won.stop(grace_s=0, timeout=60) == "cancelled"
+    assert_no_process_left(won.run_dir); assert_no_process_left(lost.run_dir)
+
+
 STOP_RACER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
