@@ -134,36 +134,6 @@ def fill(path) -> int:
 def files_of(d): return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.processes
-def test_disk_full_mid_run(demo, small_train, tmpfs_runs_root):
-    # Issue 20, item 5: the disk fills during a checkpoint save of a 2-rank FSDP run (torch's CheckpointException on
-    # both ranks) and stays full: the run ends `failed`, saying so, within a minute, with the disk still full.
-    root = tmpfs_runs_root
-    s = make(demo, small_train, root, max_steps=LONG, save_steps=2).start()
-    ck = Path(wait_until(lambda: s.checkpoints, 2 * START_UP, what="a complete checkpoint")[0]["path"])
-    before = files_of(ck)
-    sup = ProcessRef.from_dict(s.state["supervisor"])
-    fd = fill(root / "filler")
-    os.ftruncate(fd, os.fstat(fd).st_size - (512 << 10))     # room for metrics lines, none for the next checkpoint
-    try:
-        t = wait_until(lambda: s.status == "failed" and s.state, 60 + 30, what="the run to fail on the full disk")
-        assert "No space left on device while writing checkpoints/" in s.reason, s.reason
-        assert t["ended_at"] - max(os.stat(root / "filler").st_mtime, 0) < 60, (t["ended_at"], s.reason)
-        # Any observer reads it as failed: status, wait, ls and status on the command line, with the disk still full.
-        assert s.wait(timeout=5) == "failed"
-        rc, out = cli("ls", runs_root=root)
-        assert rc == 0 and "failed" in row(out, s.run_id), out
-        rc, out = cli("status", s.run_id, runs_root=root)
-        assert rc == 0 and "No space left on device" in out, out
-        wait_until(lambda: not run_processes(s.run_dir) and not sup.alive(), 60, what="every process of the run to end")
-        assert [e["event"] for e in s.store.events(s.run_id)][-1] == "failed"
-    finally:
-        os.close(fd); (root / "filler").unlink()
-    assert files_of(ck) == before and (ck / "COMPLETE").exists()      # the complete checkpoint is untouched
-    assert [c["path"] for c in s.checkpoints] == [str(ck)] or all((Path(c["path"]) / "COMPLETE").exists() for c in s.checkpoints)
-    assert not list(s.run_dir.glob(".*.tmp")) and not list(s.run_dir.glob("*.tmp"))
-    assert not [p for p in (s.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]   # no half-written save kept
-
 def disk_full_ending(s, root, *what):
     """The run fails on the full disk within a minute, naming one of `what` (the file or directory it was writing), and
     every observer reads it so; the disk stays full."""
@@ -179,6 +149,42 @@ def disk_full_ending(s, root, *what):
 
 
 @pytest.mark.processes
+def test_disk_full_during_a_checkpoint_then_while_writing_the_final_model(demo, small_train, tmpfs_runs_root):
+    # Issue 20, item 5: the disk fills during a checkpoint save of a 2-rank FSDP run (torch's CheckpointException on
+    # both ranks) and stays full: the run ends `failed`, saying so, within a minute, with the disk still full.
+    root = tmpfs_runs_root
+    s = make(demo, small_train, root, max_steps=LONG, save_steps=2).start()
+    ck = Path(wait_until(lambda: s.checkpoints, 2 * START_UP, what="a complete checkpoint")[0]["path"])
+    before = files_of(ck)
+    sup = ProcessRef.from_dict(s.state["supervisor"])
+    fd = fill(root / "filler")
+    os.ftruncate(fd, os.fstat(fd).st_size - (512 << 10))     # room for metrics lines, none for the next checkpoint
+    try:
+        disk_full_ending(s, root, "checkpoints/step-")
+        rc, out = cli("ls", runs_root=root)
+        assert rc == 0 and "failed" in row(out, s.run_id), out
+        wait_until(lambda: not sup.alive(), 60, what="the supervisor to end")
+    finally:
+        os.close(fd); (root / "filler").unlink()
+    assert files_of(ck) == before and (ck / "COMPLETE").exists()      # the complete checkpoint is untouched
+    assert [c["path"] for c in s.checkpoints] == [str(ck)] or all((Path(c["path"]) / "COMPLETE").exists() for c in s.checkpoints)
+    assert not list(s.run_dir.glob(".*.tmp")) and not list(s.run_dir.glob("*.tmp"))
+    assert not [p for p in (s.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]   # no half-written save kept
+
+    # Space freed, the failed run is resumed for 2 more steps; once the resume has passed its preflight, the disk fills
+    # again (another writer) up to room for one more checkpoint and not for final/: the last checkpoint is saved, the
+    # final model is not; the run ends failed naming final/, its checkpoints intact.
+    last = s.checkpoints[-1]; size = sum(files_of(Path(last["path"])).values())
+    s.resume(max_steps=last["step"] + 2)
+    fd = fill(root / "filler")
+    os.ftruncate(fd, os.fstat(fd).st_size - size - (2 << 20))   # one checkpoint, the reserves and metrics: not final/
+    try: disk_full_ending(s, root, "final/")
+    finally: os.close(fd); (root / "filler").unlink()
+    assert not (s.run_dir / "final").exists() and not (s.run_dir / ".tmp-final").exists()   # no half-written model kept
+    assert s.checkpoints[-1]["step"] == last["step"] + 2 and all((Path(c["path"]) / "COMPLETE").exists() for c in s.checkpoints)
+
+
+@pytest.mark.processes
 def test_disk_full_while_writing_metrics(demo, small_train, tmpfs_runs_root):
     # Issue 20, item 5: the disk fills while the run trains and writes only its metrics (no checkpoint is due): rank 0's
     # next record cannot be written, to metrics.jsonl or as its line in the rank's log (whichever file needs a new
@@ -190,26 +196,6 @@ def test_disk_full_while_writing_metrics(demo, small_train, tmpfs_runs_root):
     try: disk_full_ending(s, root, "metrics.jsonl", "logs/rank-0.log")
     finally: os.close(fd); (root / "filler").unlink()
     s.monitor.poll(); assert s.monitor.train_records          # what was written before still reads
-
-
-@pytest.mark.processes
-def test_disk_full_while_writing_the_final_model(demo, small_train, tmpfs_runs_root):
-    # Issue 20, item 5: a stopped run is resumed; once the resume has passed its preflight, the disk fills up to
-    # room for one more checkpoint and not for final/ (another writer on the same disk): the last checkpoint is saved,
-    # the final model is not; the run ends failed naming final/, the checkpoints intact.
-    root = tmpfs_runs_root
-    s = make(demo, small_train, root, max_steps=LONG).start()
-    wait_until(lambda: s.progress()["step"], START_UP, what="a logged step")
-    assert s.stop(timeout=120) == "cancelled"
-    ck = Path(s.checkpoints[-1]["path"]); size = sum(files_of(ck).values())
-    s.resume(max_steps=s.checkpoints[-1]["step"] + 2)
-    fd = fill(root / "filler")
-    os.ftruncate(fd, os.fstat(fd).st_size - size - (2 << 20))   # one checkpoint, the reserves and metrics: not final/
-    try:
-        disk_full_ending(s, root, "final/")
-    finally: os.close(fd); (root / "filler").unlink()
-    assert not (s.run_dir / "final").exists() and not (s.run_dir / ".tmp-final").exists()   # no half-written model kept
-    assert len(s.checkpoints) == 2 and all((Path(c["path"]) / "COMPLETE").exists() for c in s.checkpoints)
 
 
 @pytest.mark.processes
