@@ -396,16 +396,32 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
         raise FileNotFoundError(f"{p} is not a model directory (no config.json) nor an adapter folder (no adapter_config.json).")
     return p
 
-# %% ../nbs/08_session.ipynb #01f12b92
+# %% ../nbs/08_session.ipynb #4a2b8ffd
 @patch
-def load_model(self:FineTuneSession, checkpoint=None, **kwargs):
-    "`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path)."
+def _load(self:FineTuneSession, p: Path, **kwargs):
     from transformers import AutoTokenizer
     from ilab_nb.lora import load_trained
-    p = self.model_path(checkpoint)
     if (why := model_files_problem(p)) is not None: raise ValueError(why)   # not safetensors' own words, and before any load
     trc = bool(self.config and self.config.trust_remote_code)
     return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
+
+# %% ../nbs/08_session.ipynb #aa844196
+@patch
+def _listed(self:FineTuneSession, p: Path) -> bool: return str(p) in {c["path"] for c in self.checkpoints}
+
+@patch
+def load_model(self:FineTuneSession, checkpoint=None, **kwargs):
+    "`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path)."
+    for tries_left in (2, 1, 0):
+        p = self.model_path(checkpoint); listed = self._listed(p)      # a complete checkpoint of this run, when chosen
+        try: return self._load(p, **kwargs)
+        except Exception:
+            if not listed or self._listed(p): raise                    # not rotated away: the load's own error stands
+            if checkpoint == "latest" and tries_left: continue
+            limit = getattr(self.config, "save_total_limit", None)
+            raise FileNotFoundError(f"{p} was removed while it was read: run {self.run_id} saved a newer checkpoint"
+                                    + (f" and keeps only its newest {limit} (save_total_limit)" if limit else "")
+                                    + "; load checkpoint='latest' or a step it still has.") from None
 
 # %% ../nbs/08_session.ipynb #74f96fe8
 @patch

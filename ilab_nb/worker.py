@@ -685,7 +685,7 @@ def prune_checkpoints(run_dir: Path, limit: int | None):
     "Keep the newest `limit` complete checkpoints (`save_total_limit`); None keeps all."
     if not limit: return []
     old = complete_checkpoints(run_dir)[:-limit]
-    for p in old: shutil.rmtree(p)
+    for p in old: (p / CKPT_MARKER).unlink(); shutil.rmtree(p)     # incomplete to any reader before its files go
     return old
 
 # %% ../nbs/05_worker.ipynb #6e35866d

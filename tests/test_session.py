@@ -382,3 +382,25 @@ def test_two_forced_stops_at_once_record_one_ending(runs_root, tmp_path):
         assert hung.wait(10) == -9
     finally:
         hung.kill(); hung.wait()
+
+
+@pytest.mark.processes
+def test_chat_over_a_running_run_whose_checkpoint_rotates_away(demo, small_train, runs_root, monkeypatch):
+    """Issue 20 item 4: a chat box over the latest checkpoint of a running run that keeps one (save_total_limit=1): the
+    run's next save removes the checkpoint while the chat reads it; the chat reads the newer one instead of failing."""
+    from ilab_nb.chat import ChatBox
+    s = make(demo, small_train, runs_root, max_steps=LONG, save_steps=2, save_total_limit=1).start()
+    wait_until(lambda: s.checkpoints, START_UP, what="a checkpoint")
+    real, read = FineTuneSession._load, []
+    def slow_first_read(self, p, **kw):        # the first read takes long enough for the run to save again
+        read.append(p)
+        if len(read) == 1:
+            wait_until(lambda: not p.exists(), 60, what=f"the run's next save to remove {p.name}")
+            assert self.stop(timeout=120) == "cancelled"             # nothing is removed from here on
+        return real(self, p, **kw)
+    monkeypatch.setattr(FineTuneSession, "_load", slow_first_read)
+    box = ChatBox.from_session(s, "latest", max_new_tokens=4)        # was: the library's error about a missing file
+    assert len(read) == 2 and read[1] == Path(s.checkpoints[-1]["path"]) and read[1] != read[0], (read, s.checkpoints)
+    box.send("Hi")
+    assert box.wait(60) and box.error is None and "done" in box.status.value
+    assert_no_process_left(s.run_dir)
