@@ -228,10 +228,11 @@ def wait(self:Sweep, timeout=None, poll_s: float = 1.0) -> list:
 
 # %% ../nbs/14_sweep.ipynb #4d8b5024
 @patch
-def stop(self:Sweep, wait: bool = True) -> list:
-    "Ask every run to stop (queued ones are cancelled, running ones checkpoint first); returns their statuses."
-    for s in self.sessions: s.stop(wait=False)
-    return [s.stop(wait=True) for s in self.sessions] if wait else [s.status for s in self.sessions]
+def stop(self:Sweep, wait: bool = True, timeout=None, grace_s=None) -> list:
+    """Ask every run to stop (queued ones are cancelled, running ones checkpoint first); returns their statuses.
+    `timeout` and `grace_s` are `FineTuneSession.stop`'s, for each run."""
+    for s in self.sessions: s.stop(wait=False, grace_s=grace_s)
+    return [s.stop(wait=True, timeout=timeout, grace_s=grace_s) for s in self.sessions] if wait else [s.status for s in self.sessions]
 
 # %% ../nbs/14_sweep.ipynb #f267fcd1
 @patch

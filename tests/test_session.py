@@ -384,6 +384,48 @@ def test_two_forced_stops_at_once_record_one_ending(runs_root, tmp_path):
         hung.kill(); hung.wait()
 
 
+SWEEP_STOP_RACER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import psutil
+    from ilab_nb.sweep import Sweep
+    runs, sid, go = sys.argv[1:]
+    kill = psutil.Process.kill
+    def at_the_same_instant(self):      # both callers have given up on this run's hung supervisor and are about to kill it
+        Path(go + f".{self.pid}.{os.getpid()}").touch()
+        while len(list(Path(go).parent.glob(Path(go).name + f".{self.pid}.*"))) < 2: time.sleep(0.01)
+        return kill(self)
+    psutil.Process.kill = at_the_same_instant
+    print(Sweep.attach(sid, runs).stop(timeout=0.5))
+""")
+
+
+@pytest.mark.processes
+def test_two_sweep_stops_at_once_end_each_run_once(runs_root, tmp_path):
+    "Issue 20 item 4: two processes stop one sweep of two hung runs at the same instant: each run ends cancelled once."
+    from ilab_nb.runstore import write_json_atomic
+    from ilab_nb.sweep import sweeps_dir
+    store, sid = RunStore(runs_root), "race-sweep"
+    rids, hung = [f"{sid}-00", f"{sid}-01"], [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    try:
+        for rid, h in zip(rids, hung):
+            store.create_run(rid)
+            store.write_state(rid, status="running", attempt=1, supervisor=ProcessRef.of(h.pid).to_dict(), heartbeat_at=time.time() + 3600)
+        (sweeps_dir(runs_root) / sid).mkdir(parents=True)
+        write_json_atomic(sweeps_dir(runs_root) / sid / "sweep.json",
+                          dict(sweep_id=sid, axes={"learning_rate": [1e-3, 3e-3]},
+                               runs=[dict(run_id=r, values={"learning_rate": v}) for r, v in zip(rids, (1e-3, 3e-3))]))
+        go = tmp_path / "go"
+        procs = [subprocess.Popen([sys.executable, "-c", SWEEP_STOP_RACER, str(runs_root), sid, str(go)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert [o[0].strip() for o in outs] == ["['cancelled', 'cancelled']"] * 2, outs
+        for rid in rids: assert [e["event"] for e in store.events(rid)].count("cancelled") == 1, store.events(rid)
+        assert [h.wait(10) for h in hung] == [-9, -9]
+    finally:
+        for h in hung: h.kill(); h.wait()
+
+
 @pytest.mark.processes
 def test_chat_over_a_running_run_whose_checkpoint_rotates_away(demo, small_train, runs_root, monkeypatch):
     """Issue 20 item 4: a chat box over the latest checkpoint of a running run that keeps one (save_total_limit=1): the
