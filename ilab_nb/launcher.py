@@ -408,7 +408,7 @@ def _log(msg):
     try: print(f"[supervisor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
     except OSError: pass      # a full disk must not take the supervisor down with its log
 
-# %% ../nbs/06_launcher.ipynb #0a96638d
+# %% ../nbs/06_launcher.ipynb #328859e0
 STOP_GRACE_S = 60.0    # after a stop request, how long the worker gets to checkpoint and exit before SIGTERM
 
 TERM_GRACE_S = 10.0    # after SIGTERM, how long before SIGKILL
@@ -420,7 +420,9 @@ class Supervisor:
         self.run_dir = Path(run_dir).absolute(); self.store = RunStore(self.run_dir.parent); self.run_id = self.run_dir.name
         self.attempt, self.resume, self.queue, self.worker_module, self.poll_s = attempt, resume, queue, worker_module, poll_s
         self.grace_s = float(grace_s if grace_s is not None else os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
-        self.slots = DeviceSlots(locks); self.me = ProcessRef.of()
+        self.locks, self.me = locks, ProcessRef.of()
+        try: self.slots, self.locks_error = DeviceSlots(locks), None
+        except OSError as e: self.slots, self.locks_error = None, e    # said in the run's state by `run`, not as a traceback
         self.proc = self.stop_at = self.term_at = self.signum = self.cgroup_at_launch = None
         self.forced = False; self.last_hb = 0.0
         self.pending, self.nospace, self.events = {}, None, []   # fields a full disk kept from state.json; what it hit
@@ -679,7 +681,21 @@ def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
         return self._conclude(offset, reader, events)
     finally: log.close()
 
-# %% ../nbs/06_launcher.ipynb #c2dc896e
+# %% ../nbs/06_launcher.ipynb #90faa445
+@patch
+def _devices(self:Supervisor, request) -> list | None:
+    "`wait_for_devices`; or the run failed with the reason when the device locks directory cannot be written (None)."
+    try:
+        if self.slots is None: raise self.locks_error
+        return self.wait_for_devices(request)
+    except OSError as e:
+        d = locks_dir(self.locks)
+        if not str(getattr(e, "filename", None) or "").startswith(str(d)): raise
+        self._finish(State.failed, reason=f"Run {self.run_id} failed: its device locks in {d} cannot be written ({type(e).__name__}: "
+                     f"{e}); set ILAB_NB_LOCKS to a writable directory, then resume().")
+        return None
+
+# %% ../nbs/06_launcher.ipynb #3f8e8161
 @patch
 def run(self:Supervisor) -> int:
     "Supervise the attempt to its end; returns 0 unless the run failed."
@@ -693,7 +709,7 @@ def run(self:Supervisor) -> int:
     _log(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
     cfg = read_json(RunPaths(self.run_dir).config_for(self.attempt), {}) or {}   # config.json, or the attempt's changed config
     request = st.get("request") or device_request("cpu", int(cfg.get("num_processes", 1)))
-    slots = self.wait_for_devices(request)
+    slots = self._devices(request)
     if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == State.cancelled else 1
     try: return self._launch_and_watch(cfg, request, slots)
     finally: self.slots.release()

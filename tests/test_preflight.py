@@ -166,3 +166,21 @@ def test_hub_id_in_the_local_cache_runs_from_its_snapshot(demo, small_train, run
     s = FineTuneSession("someorg/tiny", small_train, runs_root=runs_root, **FIELDS)
     assert s.config.model == str(snap) and s.preflight["model_id"] == "someorg/tiny"
     assert s.preflight["weights_bytes"] > 0 and not runs_root.exists()
+
+
+@pytest.mark.processes        # mount and umount, as root
+def test_locks_dir_read_only_after_construction_fails_the_run_with_the_reason(demo, small_train, runs_root, tmp_path, monkeypatch):
+    "Issue 20 item 2: the device locks' directory becomes read-only between the preflight and the supervisor's start."
+    if os.geteuid() != 0: pytest.skip("mounting a read-only tmpfs needs root")
+    d = tmp_path / "locks-fs"; d.mkdir()
+    monkeypatch.setenv("ILAB_NB_LOCKS", str(d / "locks"))
+    s = make_session(demo, small_train, runs_root, max_steps=2)          # the preflight finds it writable
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0: pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.strip()}")
+    try:
+        s.start()
+        assert s.wait(timeout=60) == "failed"          # was: queued, then "it died without recording how the run ended"
+        assert f"its device locks in {d / 'locks'} cannot be written (OSError: [Errno 30] Read-only file system" in s.reason, s.reason
+        assert "set ILAB_NB_LOCKS to a writable directory" in s.reason and not run_processes_under(runs_root)
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
