@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+import transformers          # its model classes are read when a test needs them: collecting stays quick (`-m cuda --collect-only`)
 
 from ilab_nb import batching as B
 
@@ -39,8 +39,9 @@ def test_varlen_kernel_is_chosen_by_its_signature_not_its_import(monkeypatch, ke
     assert B.attn_implementation_for("packed", "cuda") == (B.PACKED_ATTENTION if usable else "sdpa")
 
 
-def _tiny(cls=LlamaForCausalLM, cfg=LlamaConfig, **kw):
+def _tiny(arch="Llama", **kw):
     torch.manual_seed(0)
+    cls, cfg = getattr(transformers, f"{arch}ForCausalLM"), getattr(transformers, f"{arch}Config")
     return cls(cfg(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, **kw)).eval()
 
@@ -58,7 +59,7 @@ def _packed_and_alone(lm, device, lengths=(7, 31, 2, 18), autocast=None):
 
 def test_sliding_window_is_honoured_not_dropped():
     "Mistral's sliding window through packed attention equals sdpa's windowed attention on each sequence alone."
-    lm = _tiny(MistralForCausalLM, MistralConfig, sliding_window=4)
+    lm = _tiny("Mistral", sliding_window=4)
     with torch.no_grad(): alone_of = lambda seqs: torch.cat([lm(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
     lm.set_attn_implementation(B.register_packed_attention())
     packed, seqs = _packed_and_alone(lm, "cpu", lengths=(9, 3, 12))
@@ -149,7 +150,7 @@ def _bench():
 def test_bench_flops_count_the_output_layer_by_hand(tied):
     "The hand count: per layer q 16x16, k and v 16x8, o 16x16, MLP 3x16x32, two norms of 16; a final norm; V x d head."
     bench = _bench()
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
     per_layer = 16 * 16 + 2 * 16 * 8 + 16 * 16 + 3 * 16 * 32 + 2 * 16
     n = 2 * per_layer + 16 + 100 * 16                     # the output layer's matrix product counts, tied or not
