@@ -198,7 +198,7 @@ def memory_cgroup_limit(pid, limit=8 << 20):
 
 
 @pytest.mark.processes
-def test_killed_supervisor_and_killed_rank_fail_with_a_reason(demo, small_train, runs_root):
+def test_killed_supervisor_and_killed_rank_fail_with_a_reason_then_a_chat_over_the_next_run(demo, small_train, runs_root, monkeypatch):
     c = make(demo, small_train, runs_root, max_steps=LONG).start()
     first_train_record(c.run_dir)
     ProcessRef.from_dict(c.state["supervisor"]).process().send_signal(signal.SIGKILL)
@@ -232,10 +232,30 @@ def test_killed_supervisor_and_killed_rank_fail_with_a_reason(demo, small_train,
     assert st["failed_rank"] == 1 and st["log_tail"] and st["exit_code"] != 0
     assert_no_process_left(d.run_dir)
 
-    e = make(demo, small_train, runs_root, max_steps=LONG).start()
+    # A run after the failure starts right away. It keeps one checkpoint (save_total_limit=1): a chat box over it
+    # reads the newer one when the run's next save removes the one being read (issue 20, item 4).
+    e = make(demo, small_train, runs_root, max_steps=LONG, save_steps=2, save_total_limit=1).start()
     wait_until(lambda: e.status in ("starting", "running"), 20, what="a run after the failure to start")
-    assert e.stop(grace_s=0, timeout=60) == "cancelled" and e.state["forced"]
+    chat_over_a_rotating_checkpoint(e, monkeypatch)
     assert_no_process_left(e.run_dir)
+
+
+def chat_over_a_rotating_checkpoint(s, monkeypatch):
+    "A chat box over `s`'s latest checkpoint while the run's next save removes it: it reads the newer one; `s` ends stopped."
+    from ilab_nb.chat import ChatBox
+    wait_until(lambda: s.checkpoints, START_UP, what="a checkpoint")
+    real, read = FineTuneSession._load, []
+    def slow_first_read(self, p, **kw):        # the first read takes long enough for the run to save again
+        read.append(p)
+        if len(read) == 1:
+            wait_until(lambda: not p.exists(), 60, what=f"the run's next save to remove {p.name}")
+            assert self.stop(timeout=120) == "cancelled"             # nothing is removed from here on
+        return real(self, p, **kw)
+    monkeypatch.setattr(FineTuneSession, "_load", slow_first_read)
+    box = ChatBox.from_session(s, "latest", max_new_tokens=4)        # was: "... is an incomplete checkpoint"
+    assert len(read) == 2 and read[1] == Path(s.checkpoints[-1]["path"]) and read[1] != read[0], (read, s.checkpoints)
+    box.send("Hi")
+    assert box.wait(60) and box.error is None and "done" in box.status.value
 
 
 @pytest.mark.processes
@@ -345,7 +365,7 @@ def test_two_starts_at_once_on_the_same_devices_one_runs(demo, small_train, runs
     assert won.status in ("starting", "running"), (won.status, won.reason)
     assert (f"was not queued (queue=False) and its devices ['cpu-0', 'cpu-1'] are busy: held by or promised to run(s) {won.run_id}"
             in lost.reason), lost.reason
-    assert won.stop(grace_s=0, timeout=60) == "cancelled"
+    assert won.stop(grace_s=0, timeout=60) == "cancelled" and won.state["forced"]     # a forced stop, right after the start
     assert_no_process_left(won.run_dir); assert_no_process_left(lost.run_dir)
 
 
@@ -424,25 +444,3 @@ def test_two_sweep_stops_at_once_end_each_run_once(runs_root, tmp_path):
         assert [h.wait(10) for h in hung] == [-9, -9]
     finally:
         for h in hung: h.kill(); h.wait()
-
-
-@pytest.mark.processes
-def test_chat_over_a_running_run_whose_checkpoint_rotates_away(demo, small_train, runs_root, monkeypatch):
-    """Issue 20 item 4: a chat box over the latest checkpoint of a running run that keeps one (save_total_limit=1): the
-    run's next save removes the checkpoint while the chat reads it; the chat reads the newer one instead of failing."""
-    from ilab_nb.chat import ChatBox
-    s = make(demo, small_train, runs_root, max_steps=LONG, save_steps=2, save_total_limit=1).start()
-    wait_until(lambda: s.checkpoints, START_UP, what="a checkpoint")
-    real, read = FineTuneSession._load, []
-    def slow_first_read(self, p, **kw):        # the first read takes long enough for the run to save again
-        read.append(p)
-        if len(read) == 1:
-            wait_until(lambda: not p.exists(), 60, what=f"the run's next save to remove {p.name}")
-            assert self.stop(timeout=120) == "cancelled"             # nothing is removed from here on
-        return real(self, p, **kw)
-    monkeypatch.setattr(FineTuneSession, "_load", slow_first_read)
-    box = ChatBox.from_session(s, "latest", max_new_tokens=4)        # was: the library's error about a missing file
-    assert len(read) == 2 and read[1] == Path(s.checkpoints[-1]["path"]) and read[1] != read[0], (read, s.checkpoints)
-    box.send("Hi")
-    assert box.wait(60) and box.error is None and "done" in box.status.value
-    assert_no_process_left(s.run_dir)
