@@ -93,7 +93,20 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
                 p.kill(); p.wait()
                 with open(self.dir / "log" / "daemons.out", "a") as f: f.write(f"stop: {' '.join(p.args[:4])} killed after SIGTERM\n")
         self.procs = []
+        self._kill_strays()
         if self.munged_pid:
             try: os.kill(self.munged_pid, signal.SIGTERM)
             except ProcessLookupError: pass
             self.munged_pid = None
+
+    def _kill_strays(self):
+        """Kill what this cluster's slurmd left behind: a job step's slurmstepd on a node set down outlives the daemons.
+        (Found by the SLURM_CONF in its environment, read from /proc: slurmstepd rewrites the block, and psutil's
+        parse of it misses the variable.)"""
+        mark = f"\0SLURM_CONF={self.conf}\0".encode()
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and (d / "comm").read_text().strip() == "slurmstepd" and mark in b"\0" + (d / "environ").read_bytes():
+                    os.kill(int(d.name), signal.SIGKILL)
+            except OSError: pass
+
