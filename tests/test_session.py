@@ -374,14 +374,15 @@ STOP_RACER = textwrap.dedent("""
     from pathlib import Path
     import psutil
     from ilab_nb.session import FineTuneSession
-    runs, rid, go = sys.argv[1:]
+    from ilab_nb.sweep import Sweep
+    runs, kind, ident, go = sys.argv[1:]
     kill = psutil.Process.kill
-    def at_the_same_instant(self):      # both have given up waiting and are about to kill the hung supervisor
-        Path(go + f".{os.getpid()}").touch()
-        while len(list(Path(go).parent.glob(Path(go).name + ".*"))) < 2: time.sleep(0.01)
+    def at_the_same_instant(self):      # both callers have given up on this hung supervisor and are about to kill it
+        Path(go + f".{self.pid}.{os.getpid()}").touch()
+        while len(list(Path(go).parent.glob(Path(go).name + f".{self.pid}.*"))) < 2: time.sleep(0.01)
         return kill(self)
     psutil.Process.kill = at_the_same_instant
-    print(FineTuneSession.attach(rid, runs).stop(timeout=0.5))
+    print((Sweep if kind == "sweep" else FineTuneSession).attach(ident, runs).stop(timeout=0.5))
 """)
 
 
@@ -394,7 +395,7 @@ def test_two_forced_stops_at_once_record_one_ending(runs_root, tmp_path):
     try:
         store.write_state(rid, status="running", attempt=1, supervisor=ProcessRef.of(hung.pid).to_dict(), heartbeat_at=time.time() + 3600)
         go = tmp_path / "go"
-        procs = [subprocess.Popen([sys.executable, "-c", STOP_RACER, str(runs_root), rid, str(go)], stdout=subprocess.PIPE,
+        procs = [subprocess.Popen([sys.executable, "-c", STOP_RACER, str(runs_root), "run", rid, str(go)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
         outs = [p.communicate(timeout=60) for p in procs]
         assert [o[0].strip() for o in outs] == ["cancelled", "cancelled"], outs
@@ -402,22 +403,6 @@ def test_two_forced_stops_at_once_record_one_ending(runs_root, tmp_path):
         assert hung.wait(10) == -9
     finally:
         hung.kill(); hung.wait()
-
-
-SWEEP_STOP_RACER = textwrap.dedent("""
-    import os, sys, time
-    from pathlib import Path
-    import psutil
-    from ilab_nb.sweep import Sweep
-    runs, sid, go = sys.argv[1:]
-    kill = psutil.Process.kill
-    def at_the_same_instant(self):      # both callers have given up on this run's hung supervisor and are about to kill it
-        Path(go + f".{self.pid}.{os.getpid()}").touch()
-        while len(list(Path(go).parent.glob(Path(go).name + f".{self.pid}.*"))) < 2: time.sleep(0.01)
-        return kill(self)
-    psutil.Process.kill = at_the_same_instant
-    print(Sweep.attach(sid, runs).stop(timeout=0.5))
-""")
 
 
 @pytest.mark.processes
@@ -436,7 +421,7 @@ def test_two_sweep_stops_at_once_end_each_run_once(runs_root, tmp_path):
                           dict(sweep_id=sid, axes={"learning_rate": [1e-3, 3e-3]},
                                runs=[dict(run_id=r, values={"learning_rate": v}) for r, v in zip(rids, (1e-3, 3e-3))]))
         go = tmp_path / "go"
-        procs = [subprocess.Popen([sys.executable, "-c", SWEEP_STOP_RACER, str(runs_root), sid, str(go)], stdout=subprocess.PIPE,
+        procs = [subprocess.Popen([sys.executable, "-c", STOP_RACER, str(runs_root), "sweep", sid, str(go)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
         outs = [p.communicate(timeout=60) for p in procs]
         assert [o[0].strip() for o in outs] == ["['cancelled', 'cancelled']"] * 2, outs
