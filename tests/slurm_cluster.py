@@ -83,7 +83,8 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
         raise RuntimeError(f"the test SLURM cluster did not come up within {timeout} s:\n{tail}")
 
     def stop(self):
-        "Stop what start() started, by pid."
+        "Stop what start() started, by pid (and the job steps its nodes left behind)."
+        self._kill_strays()
         for p in reversed(self.procs):
             if p.poll() is None: p.send_signal(signal.SIGTERM)
         end = time.monotonic() + 5     # a slurmd whose node was set down and back does not always end on SIGTERM: killed
