@@ -46,15 +46,18 @@ slurm-deps:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || \
 	  echo "slurm-wlm and munge could not be installed: the SLURM tests will skip"; }
 
+# On both cores: two pytest-xdist workers; the tests sharing a run, a JupyterLab or the SLURM cluster stay on one
+# (tests/conftest.py's SHARED_BY). TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
 pytest: setup browser-deps slurm-deps
-	$(BIN)/python -m pytest tests -q -ra --durations=25
+	$(BIN)/python -m pytest tests -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 test: sync-check nbtest pytest
 
 # The checks that start no process (no run, command line, kernel, browser or cluster: the tests without the
 # `processes` marker, which tests/conftest.py enforces) and the library's sync with the notebooks: a couple of minutes.
 test-fast: sync-check
-	$(BIN)/python -m pytest tests -q -ra -m "not processes" --durations=10
+	$(BIN)/python -m pytest tests -q -ra -m "not processes" --durations=10 -n $(TEST_WORKERS) --dist loadgroup
 
 # The GPU check (tools/gpu_check.py: CUDA tests, a short run of each CUDA option, bench/bench_gpu.py, one summary).
 # The GPU machine to plan for has no network and lacks these packages, so their wheels are fetched here, for its

@@ -58,9 +58,32 @@ def _audit(event, args):
 sys.addaudithook(_audit)      # observes only: every process still starts as it would
 
 
+# --- the suite on both cores: tests sharing an expensive fixture run on one worker -------------------------------------
+
+# `make test` runs the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`), each with its own session and module
+# fixtures. A test using one of these joins that fixture's group, and a group runs on one worker, so each is built once:
+# the browser module's JupyterLab is shared by its dashboard and chat tests, and the chat test shares `demo_run` with
+# the command line's; the SLURM cluster, the LoRA and DPO modules' runs and test_sizes' model are per module.
+SHARED_BY = {"demo_run": "demo_run", "lab": "demo_run", "tracked_run": "tracked_run", "cluster": "slurm",
+             "lora_run": "lora_run", "dpo_run": "dpo_run", "tied_llama": "tied_llama"}
+
+
+@pytest.hookimpl(tryfirst=True)       # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid.split("[")[0] in PROCESSES_ELSEWHERE: item.add_marker(pytest.mark.processes)
+        if group := next((g for f, g in SHARED_BY.items() if f in item.fixturenames), None):
+            item.add_marker(pytest.mark.xdist_group(group))
+    # the tests that start processes first, the quick in-process ones last: they fill both workers' last minutes
+    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
+
+
+def pytest_collection_finish(session):
+    "pytest-xdist names a grouped test `nodeid@group`; a pytest it cannot rename (9.2 and later) would split the groups."
+    if getattr(session.config.option, "loadgroup", False):           # set in each worker of `--dist loadgroup`
+        split = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if split: raise pytest.UsageError(f"pytest-xdist did not group {len(split)} test(s) (e.g. {split[0]}): this "
+                                          "pytest no longer lets it rename tests; install pytest<9.2 (settings.ini)")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,4 +1,5 @@
-"""The `ilab-nb` command line, run as real subprocesses against real runs (2 CPU ranks, the demo model)."""
+"""The `ilab-nb` command line, run as real subprocesses against real runs of the demo model (one CPU process: what
+the commands do does not depend on the number of ranks; 2-rank runs are watched by the session and SLURM tests)."""
 import json, re, subprocess
 
 import pytest
@@ -13,7 +14,7 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.processes]
 @pytest.fixture
 def config_file(demo, small_train, tmp_path):
     p = tmp_path / "run.yaml"
-    p.write_text(yaml.safe_dump({"model": str(demo.model_dir), "data": [str(small_train)], "num_processes": 2, "device": "cpu",
+    p.write_text(yaml.safe_dump({"model": str(demo.model_dir), "data": [str(small_train)], "num_processes": 1, "device": "cpu",
                                  "max_seq_len": 256, "max_tokens_per_batch": 1024, "learning_rate": 1e-3}))
     return p
 

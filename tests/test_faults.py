@@ -190,7 +190,7 @@ def test_disk_full_while_writing_metrics(demo, small_train, tmpfs_runs_root):
     # next record cannot be written, to metrics.jsonl or as its line in the rank's log (whichever file needs a new
     # block first); the run ends failed naming that file, its final state written from the supervisor's reserve.
     root = tmpfs_runs_root
-    s = make(demo, small_train, root, max_steps=LONG).start()
+    s = make(demo, small_train, root, max_steps=LONG, num_processes=1).start()     # rank 0's records: one rank is enough
     wait_until(lambda: s.progress()["step"], START_UP, what="a logged step")
     fd = fill(root / "filler")
     try: disk_full_ending(s, root, "metrics.jsonl", "logs/rank-0.log")

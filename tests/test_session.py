@@ -56,7 +56,8 @@ def test_start_is_fast_and_the_run_outlives_its_killed_parent(demo, small_train,
     parent = python(f"""
         import json, sys, time
         from ilab_nb.session import FineTuneSession
-        s = FineTuneSession({str(demo.model_dir)!r}, {str(small_train)!r}, runs_root={str(runs_root)!r}, max_steps=16, **{FIELDS!r})
+        s = FineTuneSession({str(demo.model_dir)!r}, {str(small_train)!r}, runs_root={str(runs_root)!r},
+                            **{dict(FIELDS, max_steps=16, num_processes=1)!r})   # one rank: the kernel's death is the point
         t0 = time.time(); t = time.perf_counter(); s.start(); dt = time.perf_counter() - t
         steps = [r for r in s.metrics() if r["kind"] == "train"]          # start() hands off: no step has run yet
         print(json.dumps({{"run_id": s.run_id, "start_s": dt, "t0": t0, "status": s.status, "steps": len(steps)}}), flush=True)
