@@ -1,6 +1,6 @@
 """The tutorial (nbs/12_tutorial.ipynb) executed headless with nbclient, storing widget state, as a user's
-kernel would run it: real runs (2 CPU processes each), the live dashboards, stop, resume, compare, load_model, chat, a
-sweep. Its numbers of steps and its training data come from the environment (ILAB_NB_TUTORIAL_*, read by the notebook):
+kernel would run it: real runs, the live dashboards, stop, resume, compare, load_model, chat, a sweep. Its numbers of
+steps and of processes (1 here, 2 for a reader) and its training data come from the environment (ILAB_NB_TUTORIAL_*):
 this test proves that every cell runs and the widgets are live, not that the model learns (the suite's `demo_run`,
 160 steps of the same config, proves that; tests/test_cli.py reads its figures).
 
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 # The tutorial's own numbers are 160 steps (resumed for 20 more), 20, 30 and 10; a short first run still leaves 12
 # steps between its first checkpoint (where the tutorial stops it) and its end.
-TUTORIAL = dict(max_steps=16, save_steps=4, more_steps=4, second_run_steps=4, sweep_steps=2)
+TUTORIAL = dict(max_steps=16, save_steps=4, more_steps=4, second_run_steps=4, sweep_steps=2,
+                num_processes=1)   # every cell runs; the 2-process runs are the other tests'
 TOTAL = TUTORIAL["max_steps"] + TUTORIAL["more_steps"]      # the first run, resumed with more steps
 DATA_LINES = 600        # about 8 steps an epoch at the demo config's 2 x 2048 tokens
 
