@@ -234,8 +234,9 @@ def test_killed_supervisor_and_killed_rank_fail_with_a_reason_then_a_chat_over_t
     assert_no_process_left(d.run_dir)
 
     # A run after the failure starts right away. It keeps one checkpoint (save_total_limit=1): a chat box over it
-    # reads the newer one when the run's next save removes the one being read (issue 20, item 4).
-    e = make(demo, small_train, runs_root, max_steps=LONG, save_steps=2, save_total_limit=1).start()
+    # reads the newer one when the run's next save removes the one being read (issue 20, item 4). One rank: the
+    # checkpoints' rotation is what is read.
+    e = make(demo, small_train, runs_root, max_steps=LONG, save_steps=2, save_total_limit=1, num_processes=1).start()
     wait_until(lambda: e.status in ("starting", "running"), 20, what="a run after the failure to start")
     chat_over_a_rotating_checkpoint(e, monkeypatch)
     assert_no_process_left(e.run_dir)
