@@ -78,12 +78,21 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("processes") is None)
 
 
+_ungrouped: set = set()     # this worker's grouped tests that pytest-xdist could not put in their group
+
+
 def pytest_collection_finish(session):
-    "pytest-xdist names a grouped test `nodeid@group`; a pytest it cannot rename (9.2 and later) would split the groups."
+    "pytest-xdist names a grouped test `nodeid@group`; under a pytest whose node ids it cannot rename (9.2) it does not."
     if getattr(session.config.option, "loadgroup", False):           # set in each worker of `--dist loadgroup`
-        split = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
-        if split: raise pytest.UsageError(f"pytest-xdist did not group {len(split)} test(s) (e.g. {split[0]}): this "
-                                          "pytest no longer lets it rename tests; install pytest<9.2 (settings.ini)")
+        _ungrouped.update(i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    "An ungrouped test fails before its fixtures are built (a worker's error would not reach the terminal)."
+    if item.nodeid in _ungrouped:
+        pytest.fail("pytest-xdist could not put this test in its group (this pytest no longer lets it rename tests), "
+                    "so each worker would build the shared fixture: install pytest<9.2 (settings.ini)", pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
