@@ -78,19 +78,12 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("processes") is None)
 
 
-_ungrouped: set = set()     # this worker's grouped tests that pytest-xdist could not put in their group
-
-
-def pytest_collection_finish(session):
-    "pytest-xdist names a grouped test `nodeid@group`; under a pytest whose node ids it cannot rename (9.2) it does not."
-    if getattr(session.config.option, "loadgroup", False):           # set in each worker of `--dist loadgroup`
-        _ungrouped.update(i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    "An ungrouped test fails before its fixtures are built (a worker's error would not reach the terminal)."
-    if item.nodeid in _ungrouped:
+    """pytest-xdist names a grouped test `nodeid@group`; under a pytest whose node ids it cannot rename (9.2) the test
+    fails here, before its fixtures are built (an error in a worker's collection would not reach the terminal)."""
+    grouped = getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
+    if grouped and "@" not in item.nodeid:
         pytest.fail("pytest-xdist could not put this test in its group (this pytest no longer lets it rename tests), "
                     "so each worker would build the shared fixture: install pytest<9.2 (settings.ini)", pytrace=False)
 
