@@ -30,7 +30,7 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 TUTORIAL = dict(max_steps=16, save_steps=4, more_steps=4, second_run_steps=4, sweep_steps=2,
                 num_processes=1)   # every cell runs; the 2-process runs are the other tests'
 TOTAL = TUTORIAL["max_steps"] + TUTORIAL["more_steps"]      # the first run, resumed with more steps
-DATA_LINES = 600        # about 8 steps an epoch at the demo config's 2 x 2048 tokens
+DATA_LINES = 600        # about 16 steps an epoch on one process of 2048 tokens (8 on the demo config's 2 x 2048)
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.processes]
 
