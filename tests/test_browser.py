@@ -1,6 +1,7 @@
 """The dashboard and the chat box as users see them: one JupyterLab started on localhost for this module's tests,
-Debian chromium driven by Playwright (Python), a short notebook that starts a real demo run (2 CPU processes) and
-displays its session, and one that chats with the model of the suite's `demo_run`.
+Debian chromium driven by Playwright (Python), a short notebook that starts a real demo run (one CPU process: what
+the dashboard shows does not depend on the number of ranks) and displays its session, and one that chats with the
+model of the suite's `demo_run`.
 
 Asserts that the progress bar advances while the run trains, that the loss image changes, and that clicking
 Stop ends the run `cancelled` (checked through `FineTuneSession.attach` and state.json). Screenshots go to
@@ -177,7 +178,7 @@ def poll(page, pred, timeout, what):
 
 NOTEBOOK = """\
 from ilab_nb import FineTuneSession
-s = FineTuneSession(model={model!r}, data={data!r}, run_id={run_id!r}, num_processes=2, device="cpu",
+s = FineTuneSession(model={model!r}, data={data!r}, run_id={run_id!r}, num_processes=1, device="cpu",
                     max_seq_len=256, max_tokens_per_batch=1024, logging_steps=1, learning_rate=3e-3, max_steps=400)
 s.start()
 s.run_id, s.status

@@ -110,7 +110,7 @@ def corrupt(run_dir, garbage="garbage"):
 @pytest.mark.processes
 def test_queue_and_stop_with_a_corrupt_state(demo, small_train, runs_root, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)           # MLflow's file store in <runs_root>/.mlruns
-    a = make(demo, small_train, runs_root, max_steps=LONG, report_to=["mlflow"])
+    a = make(demo, small_train, runs_root, max_steps=LONG, report_to=["mlflow"], num_processes=1)   # holds cpu-0
     a.start()
     first_train_record(a.run_dir)
     assert a.status == "running"
@@ -126,7 +126,8 @@ def test_queue_and_stop_with_a_corrupt_state(demo, small_train, runs_root, monke
     assert f"tracker:  mlflow broke at step {broke[0]['step']}" in out and "metrics.jsonl has them all" in out, out
     assert a.status == "running"
 
-    # The same devices (both CPU slots): a second run waits in the queue; queue=False refuses at once, naming the holder.
+    # A 2-process run needs both CPU slots, one of them a's: it waits in the queue; queue=False refuses at once, naming
+    # the holder.
     # (b trains with DDP: its header is also the suite's check that DDP replicates the parameters on each rank.)
     b = make(demo, small_train, runs_root, max_steps=4, strategy="ddp").start()
     with pytest.raises(DevicesBusyError, match=a.run_id):
