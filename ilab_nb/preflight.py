@@ -13,12 +13,12 @@ from .launcher import cpu_slots
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model', 'check_model', 'query_gpus',
-           'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes',
-           'safetensors_problem', 'model_files_problem', 'count_params', 'count_params_of', 'memory_estimate',
-           'kv_cache_bytes', 'check_memory', 'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight',
-           'first_sample', 'check_tracker_imports', 'check_mlflow_uri', 'check_destinations', 'check_eval_prompts',
-           'preflight']
+__all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model', 'load_run_data',
+           'check_model', 'check_model_dir', 'query_gpus', 'used_gpus', 'check_bf16', 'preflight_device',
+           'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'safetensors_problem', 'model_files_problem',
+           'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file',
+           'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
+           'check_mlflow_uri', 'check_destinations', 'check_eval_prompts', 'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -89,6 +89,18 @@ def resolve_hub_model(model, timeout=5.0) -> str:
                                                 f"{type(e).__name__}: {e}): {fix}") from None
     return model
 
+# %% ../nbs/07_preflight.ipynb #da9f33ff
+def load_run_data(cfg) -> tuple:
+    "The train and eval records of `cfg` (eval `[]` when none), or the `DataError` that says what is wrong where."
+    from ilab_nb.data import load_records, check_method, DataError, KIND_PLURALS
+    records = load_records(cfg.data)
+    check_method(cfg.method, records[0]["kind"])
+    evals = load_records(cfg.eval_data) if cfg.eval_data else []
+    if evals and evals[0]["kind"] != records[0]["kind"]:
+        raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data {KIND_PLURALS[records[0]['kind']]}; "
+                        "give both in one shape")
+    return records, evals
+
 # %% ../nbs/07_preflight.ipynb #ed2d8cfd
 def _weights_bytes(model_dir) -> int:
     p = Path(model_dir)
@@ -106,6 +118,16 @@ def check_model(cfg):
                              "give a decoder-only (causal LM) model.")
     if Path(cfg.model).expanduser().is_dir() and _weights_bytes(cfg.model) == 0:
         raise PreflightError(f"{cfg.model} has no weight files (*.safetensors or *.bin); save the model there with save_pretrained.")
+
+# %% ../nbs/07_preflight.ipynb #16c5e3cb
+def check_model_dir(cfg) -> Path:
+    "The model's path; a `PreflightError` when it is a local directory without `config.json`, else `check_model`'s."
+    mp = Path(cfg.model).expanduser()
+    if mp.exists() and not (mp / "config.json").is_file():
+        raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
+                             "(written by save_pretrained).")
+    if mp.exists(): check_model(cfg)
+    return mp
 
 # %% ../nbs/07_preflight.ipynb #b9053ee4
 _GPU_QUERY = ("import json, torch\n"
@@ -440,26 +462,17 @@ def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
                              "shorter prompts, or lower eval_max_new_tokens.")
     return {"prompt_tokens": lens, "generation_tokens": batch}
 
-# %% ../nbs/07_preflight.ipynb #b26dc5c5
+# %% ../nbs/07_preflight.ipynb #aa64a0d2
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
-    from ilab_nb.data import load_records, load_tokenizer, ensure_chat_template, check_method, DataError, KIND_PLURALS
+    from ilab_nb.data import load_tokenizer, ensure_chat_template
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
     check_runs_root(runs_root)
     destinations = check_destinations(cfg, runs_root)
     model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
-    records = load_records(cfg.data)
-    check_method(cfg.method, records[0]["kind"])
-    evals = load_records(cfg.eval_data) if cfg.eval_data else []
-    if evals and evals[0]["kind"] != records[0]["kind"]:
-        raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data {KIND_PLURALS[records[0]['kind']]}; "
-                        "give both in one shape")
-    mp = Path(cfg.model).expanduser()
-    if mp.exists() and not (mp / "config.json").is_file():
-        raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
-                             "(written by save_pretrained).")
-    if mp.exists(): check_model(cfg)
+    records, evals = load_run_data(cfg)
+    mp = check_model_dir(cfg)
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)

@@ -100,12 +100,9 @@ class RunPaths:
     final_tmp = property(lambda self: self.root / ".tmp-final", doc="Where `final/` is written before its rename.")
     tensorboard = property(lambda self: self.root / "tensorboard", doc="TensorBoard's event files (unless `logging_dir` says).")
     mlflow_run = property(lambda self: self.root / "mlflow.json", doc="The MLflow run this run logs to, for a resumed attempt.")
-    reference_logps = property(lambda self: self.root / "cache" / "reference_logps.pt",
-                               doc="A DPO run's reference log-probabilities of every pair, computed before step 1.")
-    accelerate_config = property(lambda self: self.root / "accelerate.yaml",
-                                 doc="The run's own `accelerate launch` config: no user default config applies.")
-    fork = property(lambda self: self.root / "fork.json",
-                    doc="A forked run's lineage: the parent run, its directory and the step of the checkpoint it started from.")
+    reference_logps = property(lambda self: self.root / "cache" / "reference_logps.pt", doc="A DPO run's reference log-probabilities.")
+    accelerate_config = property(lambda self: self.root / "accelerate.yaml", doc="The run's own `accelerate launch` config.")
+    fork = property(lambda self: self.root / "fork.json", doc="A forked run's lineage: parent run, its directory, the step forked.")
 
 # %% ../nbs/00_rundir.ipynb #e69f12f4
 @patch

@@ -16,9 +16,10 @@ from .core import patch
 from .rundir import STATES, TERMINAL, Event, RunPaths, State, read_json, tail_lines
 
 # %% auto #0
-__all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'StateError', 'default_runs_root',
+__all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'StateError', 'default_runs_root',
            'validate_run_id', 'new_run_id', 'ProcessRef', 'write_json_atomic', 'ends_mid_line', 'append_jsonl',
-           'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore', 'rebuild_state', 'refresh_local']
+           'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore', 'next_attempt', 'rebuild_state',
+           'refresh_local']
 
 # %% ../nbs/03_runstore.ipynb #cc84988d
 HEARTBEAT_S = 2.0       # the supervisor writes a heartbeat this often
@@ -191,7 +192,16 @@ def read_state(self:RunStore, run_id) -> dict:
     if not p.state.exists() and not p.state_prev.exists(): return {}
     return rebuild_state(p.root)
 
-# %% ../nbs/03_runstore.ipynb #1a9a8adb
+# %% ../nbs/03_runstore.ipynb #275749db
+ATTEMPT_ENDING = ("reason", "exit_code", "signal", "failed_rank", "log_tail", "ended_at", "launcher", "supervisor",
+                  "heartbeat_at", "stop_requested_at", "forced")
+
+def next_attempt(st: dict) -> dict:
+    "State `st` as its next attempt begins: the last attempt's summary appended to `attempts`, its ending cleared."
+    prev = {k: st.get(k) for k in ("attempt", "status", "reason", "exit_code", "ended_at")}
+    return {**{k: v for k, v in st.items() if k not in ATTEMPT_ENDING}, "attempts": st.get("attempts", []) + [prev] if st else []}
+
+# %% ../nbs/03_runstore.ipynb #c7c67729
 @patch
 def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fields) -> dict:
     """Merge `fields` into the run's state atomically; returns the new state. Raises `StateError` out of a terminal state,
@@ -211,11 +221,7 @@ def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fiel
         if st.get("status") in TERMINAL and not new_attempt:
             raise StateError(f"Run {run_id} is already {st['status']}; its state is final "
                              f"(refused update {sorted(fields)}). Resume it to start a new attempt.")
-        if new_attempt:
-            prev = {k: st.get(k) for k in ("attempt", "status", "reason", "exit_code", "ended_at")}
-            st["attempts"] = st.get("attempts", []) + [prev] if st else []
-            for k in ("reason", "exit_code", "signal", "failed_rank", "log_tail", "ended_at", "launcher",
-                      "supervisor", "heartbeat_at", "stop_requested_at", "forced"): st.pop(k, None)
+        if new_attempt: st = next_attempt(st)
         st.update(fields); st["run_id"] = run_id; st["updated_at"] = now
         st.setdefault("created_at", now); st.setdefault("attempt", 1)
         if "status" in fields:

@@ -273,20 +273,26 @@ def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=No
     pf = preflight(cfg, self.store.root) if diff else self.preflight
     return cfg, diff, pf
 
-# %% ../nbs/08_session.ipynb #73d56020
+# %% ../nbs/08_session.ipynb #326f3925
 @patch
-def resume(self:FineTuneSession, **changes) -> FineTuneSession:
-    """Continue the run from its latest complete checkpoint as a new attempt; returns at once. `changes`: settings that
-    change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...: `ilab_nb.config.RESUME_CHANGEABLE`)."""
-    st = self.state; status = st.get("status")
+def _resume_point(self:FineTuneSession, st: dict, changes: dict) -> dict:
+    "The checkpoint a resume of the run in state `st` goes on from (its latest complete one), or why there is none."
+    status = st.get("status")
     if status not in (State.failed, State.cancelled, State.completed):
         raise RuntimeError(f"Run {self.run_id} is {status or 'not started'}; only a cancelled, failed or completed run can be resumed.")
     ckpts = self.checkpoints
     if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to resume from; start a new run instead.")
-    ck = ckpts[-1]
     if status == State.completed and not changes:
-        raise RuntimeError(f"Run {self.run_id} is completed at step {ck['step']}; resume it with a larger max_steps (or "
-                           f"num_train_epochs) to go on, e.g. resume(max_steps={2 * ck['step']}).")
+        raise RuntimeError(f"Run {self.run_id} is completed at step {ckpts[-1]['step']}; resume it with a larger max_steps (or "
+                           f"num_train_epochs) to go on, e.g. resume(max_steps={2 * ckpts[-1]['step']}).")
+    return ckpts[-1]
+
+# %% ../nbs/08_session.ipynb #60f78469
+@patch
+def resume(self:FineTuneSession, **changes) -> FineTuneSession:
+    """Continue the run from its latest complete checkpoint as a new attempt; returns at once. `changes`: settings that
+    change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...: `ilab_nb.config.RESUME_CHANGEABLE`)."""
+    st = self.state; ck = self._resume_point(st, changes)
     cfg, diff, pf = self._changed(changes, ck, "resume") if changes or self.config is not None else (None, {}, None)
     attempt, by = int(st.get("attempt", 1)) + 1, f"pid {os.getpid()} on {socket.gethostname()}"
     paths, upd, before = RunPaths(self.run_dir), {}, (self.config, self.preflight)

@@ -797,7 +797,7 @@ def data_seen_by_ranks(seen: set, env) -> dict:
     return dict(per_rank=[len({i for _, i in st}) for st in sets], shared=sum(1 for c in counts.values() if c > 1),
                 samples=sorted(counts), steps={k: sorted(v) for k, v in sorted(by_step.items(), key=lambda kv: int(kv[0]))})
 
-# %% ../nbs/05_worker.ipynb #0a6f976c
+# %% ../nbs/05_worker.ipynb #3dd14899
 @dataclass
 class Attempt:
     "What one attempt of a run trains with: set up once by `setup_attempt`."
@@ -827,9 +827,11 @@ class Attempt:
     position: dict = None            # the data position resumed from (`resume_position`), None for a fresh start
     seen: set = None                 # the data_seen probe's samples of this rank, this attempt
 
-    def forward(self, batch, fn):
-        "The model on `batch`, then `fn(out, weight)` (see `forward_with`)."
-        return forward_with(self.model, batch, self.env, self.autocast, fn)
+# %% ../nbs/05_worker.ipynb #1b74bde1
+@patch
+def forward(self:Attempt, batch, fn):
+    "The model on `batch`, then `fn(out, weight)` (see `forward_with`)."
+    return forward_with(self.model, batch, self.env, self.autocast, fn)
 
 # %% ../nbs/05_worker.ipynb #47d7c1c5
 def resume_position(ckpt) -> dict | None:
