@@ -1,15 +1,15 @@
 """Issue 11, with real processes: trackers (TensorBoard's and MLflow's own readers), sample answers at each
-evaluation under FSDP, sweeps through the device queue, and chatting with a run's model. The finished run they read
-is conftest's `tracked_run` (2-rank FSDP, eval prompts, TensorBoard and MLflow), shared with tests/test_schema.py."""
-import io, json, subprocess, sys
+evaluation under FSDP, and chatting with a run's model. The finished run they read is conftest's `tracked_run`
+(2-rank FSDP, eval prompts, TensorBoard and MLflow), shared with tests/test_schema.py. (A real sweep through the
+device queue, attached from another process: the tutorial's, in tests/test_notebooks_headless.py.)"""
+import json, sys
 
-import pandas as pd
 import pytest
 
 from ilab_nb.monitor import RunMonitor
 from ilab_nb.rundir import schema_problems
 from ilab_nb import FineTuneSession      # with the sweep grown onto it (ilab_nb.sweep)
-from conftest import PROMPTS, cli_env, ilab, wait_until
+from conftest import PROMPTS, ilab, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -94,28 +94,3 @@ def test_cli_chat(tracked_run):
                input="What is the capital of Nutoland?\n/reset\nHi\n/quit\n", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("model> ") == 2 and "(conversation reset)" in out.stdout
-
-
-@pytest.mark.timeout(1200)
-@pytest.mark.processes
-def test_sweep_2x2_through_the_queue(demo, small_train, runs_root):
-    from ilab_nb.sweep import Sweep
-    sw = FineTuneSession.sweep(demo.model_dir, small_train, runs_root=runs_root, name="lr", learning_rate=[1e-3, 3e-3],
-                               max_steps=[1, 2], num_processes=1, strategy="single", device="cpu", max_seq_len=256,
-                               max_tokens_per_batch=1024, eval_split=0.1)
-    assert len(sw.sessions) == 4 and sw.axes == {"learning_rate": [1e-3, 3e-3], "max_steps": [1, 2]}
-    assert sw.wait(timeout=1000) == ["completed"] * 4, [s.reason for s in sw.sessions]   # 2 at a time; start-up dominates
-    df = sw.results()
-    assert len(df) == 4 and list(zip(df.learning_rate, df.max_steps)) == [(1e-3, 1), (1e-3, 2), (3e-3, 1), (3e-3, 2)]
-    assert (df.step == df.max_steps).all() and (df.status == "completed").all() and df.final_loss.notna().all()
-    assert df.best_eval_loss.notna().all() and (df.tokens_per_s > 0).all()
-    # never more ranks than CPU slots (2) at once: the runs' slot-holding intervals
-    spans = [(s.state["starting_at"], s.state["ended_at"]) for s in sw.sessions]
-    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 2
-    # the sweep directory is not a run, and a new process attaching sees the same table
-    assert set(FineTuneSession.list_runs(runs_root) and [r["run_id"] for r in FineTuneSession.list_runs(runs_root)]) == set(sw.run_ids)
-    code = f"from ilab_nb.sweep import Sweep; print(Sweep.attach({sw.sweep_id!r}, {str(runs_root)!r}).results().to_json())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env())
-    other = pd.read_json(io.StringIO(out.stdout.strip().splitlines()[-1]))
-    assert other.run_id.tolist() == df.run_id.tolist() and other.final_loss.tolist() == pytest.approx(df.final_loss.tolist())
-    assert Sweep.list_sweeps(runs_root) == [sw.sweep_id]

@@ -6,7 +6,8 @@ this test proves that every cell runs and the widgets are live, not that the mod
 
 The tutorial's stopped-and-resumed run is also the suite's proof of FineTuneSession.resume() and of a stopped run
 resumed with a larger max_steps: a new attempt from the stop's checkpoint whose metrics continue the first attempt's
-to the new total, over a schedule recomputed for it.
+to the new total, over a schedule recomputed for it. Its sweep is the suite's real sweep: run here on one CPU slot,
+so that its two runs go through the device queue one after the other.
 
 nbdev_test skips the tutorial's training cells (`#| notest`); this test runs all of them. The executed
 notebook is written to artifacts/12_tutorial.executed.ipynb (git-ignored) for inspection."""
@@ -21,6 +22,7 @@ from nbclient import NotebookClient
 
 from ilab_nb.monitor import RunMonitor
 from ilab_nb.runstore import RunStore, run_processes
+from ilab_nb.sweep import Sweep
 from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +54,7 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     data.write_text("".join(demo.train_file.read_text().splitlines(keepends=True)[:DATA_LINES]))
     monkeypatch.setenv("ILAB_NB_TUTORIAL_DATA", str(data))
     for k, v in TUTORIAL.items(): monkeypatch.setenv(f"ILAB_NB_TUTORIAL_{k.upper()}", str(v))
+    monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "1")      # one CPU slot: the sweep's two one-process runs queue for it
     nb = nbformat.read(ROOT / "nbs" / "12_tutorial.ipynb", as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True,
                             resources={"metadata": {"path": str(ROOT / "nbs")}})
@@ -109,3 +112,18 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     assert set(range(2, TOTAL + 1, 2)) <= set(logged)
     assert all((r["attempt"] == 1) == (r["step"] <= at) for r in train), [(r["step"], r["attempt"]) for r in train]
     wait_until(lambda: not run_processes(run_dir), 30, what=f"every process of {run_id} to end")
+
+    # The sweep, the suite's real one: its two runs went through the device queue (one slot: the second started once
+    # the first had ended), completed with a full table, and this process (not the kernel that made it) finds the
+    # sweep and reads the table the kernel showed; the sweep's folder is no run.
+    (sweep_id,) = Sweep.list_sweeps(runs_root)
+    sw = Sweep.attach(sweep_id, runs_root)
+    assert sw.axes == {"learning_rate": [1e-3, 3e-3]} and len(sw.sessions) == 2
+    df = sw.results()
+    assert df.learning_rate.tolist() == [1e-3, 3e-3] and (df.status == "completed").all(), df
+    assert (df.step == TUTORIAL["sweep_steps"]).all() and df.final_loss.notna().all() and df.best_eval_loss.notna().all()
+    assert (df.tokens_per_s > 0).all()
+    (a0, e0), (a1, e1) = sorted((s.state["starting_at"], s.state["ended_at"]) for s in sw.sessions)
+    assert e0 <= a1, "the sweep's runs held the one CPU slot at the same time"
+    shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert all(r in shown for r in sw.run_ids) and set(sw.run_ids) <= set(store.list_runs()) and sweep_id not in store.list_runs()
