@@ -2,7 +2,7 @@
 (one CPU each) runs one rank of a 2-machine FSDP run of the demo model. Several scenarios share a few runs: two
 submissions queue in SLURM, a queued job is cancelled from outside, a run is stopped and resumed to the end while a
 second runs and loses a rank, and a new process attaches."""
-import os, signal, subprocess, sys
+import os, re, signal, subprocess, sys
 from pathlib import Path
 
 import psutil
@@ -15,6 +15,7 @@ from conftest import ilab, run_processes_under, wait_until
 from slurm_cluster import Cluster, why_not
 
 pytestmark = pytest.mark.processes      # the cluster's daemons, and the runs
+SLURM_REASONS = ("Resources", "Priority", "Dependency", "Nodes_required")   # why squeue says a job waits
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +75,12 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
 
     # Two submissions queue in SLURM: the second waits, with SLURM's reason.
     wait_until(lambda: b.status == "queued" and b.state.get("pending_reason") not in (None, "None"), 60, what="b queued with a reason")
-    assert b.state["pending_reason"] in ("Resources", "Priority", "Dependency", "Nodes_required")
-    dash = b.dashboard(); dash.update()                      # the dashboard says why SLURM keeps it waiting
-    assert f"waiting in SLURM (job {b.state['job_id']}): {b.state['pending_reason']}" in dash.badge.value, dash.badge.value
+    assert b.state["pending_reason"] in SLURM_REASONS
+    # The dashboard says why SLURM keeps it waiting: the reason as it read it (SLURM's changes, Resources -> Priority).
+    dash = b.dashboard()
+    shown = wait_until(lambda: [dash.update(), re.search(r"waiting in SLURM \(job (\d+)\): (\w+)</span>", dash.badge.value)][1],
+                       60, what="the dashboard's SLURM reason")
+    assert shown[1] == str(b.state["job_id"]) and shown[2] in SLURM_REASONS, dash.badge.value
 
     # scancel from outside (a queued job): terminal, with the reason; nothing stuck.
     subprocess.run(["scancel", c.state["job_id"]], check=True)
