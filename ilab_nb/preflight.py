@@ -8,7 +8,7 @@ import errno, functools, json, math, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
 from .config import TrainConfig
-from .core import count_text, require_torch, size_text
+from .core import count_text, gc_paused, require_torch, size_text
 from .launcher import cpu_slots
 from .lora import adapter_param_count
 
@@ -463,6 +463,7 @@ def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
     return {"prompt_tokens": lens, "generation_tokens": batch}
 
 # %% ../nbs/07_preflight.ipynb #aa64a0d2
+@gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 00_core
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
     from ilab_nb.data import load_tokenizer, ensure_chat_template

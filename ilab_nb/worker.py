@@ -4,10 +4,11 @@
 
 # %% ../nbs/05_worker.ipynb #2db6a6e9
 from __future__ import annotations
-import argparse, dataclasses, errno, json, math, os, random, re, resource, shutil, socket, sys, time, traceback, warnings
+import argparse, dataclasses, errno, gc, json, math, os, random, re, resource, shutil, socket, sys, time, traceback, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+if __name__ == "__main__" and __spec__ is not None: gc.disable()     # a rank, `python -m ilab_nb.worker` (see above)
 
 import numpy as np
 import torch
@@ -1029,6 +1030,7 @@ def _train(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: 
     "One attempt: set up, record, train, finish; returns `completed` or `stopped`."
     attempt = setup_attempt(run_dir, cfg, env, layout, metrics, resume)
     attempt.write_header()
+    gc.enable()                              # a rank set up with it off (the imports' cell): on for the steps
     end = attempt.train_loop()
     return Event.stopped if end["status"] == Event.stopped else attempt.finish(end)
 
