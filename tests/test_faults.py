@@ -87,8 +87,9 @@ def test_unreadable_state_and_a_run_dir_without_state_are_listed(runs_root):
 
 @pytest.mark.processes
 def test_deleted_run_dir_stops_the_run_and_frees_its_devices(demo, small_train, runs_root):
-    # Item 3: a 2-rank run whose directory is deleted while it trains.
-    b = make(demo, small_train, runs_root, max_steps=LONG).start()
+    # Item 3: a run whose directory is deleted while it trains (one rank, on cpu-0: the supervisor ends the
+    # process group whatever its size).
+    b = make(demo, small_train, runs_root, max_steps=LONG, num_processes=1).start()
     running(b)
     sup = ProcessRef.from_dict(b.state["supervisor"])
     ranks = [p for p in run_processes(b.run_dir) if p.pid != sup.pid]
@@ -98,7 +99,7 @@ def test_deleted_run_dir_stops_the_run_and_frees_its_devices(demo, small_train, 
     assert not b.run_dir.exists()                          # nothing re-created it; nothing of it is left to do so
     assert all(DeviceSlots().holder(f"cpu-{i}") is None for i in range(2))
 
-    # Its two CPU slots are free at once: a run that refuses to queue starts and gets them (then is stopped).
+    # Its CPU slot is free at once: a 2-process run that refuses to queue starts and gets cpu-0 and cpu-1 (then is stopped).
     # (Item 2, a state.json corrupted under a running run: tests/test_session.py::test_queue_and_stop_with_a_corrupt_state.)
     a = make(demo, small_train, runs_root, max_steps=LONG, queue=False).start()
     wait_until(lambda: a.status in ("starting", "running"), 60, what="the run to get its devices")

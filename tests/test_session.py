@@ -201,7 +201,8 @@ def memory_cgroup_limit(pid, limit=8 << 20):
 
 @pytest.mark.processes
 def test_killed_supervisor_and_killed_rank_fail_with_a_reason_then_a_chat_over_the_next_run(demo, small_train, runs_root, monkeypatch):
-    c = make(demo, small_train, runs_root, max_steps=LONG).start()
+    # One rank: the supervisor's death and the process group it leaves are the point (d below has two).
+    c = make(demo, small_train, runs_root, max_steps=LONG, num_processes=1).start()
     first_train_record(c.run_dir)
     ProcessRef.from_dict(c.state["supervisor"]).process().send_signal(signal.SIGKILL)
     t = time.perf_counter()
