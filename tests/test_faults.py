@@ -87,7 +87,7 @@ def test_unreadable_state_and_a_run_dir_without_state_are_listed(runs_root):
 
 @pytest.mark.processes
 def test_deleted_run_dir_stops_the_run_and_frees_its_devices(demo, small_train, runs_root):
-    # Item 3: a run whose directory is deleted while it trains (one rank, on cpu-0: the supervisor ends the
+    # Item 3: a run whose directory is deleted while it trains (one rank, on one CPU slot: the supervisor ends the
     # process group whatever its size).
     b = make(demo, small_train, runs_root, max_steps=LONG, num_processes=1).start()
     running(b)
