@@ -1,7 +1,8 @@
 """The SLURM backend on a real two-node SLURM cluster started by this module (tests/slurm_cluster.py): every node
 (one CPU each) runs one rank of a 2-machine FSDP run of the demo model. Several scenarios share a few runs: two
 submissions queue in SLURM, a queued job is cancelled from outside, a run is stopped and resumed to the end while a
-second runs and loses a rank, and a new process attaches."""
+second (continued pretraining on plain text) runs and loses a rank, and a new process attaches; a DPO run with LoRA
+adapters saves before its time limit, resumes and loses a node."""
 import os, re, signal, subprocess, sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from ilab_nb import FineTuneSession
+from ilab_nb.rundir import RunPaths
 from ilab_nb.session import PreflightError
 from conftest import ilab, run_processes_under, wait_until
 from slurm_cluster import Cluster, why_not
@@ -35,9 +37,9 @@ def cluster(tmp_path_factory):
 
 
 def run_cfg(demo, small_train, **kw):
-    return dict(model=str(demo.model_dir), data=str(small_train), device="cpu", num_processes=2, num_machines=2,
-                backend="slurm", rdzv_backend="c10d", strategy="fsdp", max_tokens_per_batch=1024, max_seq_len=256,
-                learning_rate=3e-3, logging_steps=1, slurm={"partition": "debug", "time": "00:20:00"}, **kw)
+    return {**dict(model=str(demo.model_dir), data=str(small_train), device="cpu", num_processes=2, num_machines=2,
+                   backend="slurm", rdzv_backend="c10d", strategy="fsdp", max_tokens_per_batch=1024, max_seq_len=256,
+                   learning_rate=3e-3, logging_steps=1, slurm={"partition": "debug", "time": "00:20:00"}), **kw}
 
 
 def rank_process(run_dir, rank):
@@ -70,7 +72,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     script = (a.run_dir / "slurm-attempt-1.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "srun --kill-on-bad-exit=1" in script
     assert a.state["job_id"] and a.state["backend"] == "slurm"
-    b = FineTuneSession(**run_cfg(demo, small_train, max_steps=40), name="b").start()
+    b = FineTuneSession(**run_cfg(demo, small_train, max_steps=40, data=str(demo.text_train_file)), name="b").start()   # plain text
     c = FineTuneSession(**run_cfg(demo, small_train, max_steps=4), name="c").start()
 
     # Two submissions queue in SLURM: the second waits, with SLURM's reason.
@@ -100,8 +102,12 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     assert a.state["attempt"] == 2
     wait_until(lambda: b.status == "running", 300, what="run b running")
     wait_until(lambda: a.status == "queued" and a.state.get("pending_reason") not in (None, "None"), 60, what="a queued again")
+    wait_until(lambda: b.progress()["step"], 300, what="run b training")
+    head_b = b.monitor.header            # continued pretraining on plain text, packed, sharded over both nodes
+    assert (head_b["data_kind"], head_b["world_size"], sorted(head_b["nodes"])) == ("text", 2, ["n1", "n2"])
+    assert "documents packed into" in head_b["data_stats"]["train"]["note"]
     victim = wait_until(lambda: rank_process(b.run_dir, 1), 60, what="rank 1 of b")
-    b.progress(); node = b.monitor.header["nodes"][1]
+    node = head_b["nodes"][1]
     victim.send_signal(signal.SIGKILL)
     assert b.wait(timeout=240) == "failed"
     assert f"rank 1 on node {node} was killed by signal SIGKILL" in b.reason, b.reason
@@ -140,12 +146,16 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
         assert not probs, (s.run_id, probs)
 
 
-def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(cluster, runs_root, demo, small_train):
+def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(cluster, runs_root, demo, small_train, tmp_path):
     # A job with a 2-minute limit is signalled before it: every rank saves, and the run ends failed saying "time
     # limit", with that checkpoint, before SLURM has to kill anything. (The default lead, a tenth of the limit or at
     # least 30 s, would have the signal come 30-90 s into the job: the user's own --signal, 100 s, is kept instead, and
-    # makes the test a minute shorter.)
-    t = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=2000, save_steps=1000),
+    # makes the test a minute shorter.) The run is DPO with LoRA adapters on 64 of the demo's preference pairs: the
+    # adapters' checkpoint and the kept reference log-probabilities carry it across the jobs.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(Path(demo.pref_train_file).read_text().splitlines(keepends=True)[:64]))
+    t = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=2000, save_steps=1000, data=str(pairs), method="dpo",
+                                     beta=0.1, lora={"r": 8, "lora_alpha": 16}),
                            "slurm": {"partition": "debug", "time": "00:02:00", "sbatch_lines": ["--signal=B:USR1@100"]}},
                         name="t").start()
     script = (t.run_dir / "slurm-attempt-1.sbatch").read_text()
@@ -155,6 +165,7 @@ def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(clus
     assert t.state["job_state"] == "COMPLETED" and t.checkpoints, t.state      # it stopped itself: SLURM killed nothing
     ck = t.checkpoints[-1]["step"]
     assert f"step-{ck:08d}" in t.reason
+    reference = RunPaths(t.run_dir).reference_logps.read_bytes()       # computed once, by attempt 1
 
     # resume() continues it from that checkpoint as attempt 2 (given more time, so the limit's signal is not next).
     t.resume()
@@ -162,6 +173,8 @@ def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(clus
     wait_until(lambda: t.status == "running" and (t.progress()["step"] or 0) > ck, 400, what="attempt 2 training past the checkpoint")
     t.monitor.poll(); head = [r for r in t.monitor.records if r.get("kind") == "header"][-1]
     assert (head["attempt"], head["resumed_from_step"]) == (2, ck)
+    assert (head["method"], head["finetuning"], head["world_size"]) == ("dpo", "lora", 2)
+    assert RunPaths(t.run_dir).reference_logps.read_bytes() == reference    # read back, not recomputed from the policy
 
     # The node of rank 1 fails (set down, as SLURM does with a node that stops answering): the run fails naming it,
     # and no process of the run is left on either node.
