@@ -32,8 +32,9 @@ def _in_process(rd):
         if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
 
-def test_dpo_agrees_with_trl(demo, tmp_path):
-    """Four pairs, three steps, one process, sigmoid loss: the same log-probabilities and loss at step 1, and after
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_agrees_with_trl(demo, tmp_path, loss_type):
+    """Four pairs, three steps, one process, each loss_type: the same log-probabilities and loss at step 1, and after
     two updates the loss within 1e-3 and the rewards within 2e-2 (relative). TRL computes the policy's log-probabilities
     through its own fused output layer, whose gradient differs from the full logits' in the fourth digit (ilab_nb's
     step-1 gradient norm equals a hand-written full-logits reference's exactly), so later steps part a little."""
@@ -46,11 +47,11 @@ def test_dpo_agrees_with_trl(demo, tmp_path):
     rd = tmp_path / "run"; (rd / "logs").mkdir(parents=True)
     TrainConfig(model=str(demo.model_dir), data=[str(tmp_path / "p.jsonl")], method="dpo", device="cpu", num_processes=1,
                 strategy="single", max_steps=3, logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant",
-                max_tokens_per_batch=2048, max_seq_len=256, beta=0.1, seed=0).to_json(rd / "config.json")
+                max_tokens_per_batch=2048, max_seq_len=256, beta=0.1, loss_type=loss_type, seed=0).to_json(rd / "config.json")
     _in_process(rd)
     ours = _records(rd, "train")
     tok = AutoTokenizer.from_pretrained(demo.model_dir)
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=["sigmoid"], learning_rate=1e-3,
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=[loss_type], learning_rate=1e-3,
                      per_device_train_batch_size=4, max_steps=3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                      max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=0, precompute_ref_log_probs=True,
                      save_strategy="no", disable_dropout=True)
@@ -59,11 +60,12 @@ def test_dpo_agrees_with_trl(demo, tmp_path):
     tr.train()
     theirs = [l for l in tr.state.log_history if "loss" in l]
     assert [r["step"] for r in ours] == [l["step"] for l in theirs] == [1, 2, 3]
-    assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and theirs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    first = {"sigmoid": math.log(2), "ipo": (1 / (2 * 0.1)) ** 2, "hinge": 1.0}[loss_type]   # the policy is the reference
+    assert ours[0]["loss"] == pytest.approx(first, abs=1e-5) and theirs[0]["loss"] == pytest.approx(first, abs=1e-5)
     for k in ("logps/chosen", "logps/rejected"): assert ours[0][k] == pytest.approx(theirs[0][k], rel=1e-4), k   # fp32 sums of ~40 tokens
     assert ours[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     for o, t in zip(ours[1:], theirs[1:]):
-        assert o["loss"] == pytest.approx(t["loss"], rel=1e-3) and o["loss"] < math.log(2)
+        assert o["loss"] == pytest.approx(t["loss"], rel=1e-3) and o["loss"] < first
         for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"): assert o[k] == pytest.approx(t[k], rel=2e-2), (o["step"], k)
         assert o["rewards/accuracies"] == t["rewards/accuracies"]
 
