@@ -153,13 +153,15 @@ def plan_epoch(lengths: Sequence[int], max_tokens: int, world_size: int, layout:
     return [[steps[s][r] for r in rng.permutation(world_size)] for s in rng.permutation(len(steps))]
 
 # %% ../nbs/02_batching.ipynb #ca9c4bc6
-def plan_stats(plan: list[list[list[int]]], lengths: Sequence[int], layout: str) -> dict:
-    "Tokens, efficiency, rank imbalance and sample counts of a plan from `plan_epoch`."
+def plan_stats(plan: list[list[list[int]]], lengths: Sequence[int], layout: str, real: Sequence[int] | None = None,
+               rows: int = 1) -> dict:
+    "Tokens, efficiency, rank imbalance and sample counts of a plan from `plan_epoch` (`real`, `rows`: a unit's own tokens and rows)."
     _check_layout(layout)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    costs = np.array([[batch_cost(lengths[b], layout) for b in step] for step in plan] or [[0]], dtype=float)
+    own = lengths if real is None else np.asarray(real, dtype=np.int64).reshape(-1)
+    costs = np.array([[rows * batch_cost(lengths[b], layout) for b in step] for step in plan] or [[0]], dtype=float)
     used = len({i for step in plan for b in step for i in b})     # distinct: a plan of several epochs repeats them
-    real = int(sum(int(lengths[b].sum()) for step in plan for b in step))
+    real = int(sum(int(own[b].sum()) for step in plan for b in step))
     computed = int(costs.sum())
     worst, mean = costs.max(axis=1), costs.mean(axis=1)
     return dict(real_tokens=real, computed_tokens=computed,

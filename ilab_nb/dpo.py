@@ -107,6 +107,12 @@ def batch(self:DPO, ds, indices: list, layout: str, pad_id: int) -> dict:
     b["answer_tokens"] = torch.tensor([p["ans_c"] for p in pairs] + [p["ans_r"] for p in pairs], dtype=torch.float64)
     return b
 
+# %% ../nbs/04d_dpo.ipynb #c279988d
+@patch
+def rows(self:DPO, layout: str) -> int:
+    "Two padded rows a pair (chosen, rejected); its sides end to end in a packed row."
+    return 1 if layout == "packed" else 2
+
 # %% ../nbs/04d_dpo.ipynb #39f36289
 def sequence_logps(labels, seq, n_seq: int):
     "The `fn(out, weight)` that sums each sequence's answer log-probabilities."

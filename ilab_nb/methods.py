@@ -49,6 +49,12 @@ def tokens(self:Method, ds) -> tuple:
     "`(loss-bearing, computed)` tokens of each unit, for throughput."
     return list(ds["num_loss_tokens"]), list(ds["length"])
 
+# %% ../nbs/04b_methods.ipynb #ce6be1ec
+@patch
+def rows(self:Method, layout: str) -> int:
+    "Rows of a padded batch one unit takes (its length is the longest of them)."
+    return 1
+
 # %% ../nbs/04b_methods.ipynb #7fad9bb6
 @patch
 def batch(self:Method, ds, indices: list, layout: str, pad_id: int) -> dict:

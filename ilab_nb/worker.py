@@ -894,7 +894,7 @@ def write_header(self:Attempt):
                        resumed_from_step=self.start if self.resumed else None, params_total=sum(p.numel() for p in model.parameters()),
                        params_per_rank=params_per_rank(model, env), num_machines=env.num_machines, nodes=list(env.nodes),
                        gradient_checkpointing=checkpointing_in_effect(model),
-                       plan=B.plan_stats(plan, self.lengths, self.layout), data_stats=self.data_stats, versions=_versions(),
+                       plan=B.plan_stats(plan, self.lengths, self.layout, self.real, self.method.rows(self.layout)), data_stats=self.data_stats, versions=_versions(),
                        loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
                        method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg), **self.model_info,
                        **self.lineage())
@@ -968,7 +968,7 @@ def window_record(self:Attempt, step: int, win: dict, grad_norm: float) -> dict:
     return dict(step=step, total_steps=len(self.steps), epoch=round(s["epoch_float"], 4), **fields,
                 learning_rate=self.scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens=int(tokens),
                 tokens_per_s=float(tokens) / dt, real_tokens_per_s=win["real"] / dt,
-                efficiency=B.plan_stats(s["micro"], self.lengths, self.layout)["efficiency"],
+                efficiency=B.plan_stats(s["micro"], self.lengths, self.layout, self.real, method.rows(self.layout))["efficiency"],
                 elapsed_s=time.time() - win["t0"], peak_mem_mb=_peak_mem_mb(env))
 
 # %% ../nbs/05_worker.ipynb #e6f68604

@@ -94,6 +94,8 @@ def test_dpo_run_on_two_ranks(dpo_run):
     paths = RunPaths(dpo_run.run_dir)
     head = _records(dpo_run.run_dir, "header")[0]
     assert (head["method"], head["data_kind"], head["strategy"], head["world_size"]) == ("dpo", "preference", "fsdp", 2)
+    plan = head["plan"]              # padded, a pair is two rows: the plan counts both sides of every pair it uses
+    assert plan["samples_used"] == 64 and head["data_stats"]["train"]["tokens"] <= plan["real_tokens"] <= plan["computed_tokens"]
     train, ev = _records(dpo_run.run_dir, "train"), _records(dpo_run.run_dir, "eval")
     assert [r["step"] for r in train] == list(range(1, 7))
     assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)          # the policy is the reference at step 1
