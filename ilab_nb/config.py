@@ -35,14 +35,15 @@ def _show(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
 
-# %% ../nbs/00_config.ipynb #081f4dae
+# %% ../nbs/00_config.ipynb #d71a9393
 class ConfigError(ValueError):
     "An invalid training config: `.errors` lists the problems, the message shows one per line."
     def __init__(self, errors: list[dict], source: str | None = None, key_lines: dict[str, int] | None = None):
         self.errors, self.source, self.key_lines = list(errors), source, dict(key_lines or {})
         lines = []
         for e in self.errors:
-            where = f" (line {self.key_lines[e['field']]})" if e.get("field") in self.key_lines else ""
+            line = self.key_lines.get(e.get("at")) or self.key_lines.get(e.get("field"))   # `at`: the key inside a field
+            where = f" (line {line})" if line else ""
             lines.append(f"{e['msg']}{where}" if e["type"] in ("unknown_field", "file")
                          else f"{e['field'] or 'config'}: {e['msg']}{where}")
         n = len(lines)
@@ -52,13 +53,21 @@ class ConfigError(ValueError):
 
     def __reduce__(self): return (ConfigError, (self.errors, self.source, self.key_lines))
 
-# %% ../nbs/00_config.ipynb #c6285caa
+# %% ../nbs/00_config.ipynb #784a3b0c
+def _mapping_lines(node: yaml.MappingNode, prefix: str = "") -> dict[str, int]:
+    "1-based line of each key of a composed YAML mapping, the keys of a mapping inside it as `key.inner`."
+    out = {}
+    for k, v in node.value:
+        out[prefix + str(k.value)] = k.start_mark.line + 1
+        if isinstance(v, yaml.MappingNode): out.update(_mapping_lines(v, f"{prefix}{k.value}."))
+    return out
+
+# %% ../nbs/00_config.ipynb #76f73e4e
 def _yaml_key_lines(text: str) -> dict[str, int]:
-    "1-based line of each top-level key of a YAML mapping (empty when it cannot tell)."
+    "1-based line of each key of a YAML mapping, nested ones as `key.inner` (empty when it cannot tell)."
     try: node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError: return {}
-    if not isinstance(node, yaml.MappingNode): return {}
-    return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
+    return _mapping_lines(node) if isinstance(node, yaml.MappingNode) else {}
 
 # %% ../nbs/00_config.ipynb #6aff9ad1
 def _json_key_lines(text: str) -> dict[str, int]:
@@ -420,7 +429,7 @@ def _distinct_gpus(v):
     if len(set(v)) != len(v): raise ValueError("GPU indices must be distinct")
     return v
 
-# %% ../nbs/00_config.ipynb #25de875a
+# %% ../nbs/00_config.ipynb #2b20bbfb
 _LORA_REFUSED = {
     "task_type": "a causal LM always gets CAUSAL_LM",
     "modules_to_save": "fully trained extra modules (embeddings, head) are not supported with lora= yet; train every weight instead",
@@ -434,6 +443,11 @@ _LORA_COMMON = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora
 _LORA_ALIASES = {"rank": "r", "lora_r": "r", "lora_rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
                  "target": "target_modules", "lora_target": "target_modules", "targets": "target_modules"}  # other tools' names
 
+def _lora_problem(key: str, msg: str) -> PydanticCustomError:
+    "A problem with the key `key` of `lora=`: a ValueError whose message is `msg`, naming the key for the file's line."
+    return PydanticCustomError("lora_field", "{msg}", {"key": str(key), "msg": msg})
+
+# %% ../nbs/00_config.ipynb #00fcffaf
 def _lora_fields(v):
     "A mapping of `peft.LoraConfig` fields (or a `LoraConfig`) as a plain dict of the given fields, checked."
     if v is None: return None
@@ -447,17 +461,18 @@ def _lora_fields(v):
     for k in v:
         if k in known: continue
         near = _LORA_ALIASES.get(k) or next(iter(difflib.get_close_matches(str(k), known, n=1, cutoff=0.6)), None)
-        raise ValueError(f"unknown LoraConfig field '{k}'" + (f" — did you mean '{near}'?" if near else
-                         f" (e.g. {', '.join(_LORA_COMMON)}; see peft.LoraConfig)"))
-    if v.get("bias", "none") != "none": raise ValueError("bias: only 'none' (the base's biases stay frozen)")
+        raise _lora_problem(k, f"unknown LoraConfig field '{k}'" + (f" — did you mean '{near}'?" if near else
+                            f" (e.g. {', '.join(_LORA_COMMON)}; see peft.LoraConfig)"))
+    if v.get("bias", "none") != "none": raise _lora_problem("bias", "bias: only 'none' (the base's biases stay frozen)")
     if v.get("init_lora_weights", True) not in (True, False, "gaussian"):
-        raise ValueError(f"init_lora_weights={v['init_lora_weights']!r}: use True, False or 'gaussian' (the others read the base's weights)")
+        raise _lora_problem("init_lora_weights", f"init_lora_weights={v['init_lora_weights']!r}: use True, False or 'gaussian' "
+                            "(the others read the base's weights)")
     for k, why in _LORA_REFUSED.items():
-        if why and k in v and v[k] not in (None, False): raise ValueError(f"{k}: {why}")
+        if why and k in v and v[k] not in (None, False): raise _lora_problem(k, f"{k}: {why}")
     for k, ok, want in (("r", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "a whole number >= 1"),
                         ("lora_alpha", lambda x: isinstance(x, (int, float)) and x > 0, "a number > 0"),
                         ("lora_dropout", lambda x: isinstance(x, (int, float)) and 0 <= x < 1, "in [0, 1)")):
-        if k in v and not ok(v[k]): raise ValueError(f"{k}={v[k]!r}: must be {want}")
+        if k in v and not ok(v[k]): raise _lora_problem(k, f"{k}={v[k]!r}: must be {want}")
     v = {k: sorted(x) if isinstance(x, set) else x for k, x in v.items()}
     try: LoraConfig(**v)
     except (TypeError, ValueError) as e: raise ValueError(f"peft.LoraConfig refuses it: {e}") from None
@@ -549,7 +564,7 @@ class TrainConfig(_MethodFields):
             if name in self.__dict__: self.__dict__[name] = old   # pydantic keeps the value when a model validator fails
             raise ConfigError.from_validation_error(e) from None
 
-# %% ../nbs/00_config.ipynb #e3c51f2f
+# %% ../nbs/00_config.ipynb #b609b6dc
 @patch(cls_method=True)
 def from_validation_error(cls:ConfigError, err: ValidationError, source: str | None = None, key_lines=None) -> "ConfigError":
     "Translate pydantic's errors into `field: message` problems."
@@ -562,6 +577,8 @@ def from_validation_error(cls:ConfigError, err: ValidationError, source: str | N
             out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, names), input=e.get("input")))
         elif e["type"] == "config_conflict":   # raised by TrainConfig._check_combinations: one entry per problem
             out += [dict(field=f, type="conflict", msg=m, input=None) for f, m in e["ctx"]["problems"]]
+        elif e["type"] == "lora_field":       # a key inside lora=: its own line in a file
+            out.append(dict(field=field, at=f"{field}.{e['ctx']['key']}", type=e["type"], msg=e["ctx"]["msg"], input=None))
         elif e["type"] == "missing":
             desc = TrainConfig.model_fields[field].description if field in TrainConfig.model_fields else ""
             out.append(dict(field=field, type="missing", msg=f"required field is missing ({desc})", input=None))
@@ -588,12 +605,12 @@ def from_kwargs(cls:TrainConfig, **kw: Any) -> TrainConfig:
     "Build a config from keyword arguments."
     return cls.from_dict(kw)
 
-# %% ../nbs/00_config.ipynb #57037bda
+# %% ../nbs/00_config.ipynb #405d99a2
 @patch(cls_method=True)
 def from_file(cls:TrainConfig, path: str | os.PathLike, **overrides: Any) -> TrainConfig:
     "Load a YAML or JSON config file; keyword `overrides` replace the file's values."
     d, lines = _read_config_file(path)
-    for k in overrides: lines.pop(k, None)   # an override's error is not the file's
+    lines = {k: n for k, n in lines.items() if k.split(".")[0] not in overrides}   # an override's error is not the file's
     try: return cls.from_dict({**d, **overrides})
     except ConfigError as e: raise ConfigError(e.errors, str(path), lines) from None
 
