@@ -1,10 +1,11 @@
 """The `ilab-nb` command line, run as real subprocesses against real runs of the demo model (one CPU process: what
 the commands do does not depend on the number of ranks; 2-rank runs are watched by the session and SLURM tests)."""
-import json, re, subprocess
+import json, re, subprocess, threading
 
 import pytest
 import yaml
 
+from ilab_nb.launcher import DeviceSlots, device_request
 from ilab_nb.runstore import RunStore, run_processes
 from conftest import CLI, DEMO_STEPS, cli_env, ilab, wait_until
 
@@ -19,24 +20,58 @@ def config_file(demo, small_train, tmp_path):
     return p
 
 
+STEP = re.compile(r"^step \d+/300 epoch ", re.M)
+
+
+class Follower:
+    "`ilab-nb logs ARGS` in its own process, its output collected as it comes."
+    def __init__(self, *args):
+        self.p = subprocess.Popen([*CLI, "logs", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  text=True, env=cli_env())
+        self.lines = []
+        self.reader = threading.Thread(target=lambda: [self.lines.append(l) for l in self.p.stdout], daemon=True)
+        self.reader.start()
+
+    def text(self) -> str: return "".join(self.lines)
+
+    def wait_for_a_step(self):
+        "Until it has printed a training line: stopped after that, the run's stop comes after a step in what it shows."
+        wait_until(lambda: STEP.search(self.text()), 150, poll=0.5, what="logs -f to print a training step")
+
+    def ended(self, timeout=30) -> str:
+        "Its whole output once it has ended by itself (`-f` ends with the run)."
+        self.p.wait(timeout=timeout); self.close()
+        return self.text()
+
+    def close(self):
+        self.p.kill(); self.p.wait(); self.reader.join(timeout=10)
+
+
 def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, runs_root):
-    r = ilab("run", config_file, "--runs-root", runs_root, "--name", "cli", "max_steps=300", check=0)
-    run_id = r.stdout.split()[0]
-    assert run_id.endswith("-cli") and (runs_root / run_id / "config.json").exists()
-    assert json.loads((runs_root / run_id / "config.json").read_text())["max_steps"] == 300   # the override was honoured
-    follower = subprocess.Popen([*CLI, "logs", run_id, "-f", "-n", "5", "--runs-root", str(runs_root)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    held = DeviceSlots()                     # the fixture's own device locks: both CPU slots, so the run waits in the queue
+    assert held.try_acquire("this-test", device_request("cpu", 2))
+    follower = None
     try:
+        r = ilab("run", config_file, "--runs-root", runs_root, "--name", "cli", "max_steps=300", check=0)
+        run_id = r.stdout.split()[0]
+        assert run_id.endswith("-cli") and (runs_root / run_id / "config.json").exists()
+        assert json.loads((runs_root / run_id / "config.json").read_text())["max_steps"] == 300   # the override was honoured
+        follower = Follower(run_id, "-f", "-n", "5", "--runs-root", runs_root)   # of the queued run
+        wait_until(lambda: "queued for 1 of" in follower.text(), 60, what="logs -f showing the run queued")
+        held.release()                       # the run's turn
         # (waited for in this process: a command-line process a second would slow the ranks' start on 2 cores)
         wait_until(lambda: RunStore(runs_root).read_state(run_id)["status"] == "running", 150, poll=1, what="running")
         assert "running" in ilab("status", run_id, "--runs-root", runs_root, check=0).stdout
         out = ilab("ls", "--runs-root", runs_root, check=0).stdout
         assert run_id in out and "running" in out
+        follower.wait_for_a_step()
         out = ilab("stop", run_id, "--runs-root", runs_root, check=0).stdout          # from another process
         assert out.strip() == f"{run_id}: cancelled"
-        followed, _ = follower.communicate(timeout=30)                                # -f ends with the run
+        followed = follower.ended()
     finally:
-        follower.kill(); follower.wait()
+        held.release()
+        if follower: follower.close()
+    assert followed.index("queued for 1 of") < followed.index("launching: ")
     assert_followed(followed, run_id, 1)
     assert not run_processes(runs_root / run_id)
     st = ilab("status", run_id, "--runs-root", runs_root, "--json", check=0).stdout
@@ -45,15 +80,15 @@ def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, ru
 
     out = ilab("resume", run_id, "--runs-root", runs_root, check=0).stdout
     assert "attempt 2" in out
-    follower = subprocess.Popen([*CLI, "logs", run_id, "-f", "-n", "0", "--runs-root", str(runs_root)],   # attempt 2, from queued
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    follower = Follower(run_id, "-f", "-n", "0", "--runs-root", runs_root)        # attempt 2, from queued
     try:
         wait_until(lambda: RunStore(runs_root).read_state(run_id)["status"] == "running", 150, poll=1, what="attempt 2 running")
+        follower.wait_for_a_step()
         ilab("stop", run_id, "--no-wait", "--runs-root", runs_root, check=0)
         w = ilab("watch", run_id, "--runs-root", runs_root, check=1)                      # ends cancelled: exit 1
-        followed, _ = follower.communicate(timeout=30)
+        followed = follower.ended()
     finally:
-        follower.kill(); follower.wait()
+        follower.close()
     assert "cancelled" in w.stdout and "attempt 2" in w.stdout
     assert_followed(followed, run_id, 2)
     assert not run_processes(runs_root / run_id)
@@ -61,7 +96,7 @@ def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, ru
 
 def assert_followed(followed, run_id, attempt):
     "Issue 20 item 6: `logs -f` of a queued run shows the supervisor's lines, then rank 0's training lines, then the ending."
-    launch, step = followed.find("launching: "), re.search(r"^step \d+/300 epoch ", followed, re.M)
+    launch, step = followed.find("launching: "), STEP.search(followed)
     assert step, followed[-3000:]                                    # was: only the supervisor's log, never a step
     if attempt == 1: assert 0 <= launch < step.start(), followed[-3000:]   # (attempt 2's launch may precede the follower)
     assert followed.index("stop requested by") > step.start(), followed[-3000:]
