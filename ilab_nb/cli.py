@@ -62,6 +62,8 @@ def format_runs(runs) -> str:
 def _step_line(pr: dict, running: bool) -> str:
     return (f"step:     {pr['step']}/{pr['total_steps'] or '?'}" +
             (f"  loss {pr['loss']:.4f}" if pr["loss"] is not None else "") +
+            (f"  margin {pr['margins']:.3f}" if pr.get("margins") is not None else "") +
+            (f"  chosen preferred {pr['accuracy']:.0%}" if pr.get("accuracy") is not None else "") +
             (f"  {pr['tokens_per_s']:.0f} tokens/s" if pr["tokens_per_s"] else "") +
             (f"  eta {_fmt_s(pr['eta_s'])}" if pr["eta_s"] is not None and running else ""))
 

@@ -90,7 +90,7 @@ def dpo_run(demo, tmp_path_factory):
 
 
 @pytest.mark.processes
-def test_dpo_run_on_two_ranks(dpo_run):
+def test_dpo_run_on_two_ranks(dpo_run, capsys):
     paths = RunPaths(dpo_run.run_dir)
     head = _records(dpo_run.run_dir, "header")[0]
     assert (head["method"], head["data_kind"], head["strategy"], head["world_size"]) == ("dpo", "preference", "fsdp", 2)
@@ -109,6 +109,11 @@ def test_dpo_run_on_two_ranks(dpo_run):
     ref = torch.load(paths.reference_logps)                                  # kept in the run directory, every pair
     assert {k: len(v) for k, v in ref.items()} == {"train": 64, "eval": 16}
     assert (paths.final / "config.json").exists() and {3, 6} <= {c["step"] for c in dpo_run.checkpoints}
+    from ilab_nb.cli import main                                             # `ilab-nb status`: DPO's figures too
+    assert main(["status", dpo_run.run_id, "--runs-root", str(dpo_run.run_dir.parent)]) == 0
+    last = train[-1]
+    assert (f"step:     6/6  loss {last['loss']:.4f}  margin {last['rewards/margins']:.3f}  chosen preferred "
+            f"{last['rewards/accuracies']:.0%}") in capsys.readouterr().out
 
 
 def _resume_copy(src: RunPaths, rd: Path, step: int):
