@@ -567,6 +567,8 @@ def _progress_html(p: dict, status: str, header) -> str:
     if "margins" in p:                                         # DPO: how far chosen leads rejected, and how often
         parts.append(f"margin {format_number(p['margins'], '.3f')}")
         parts.append(f"chosen preferred {format_number(p.get('accuracy'), '.0%')}")
+    if p.get("perplexity") is not None:                        # plain text: the latest held-out perplexity
+        parts.append(f"held-out perplexity {format_number(p['perplexity'], ',.1f')} (step {p['perplexity_step']:,})")
     text = '<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">' + " · ".join(parts) + "</span>"
     return text + "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
                           for n in data_notes(header))

@@ -96,7 +96,8 @@ def events(self:RunMonitor) -> list:
 @patch
 def progress(self:RunMonitor) -> dict:
     """`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` from the latest records (None where unknown);
-    a DPO run's also `margins` and `accuracy` (TRL's `rewards/margins`, `rewards/accuracies`) of its latest step."""
+    a DPO run's also `margins` and `accuracy` (TRL's `rewards/margins`, `rewards/accuracies`) of its latest step, a
+    plain-text run's `perplexity` (and its `perplexity_step`) of its latest evaluation."""
     h, tr = self.header, self.train_records
     last = tr[-1] if tr else {}
     if h is not None and last and last.get("attempt") != h.get("attempt"): last = {}   # new attempt, no step yet
@@ -108,6 +109,8 @@ def progress(self:RunMonitor) -> dict:
     out = {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
            "tokens_per_s": last.get("tokens_per_s"), "loss": last.get("loss")}
     if "rewards/margins" in last: out.update(margins=last["rewards/margins"], accuracy=last.get("rewards/accuracies"))
+    ev = next((r for r in reversed(self.eval_records) if "eval_perplexity" in r), None)
+    if ev: out.update(perplexity=ev["eval_perplexity"], perplexity_step=ev["step"])
     return out
 
 # %% ../nbs/04_monitor.ipynb #f078c5ed

@@ -163,5 +163,9 @@ def test_continued_pretraining_on_plain_text_lowers_held_out_perplexity(demo, ru
     assert [r["step"] for r in ev] == [0, ev[-1]["step"]] and ev[-1]["step"] >= 8   # before, and after the epoch
     assert ev[0]["eval_perplexity"] == pytest.approx(math.exp(ev[0]["eval_loss"]), rel=1e-6)
     assert ev[1]["eval_perplexity"] < 0.5 * ev[0]["eval_perplexity"]
+    pr = s.progress()                                                      # the figure the user watches, where they watch
+    assert (pr["perplexity"], pr["perplexity_step"]) == (ev[-1]["eval_perplexity"], ev[-1]["step"])
+    dash = s.dashboard(); dash.update()
+    assert f"held-out perplexity {ev[-1]['eval_perplexity']:,.1f} (step {ev[-1]['step']})" in dash.progress_text.value
     print(f"\n[measured] {stats['note']}; {ev[-1]['step']} steps: held-out perplexity {ev[0]['eval_perplexity']:.1f} -> "
           f"{ev[1]['eval_perplexity']:.1f}")
