@@ -65,7 +65,7 @@ def build_pairs(records: list, tokenizer, max_seq_len: int, policy: str = "drop"
                      if dropped else None)
     return datasets.Dataset.from_list(rows), stats
 
-# %% ../nbs/04d_dpo.ipynb #601896fa
+# %% ../nbs/04d_dpo.ipynb #321515d8
 class DPO(Method):
     "Direct preference optimization on pairs, against the starting model's log-probabilities (TRL's names)."
     name, kinds = "dpo", ("preference",)
@@ -81,9 +81,14 @@ def lengths(self:DPO, ds, layout: str) -> list:
     return [c + r for c, r in zip(ds["len_c"], ds["len_r"])] if layout == "packed" else [max(c, r) for c, r in zip(ds["len_c"], ds["len_r"])]
 
 @patch
+def rows(self:DPO, layout: str) -> int:
+    "Two padded rows a pair (chosen, rejected); its sides end to end in a packed row."
+    return 1 if layout == "packed" else 2
+
+@patch
 def budget(self:DPO, layout: str) -> int:
-    "The budget: the whole one packed; half padded (each pair is two rows)."
-    return self.cfg.max_tokens_per_batch if layout == "packed" else self.cfg.max_tokens_per_batch // 2
+    "The budget: the whole one packed; a half padded (each pair is two rows)."
+    return self.cfg.max_tokens_per_batch // self.rows(layout)
 
 @patch
 def weights(self:DPO, ds) -> list:
@@ -106,12 +111,6 @@ def batch(self:DPO, ds, indices: list, layout: str, pad_id: int) -> dict:
     b["pair_index"] = torch.tensor([p["index"] for p in pairs])
     b["answer_tokens"] = torch.tensor([p["ans_c"] for p in pairs] + [p["ans_r"] for p in pairs], dtype=torch.float64)
     return b
-
-# %% ../nbs/04d_dpo.ipynb #c279988d
-@patch
-def rows(self:DPO, layout: str) -> int:
-    "Two padded rows a pair (chosen, rejected); its sides end to end in a packed row."
-    return 1 if layout == "packed" else 2
 
 # %% ../nbs/04d_dpo.ipynb #39f36289
 def sequence_logps(labels, seq, n_seq: int):
