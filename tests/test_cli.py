@@ -29,8 +29,11 @@ class Follower:
         self.p = subprocess.Popen([*CLI, "logs", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                   text=True, env=cli_env())
         self.lines = []
-        self.reader = threading.Thread(target=lambda: [self.lines.append(l) for l in self.p.stdout], daemon=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+
+    def _read(self):
+        for line in self.p.stdout: self.lines.append(line)
 
     def text(self) -> str: return "".join(self.lines)
 
