@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 # %% auto #0
-__all__ = ['LAYOUTS', 'LOSS_CHUNK_BYTES', 'PACKED_ATTENTION', 'VARLEN_KERNELS', 'batch_cost', 'plan_epoch', 'plan_stats',
-           'collate', 'token_loss_sum', 'linear_token_loss_sum', 'sequence_of_tokens', 'linear_sequence_logps',
-           'packed_seq_info', 'reference_varlen_attn', 'varlen_signature_ok', 'varlen_kernel', 'varlen_available',
-           'packed_attention', 'register_packed_attention', 'sdpa_while', 'packed_refusal', 'choose_layout',
-           'attn_implementation_for']
+__all__ = ['LAYOUTS', 'LOSS_CHUNK_BYTES', 'PACKED_ATTENTION', 'VARLEN_KERNELS', 'ATTENTIONS', 'batch_cost', 'plan_epoch',
+           'plan_stats', 'collate', 'token_loss_sum', 'linear_token_loss_sum', 'sequence_of_tokens',
+           'linear_sequence_logps', 'packed_seq_info', 'reference_varlen_attn', 'varlen_signature_ok', 'varlen_kernel',
+           'varlen_available', 'packed_attention', 'register_packed_attention', 'generation_attention',
+           'packed_refusal', 'choose_layout', 'attention_refusal', 'attn_implementation_for']
 
 # %% ../nbs/02_batching.ipynb #576eb102
 LAYOUTS = ("packed", "bucketed")
@@ -357,13 +357,14 @@ def register_packed_attention() -> str:
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     return PACKED_ATTENTION
 
-# %% ../nbs/02_batching.ipynb #f749588e
+# %% ../nbs/02_batching.ipynb #27525a64
 @contextmanager
-def sdpa_while(model):
-    "While inside, a model that trains with packed attention attends with sdpa (for `generate`); restored on the way out."
+def generation_attention(model):
+    "While inside, a model that trains with packed attention attends as `generate` needs (sdpa, else eager); restored after."
     was = model.config._attn_implementation
     if was != PACKED_ATTENTION: yield model; return
-    model.set_attn_implementation("sdpa")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model        # a peft model: its transformers model
+    model.set_attn_implementation(attn_implementation_for("bucketed", "cpu", type(base)))
     try: yield model
     finally: model.set_attn_implementation(was)
 
@@ -394,10 +395,34 @@ def choose_layout(requested: str, device_type: str, precision: str = "bf16", mod
     fast = device_type == "cuda" and precision == "bf16" and (varlen_available(device_type) or _flash_attn_2_available())
     return "packed" if fast and not why else "bucketed"
 
-# %% ../nbs/02_batching.ipynb #9dad9893
-def attn_implementation_for(layout: str, device_type: str) -> str:
-    "The attention implementation to load the model with for `layout` on `device_type`."
+# %% ../nbs/02_batching.ipynb #02c44fd6
+ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flex_attention")     # what `attn_implementation` may ask for
+_CLASS_FLAG = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn", "flex_attention": "_supports_flex_attn",
+               PACKED_ATTENTION: "_supports_attention_backend"}
+
+def attention_refusal(name: str, model_class=None, device_type: str = "cpu", precision: str = "fp32") -> str | None:
+    "Why `model_class` cannot attend with `name` on `device_type` at `precision`, or None (eager always can)."
+    if name != "eager" and model_class is not None and not getattr(model_class, _CLASS_FLAG[name], False):
+        return f"{model_class.__name__} does not support it (transformers' {_CLASS_FLAG[name]} is False)"
+    if name == "flash_attention_2":
+        if device_type != "cuda": return "FlashAttention 2 runs on CUDA only"
+        if precision != "bf16": return "FlashAttention 2 computes in bf16 or fp16 only: set precision='bf16'"
+        if not _flash_attn_2_available(): return "the flash_attn package is not installed (pip install flash-attn)"
+    return None
+
+# %% ../nbs/02_batching.ipynb #dbac7036
+def attn_implementation_for(layout: str, device_type: str, model_class=None, requested: str = "auto",
+                            precision: str = "bf16") -> str:
+    "The attention to build `model_class` with for `layout` on `device_type`: `requested`, or (auto) the best it supports."
     _check_layout(layout)
-    if layout != "packed": return "sdpa"
-    if varlen_available(device_type): return register_packed_attention()   # float32 falls back to the reference
-    return "flash_attention_2" if device_type == "cuda" and _flash_attn_2_available() else "sdpa"
+    if requested != "auto":
+        if why := attention_refusal(requested, model_class, device_type, precision):
+            ok = [a for a in ATTENTIONS if attention_refusal(a, model_class, device_type, precision) is None]
+            raise ValueError(f"attn_implementation={requested!r} cannot be used: {why}; use {' or '.join(map(repr, ok))}, "
+                             "or 'auto' to let ilab_nb choose")
+        return requested
+    if layout == "packed":
+        if varlen_available(device_type) and attention_refusal(PACKED_ATTENTION, model_class) is None:
+            return register_packed_attention()              # float32 falls back to the reference
+        if attention_refusal("flash_attention_2", model_class, device_type, precision) is None: return "flash_attention_2"
+    return "sdpa" if attention_refusal("sdpa", model_class) is None else "eager"

@@ -148,6 +148,11 @@ _DESCRIPTIONS = dict(
     gradient_checkpointing="Recompute activations in the backward pass to save memory.",
     cpu_offload="Keep FSDP's parameter, gradient and optimizer-state shards in host memory (FSDP2 CPUOffloadPolicy); fsdp on CUDA only.",
     torch_compile="Compile each transformer block with torch.compile (faster steps after a compile at start-up).",
+    attn_implementation=("The attention to build the model with (transformers' names): eager, sdpa, flash_attention_2, "
+                         "flex_attention, or auto (what the model's class supports: sdpa, else eager; packed rows get "
+                         "packed attention where there is a kernel)."),
+    skip_nonfinite_steps=("Skip an optimizer step whose loss or gradient norm is not finite (inf or NaN), recording it; by "
+                          "default such a step fails the run, the weights as they were before it."),
     ignore_memory_estimate="Start even when the per-rank memory estimate exceeds a device's memory.",
     trust_remote_code="Allow model/tokenizer code from the model directory or hub repository to run.",
     accelerate_config="Path to your own `accelerate` config YAML passed to `accelerate launch --config_file`.",
@@ -312,7 +317,7 @@ def _machine_problems(c) -> list:
 # %% ../nbs/00_config.ipynb #7886bf76
 class _DataFields(BaseModel):
     "What the run trains and evaluates on."
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)   # no float may be inf or NaN
     model: str = _f("model", min_length=1)
     data: DataSources = _f("data", min_length=1)
     eval_data: DataSources | None = _f("eval_data", None, min_length=1)
@@ -344,6 +349,7 @@ class _ScheduleFields(_DeviceFields):
     adam_epsilon: float = _f("adam_epsilon", 1e-8, gt=0)
     max_grad_norm: float = _f("max_grad_norm", 1.0, ge=0)
     gradient_accumulation_steps: int = _f("gradient_accumulation_steps", 1, ge=1)
+    skip_nonfinite_steps: bool = _f("skip_nonfinite_steps", False)
 
 # %% ../nbs/00_config.ipynb #ed9339f9
 class _BatchFields(_ScheduleFields):
@@ -363,6 +369,7 @@ class _MemoryFields(_BatchFields):
     gradient_checkpointing: bool = _f("gradient_checkpointing", False)
     cpu_offload: bool = _f("cpu_offload", False)
     torch_compile: bool = _f("torch_compile", False)
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flex_attention"] = _f("attn_implementation", "auto")
     ignore_memory_estimate: bool = _f("ignore_memory_estimate", False)
     trust_remote_code: bool = _f("trust_remote_code", False)
 
@@ -660,7 +667,7 @@ def load_config(x: "TrainConfig | dict | str | os.PathLike", **overrides: Any) -
 
 # %% ../nbs/00_config.ipynb #38c897bc
 RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
-                     "max_grad_norm", "gradient_accumulation_steps",
+                     "max_grad_norm", "gradient_accumulation_steps", "skip_nonfinite_steps", "attn_implementation",
                      "num_processes", "devices", "oversubscribe_cpus", "ignore_memory_estimate", "num_machines",
                      "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "slurm", "launcher_args",
                      "accelerate_config",

@@ -505,6 +505,8 @@ def _header_html(run_id, attempt, h: dict) -> str:
             r = (h.get("lora") or {}).get("r", "?")
             bits.append(f"LoRA r={r}: {h.get('trainable_params', 0) / 1e6:,.2f} M train "
                         f"({100 * h.get('trainable_params', 0) / h['params_total']:.1f} %)")
+            if tp := (h.get("lora") or {}).get("target_parameters"):      # a Mixture of Experts' fused experts and router
+                bits[-1] += " incl. " + ", ".join(html.escape(str(t)) for t in tp)
         if h.get("method") == "dpo":
             bits.append("DPO (preference pairs)")
         elif h.get("data_kind") == "text":
@@ -569,6 +571,8 @@ def _progress_html(p: dict, status: str, header) -> str:
         parts.append(f"chosen preferred {format_number(p.get('accuracy'), '.0%')}")
     if p.get("perplexity") is not None:                        # plain text: the latest held-out perplexity
         parts.append(f"held-out perplexity {format_number(p['perplexity'], ',.1f')} (step {p['perplexity_step']:,})")
+    if sk := p.get("skipped_steps"):                           # skip_nonfinite_steps: steps whose loss was not finite
+        parts.append(f"{len(sk)} step{'s' if len(sk) > 1 else ''} skipped (not finite: {', '.join(map(str, sk[:5]))}{', ...' if len(sk) > 5 else ''})")
     text = '<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">' + " · ".join(parts) + "</span>"
     return text + "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
                           for n in data_notes(header))

@@ -10,9 +10,9 @@ from pathlib import Path
 from .config import TrainConfig      # torch and peft are imported where they are used: the session imports this
 
 # %% auto #0
-__all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'is_adapted', 'adapter_modules', 'base_key', 'is_adapter_key',
-           'without_frozen', 'gathered_adapters', 'save_adapter', 'load_adapted', 'merge_adapter', 'finetuning_info',
-           'adapter_param_count', 'adapter_folder', 'load_trained']
+__all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'is_adapted', 'base_of', 'adapter_modules', 'base_key',
+           'is_adapter_key', 'without_frozen', 'gathered_adapters', 'save_adapter', 'load_adapted', 'merge_adapter',
+           'finetuning_info', 'adapter_param_count', 'adapter_folder', 'load_trained']
 
 # %% ../nbs/04a_lora.ipynb #9d4f539e
 LORA_DEFAULTS = dict(target_modules="all-linear")
@@ -53,15 +53,26 @@ def is_adapted(model) -> bool:
     "Whether `model` is a peft model (its adapters train, its base is frozen)."
     return hasattr(model, "peft_config")
 
-# %% ../nbs/04a_lora.ipynb #9ae84b14
-def adapter_modules(block) -> list:
-    "The trainable linear layers of the adapters in `block` (one FSDP unit together)."
-    return [m[name] for layer in _lora_layers(block) for m in (layer.lora_A, layer.lora_B) for name in layer.active_adapters]
+# %% ../nbs/04a_lora.ipynb #696bd8ec
+def base_of(model):
+    "The transformers model inside a peft model (a plain model is its own)."
+    return model.get_base_model() if is_adapted(model) else model
 
-# %% ../nbs/04a_lora.ipynb #c19d79bd
+# %% ../nbs/04a_lora.ipynb #197e3cd4
+def _reads_weights(layer) -> bool:
+    "Whether a peft layer reads its adapters' weights instead of calling them (a `ParamWrapper` on a fused parameter)."
+    from peft.tuners.lora import ParamWrapper
+    return isinstance(layer, ParamWrapper)
+
+def adapter_modules(block) -> list:
+    "The trainable linear layers of the adapters in `block` that are called (one FSDP unit together)."
+    return [m[name] for layer in _lora_layers(block) if not _reads_weights(layer)
+            for m in (layer.lora_A, layer.lora_B) for name in layer.active_adapters]
+
+# %% ../nbs/04a_lora.ipynb #e81a4f1c
 def base_key(name: str) -> str:
     "The name in the base model's checkpoint of a (peft-wrapped) state-dict entry."
-    return re.sub(r"^base_model\.model\.", "", name).replace(".base_layer.", ".")
+    return re.sub(r"(?:\.base_layer)+\.", ".", re.sub(r"^base_model\.model\.", "", name))     # every nested wrapper
 
 def is_adapter_key(name: str) -> bool:
     "Whether a state-dict entry is an adapter's (peft's `lora_A`/`lora_B`, ...)."
@@ -103,16 +114,18 @@ def merge_adapter(adapter_dir, out_dir, base_model: str | None = None, trust_rem
     merged.save_pretrained(str(out_dir))
     return Path(out_dir)
 
-# %% ../nbs/04a_lora.ipynb #01f898e6
+# %% ../nbs/04a_lora.ipynb #0895f925
 def finetuning_info(model, cfg: TrainConfig) -> dict:
-    "`{finetuning, trainable_params, lora}` for the run's header."
+    "`{finetuning, trainable_params, lora}` for the run's header: the adapted layers and parameters, and how many."
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.lora is None: return dict(finetuning="full", trainable_params=trainable, lora=None)
-    c = model.peft_config["default"]
-    tm = c.target_modules
+    c, layers = model.peft_config["default"], _lora_layers(model)
+    wrapped = sum(_reads_weights(l) for l in layers)
     return dict(finetuning="lora", trainable_params=trainable,
                 lora=dict(r=c.r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout, use_rslora=c.use_rslora,
-                          target_modules=sorted({n.rsplit(".", 1)[-1] for n in tm}) if isinstance(tm, (set, list, tuple)) else tm))
+                          target_modules=sorted({n.rsplit(".", 1)[-1] for n in tm}) if isinstance(tm := c.target_modules, (set, list, tuple)) else tm,
+                          target_parameters=sorted(c.target_parameters or []),
+                          adapted_layers=len(layers) - wrapped, adapted_parameters=wrapped))
 
 # %% ../nbs/04a_lora.ipynb #8f0e9da1
 _BLOCK = re.compile(r"\.(?:layers|h|blocks)\.\d+\.(?:.*\.)?(\w+)\.weight$")

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from .core import patch
-from .rundir import TRAINER_STATE, RunPaths, checkpoint_step, complete_checkpoints, read_json, standing_records, tail_lines
+from .rundir import TRAINER_STATE, Event, RunPaths, checkpoint_step, complete_checkpoints, read_json, standing_records, tail_lines
 
 # %% auto #0
 __all__ = ['MetricsReader', 'RunMonitor', 'data_notes']
@@ -97,7 +97,7 @@ def events(self:RunMonitor) -> list:
 def progress(self:RunMonitor) -> dict:
     """`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` from the latest records (None where unknown);
     a DPO run's also `margins` and `accuracy` (TRL's `rewards/margins`, `rewards/accuracies`) of its latest step, a
-    plain-text run's `perplexity` (and its `perplexity_step`) of its latest evaluation."""
+    plain-text run's `perplexity` (and its `perplexity_step`) of its latest evaluation; `skipped_steps` if any were."""
     h, tr = self.header, self.train_records
     last = tr[-1] if tr else {}
     if h is not None and last and last.get("attempt") != h.get("attempt"): last = {}   # new attempt, no step yet
@@ -111,6 +111,7 @@ def progress(self:RunMonitor) -> dict:
     if "rewards/margins" in last: out.update(margins=last["rewards/margins"], accuracy=last.get("rewards/accuracies"))
     ev = next((r for r in reversed(self.eval_records) if "eval_perplexity" in r), None)
     if ev: out.update(perplexity=ev["eval_perplexity"], perplexity_step=ev["step"])
+    if skipped := sorted({r["step"] for r in self.events if r.get("event") == Event.skipped}): out["skipped_steps"] = skipped
     return out
 
 # %% ../nbs/04_monitor.ipynb #f078c5ed

@@ -18,7 +18,7 @@ __all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root',
            'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'safetensors_problem', 'model_files_problem',
            'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file',
            'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
-           'check_mlflow_uri', 'check_destinations', 'check_eval_prompts', 'preflight']
+           'check_mlflow_uri', 'check_destinations', 'check_eval_prompts', 'check_model_build', 'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -275,31 +275,32 @@ def memory_estimate(params: dict, strategy: str, world_size: int, precision: str
     return dict(params=n, trainable=trains, per_rank_state=state, gathered=gathered, extra=extra, device_bytes=device,
                 host_bytes=state if cpu_offload else 0)
 
-# %% ../nbs/07_preflight.ipynb #c9294bc1
-def _estimate(cfg, shapes: dict) -> dict:
+# %% ../nbs/07_preflight.ipynb #698edae1
+def _estimate(cfg, shapes: dict, adapters: int | None = None) -> dict:
     params = count_params_of(shapes)
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
-                           adapters=adapter_param_count(shapes, cfg))
+                           adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters)
 
 def _lora_hint(cfg, shapes: dict, cap: int) -> str:
     if cfg.lora is not None: return ""
     need = _estimate(cfg.model_copy(update=dict(lora={"r": 8})), shapes)["device_bytes"]
     return f", or LoRA adapters: lora={{'r': 8}} needs about {need / 2**30:.1f} GiB" + ("" if need <= 0.9 * cap else " (neither fits)")
 
-# %% ../nbs/07_preflight.ipynb #8181e979
+# %% ../nbs/07_preflight.ipynb #039d1f93
 def kv_cache_bytes(model_config: dict, tokens: int, precision: str) -> int:
     "Bytes of the key/value cache `generate` keeps for `tokens` positions (all prompts of a batch together)."
     c = model_config; heads = c.get("num_attention_heads") or 1
     head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // heads
     return 2 * (c.get("num_hidden_layers") or 0) * (c.get("num_key_value_heads") or heads) * head_dim * tokens * (2 if precision == "bf16" else 4)
 
-def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0) -> dict | None:
+def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0, adapters: int | None = None) -> dict | None:
     """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless `ignore_memory_estimate`.
-    `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps."""
+    `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps;
+    `adapters`, LoRA's trainable parameters as built (`check_model_build`), replaces the count from the files' shapes."""
     mp = Path(cfg.model).expanduser()
     if not (mp.is_dir() and any(mp.glob("*.safetensors"))): return None       # a hub id or .bin weights: nothing to read cheaply
     shapes = tensor_shapes(mp)
-    est = _estimate(cfg, shapes)
+    est = _estimate(cfg, shapes, adapters if cfg.lora is not None else None)
     if generation_tokens:
         mc = read_json_file(mp / "config.json")
         est["generation_bytes"] = g = kv_cache_bytes(mc, generation_tokens, cfg.precision)
@@ -462,7 +463,27 @@ def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
                              "shorter prompts, or lower eval_max_new_tokens.")
     return {"prompt_tokens": lens, "generation_tokens": batch}
 
-# %% ../nbs/07_preflight.ipynb #aa64a0d2
+# %% ../nbs/07_preflight.ipynb #6e76d8b2
+def check_model_build(cfg, kind: str) -> dict:
+    "Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they would refuse."
+    from ilab_nb import batching as B, lora as L, models as M
+    mc = M.model_config(cfg)
+    try:
+        layout = B.choose_layout(cfg.batching, kind, cfg.precision, mc)
+        attn = M.attention_for(cfg, layout, kind, mc)
+    except ValueError as e: raise PreflightError(str(e)) from None
+    model = M.build_empty_model(cfg, attn)
+    try: model = L.add_adapters(model, cfg)
+    except (ValueError, TypeError) as e:
+        raise PreflightError(f"lora: peft cannot add these adapters to {type(model).__name__}: {e}") from None
+    mp = Path(cfg.model).expanduser()
+    plan = M.weight_plan(model, mp) if mp.is_dir() and any(mp.glob("*.safetensors")) else None
+    if plan is not None and (err := M.missing_weights_error(plan)): raise PreflightError(err)
+    info = L.finetuning_info(model, cfg)
+    return dict(model_class=type(L.base_of(model)).__name__, layout=layout, attn_implementation=attn, **info,
+                weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with from_pretrained")
+
+# %% ../nbs/07_preflight.ipynb #2165a044
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 00_core
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
@@ -480,10 +501,13 @@ def preflight(cfg, runs_root) -> dict:
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
+    built = check_model_build(cfg, kind)
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
-                          generation_tokens=(prompts or {}).get("generation_tokens", 0))
+                          generation_tokens=(prompts or {}).get("generation_tokens", 0), adapters=built["trainable_params"])
     disk = check_disk(cfg, runs_root)
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
-            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]), "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}), **({"model_id": model_id} if model_id != cfg.model else {}), "memory": memory,
+            "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]),
+            "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}),
+            **({"model_id": model_id} if model_id != cfg.model else {}), "model": built, "memory": memory,
             **cpus, **disk, **backend_preflight(cfg, runs_root)}

@@ -61,10 +61,11 @@ class Event(Name):
     scancel = auto()     # its SLURM job was cancelled
     checkpoint = auto()
     stopped = auto()
+    skipped = auto()     # a step whose loss or gradient norm was not finite, skipped (skip_nonfinite_steps)
 
 # %% ../nbs/00_rundir.ipynb #a0294aad
 LIFECYCLE_EVENTS = tuple(Event)[:10]
-METRICS_EVENTS = (Event.checkpoint, Event.stopped, Event.completed, Event.failed)
+METRICS_EVENTS = (Event.checkpoint, Event.stopped, Event.completed, Event.failed, Event.skipped)
 
 # %% ../nbs/00_rundir.ipynb #3d024cb2
 class RankState(Name):
