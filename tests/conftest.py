@@ -65,7 +65,7 @@ sys.addaudithook(_audit)      # observes only: every process still starts as it 
 # the browser module's JupyterLab is shared by its dashboard and chat tests, and the chat test shares `demo_run` with
 # the command line's; the SLURM cluster, the LoRA and DPO modules' runs and test_sizes' model are per module.
 SHARED_BY = {"demo_run": "demo_run", "lab": "demo_run", "tracked_run": "tracked_run", "cluster": "slurm",
-             "lora_run": "lora_run", "dpo_run": "dpo_run", "tied_llama": "tied_llama"}
+             "lora_run": "lora_run", "dpo_run": "dpo_run", "tied_llama": "tied_llama", "families": "families"}
 
 
 @pytest.hookimpl(tryfirst=True)       # before pytest-xdist's own, which reads the groups

@@ -1,0 +1,26 @@
+"""The real `ilab_nb.worker`, with one fault planted for the non-finite tests (launched as a run's worker module): the
+second optimizer step of each attempt computes its loss times NaN, through the real forward and backward, so its loss
+and its gradient norm are NaN on every rank."""
+import ilab_nb.worker as W
+
+_train_step, _calls = W.train_step, [0]
+
+
+class _NaNTimes:
+    "The run's method, its loss multiplied by NaN."
+    def __init__(self, method): self.method = method
+    def __getattr__(self, name): return getattr(self.method, name)
+    def loss_sums(self, forward, batch, split="train"):
+        ls, sums = self.method.loss_sums(forward, batch, split)
+        return ls * float("nan"), sums
+
+
+def _nan_on_the_second_step(*args, **kwargs):
+    _calls[0] += 1
+    if _calls[0] == 2: args = args[:11] + (_NaNTimes(args[11]),) + args[12:]     # method: train_step's 12th argument
+    return _train_step(*args, **kwargs)
+
+
+W.train_step = _nan_on_the_second_step
+
+if __name__ == "__main__": W.main()

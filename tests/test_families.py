@@ -1,0 +1,170 @@
+"""Every model family of `ilab_nb.demo.FAMILIES`, through the public API: a tiny random model of each, trained full and
+with LoRA adapters on one process (finite losses that fall, LoRA's step 1 the base's loss, a final/ that loads with no
+missing or unexpected key, differs from the base and, for LoRA, equals base + adapters); a Mixture of Experts with
+LoRA and a dense family (Gemma 2, eager attention) on 2 ranks, forked from their middle checkpoint onto 1 process
+(the same trajectory); DPO on a Mixture of Experts; a file whose weight was renamed after the preflight, refused
+before step 1 with the weight named; a NaN loss at step 2 failing the run there, then a resume that skips one."""
+import json, math, shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ilab_nb import FineTuneSession
+from ilab_nb.demo import FAMILIES, family_model
+from ilab_nb.lora import load_adapted
+from ilab_nb.rundir import RunPaths, State
+
+from conftest import REPO, kill_processes_under, runs_env
+
+pytestmark = pytest.mark.processes
+
+FIELDS = dict(num_processes=1, strategy="fsdp", device="cpu", max_seq_len=256, max_tokens_per_batch=1024,
+              logging_steps=1, learning_rate=3e-3, seed=1)
+MODES = {"full": dict(max_steps=6), "lora": dict(max_steps=4, lora=dict(r=4))}
+MOE = ("qwen3_moe", "mixtral")
+
+
+def train_losses(s) -> dict:
+    return {r["step"]: r["loss"] for r in s.metrics() if r.get("kind") == "train"}
+
+
+def header(s) -> dict:
+    return s.metrics(kinds=("header",))[0]
+
+
+@pytest.fixture(scope="module")
+def families(demo, small_train, tmp_path_factory):
+    "`{(family, mode): finished session}`: every family's full and LoRA run, all queued at once on the module's 2 slots."
+    root = tmp_path_factory.mktemp("families")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in runs_env(root).items(): mp.setenv(k, v)
+        runs = {}
+        for f in FAMILIES:
+            model = family_model(f, root / "models" / f, demo)
+            for mode, kw in MODES.items():
+                runs[f, mode] = s = FineTuneSession(model=str(model), data=str(small_train), **FIELDS, **kw)
+                s.start()
+        try:
+            for s in runs.values(): s.wait(timeout=900)
+            lines = [f"{f:12} {m:4} {s.status:9} {header(s)['attn_implementation']:6} loss "
+                     + " -> ".join(f"{v:.3f}" for v in list(train_losses(s).values())[::max(1, len(train_losses(s)) - 1)])
+                     + f"  trainable {header(s)['trainable_params']:,} of {header(s)['params_total']:,}  {header(s)['load']}"
+                     for (f, m), s in runs.items() if s.status == State.completed]
+            (REPO / "artifacts").mkdir(exist_ok=True)
+            (REPO / "artifacts" / "families.txt").write_text("\n".join(lines) + "\n")     # git-ignored, for inspection
+            yield runs
+        finally: kill_processes_under(root / "runs")
+
+
+def _logits(model_dir_or_model, ids):
+    from transformers import AutoModelForCausalLM
+    m = (AutoModelForCausalLM.from_pretrained(model_dir_or_model, dtype=torch.float32)
+         if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model)
+    with torch.no_grad(): return m.eval()(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_full_and_lora(families, family):
+    from transformers import AutoModelForCausalLM
+    full, lora = families[family, "full"], families[family, "lora"]
+    for mode, s in (("full", full), ("lora", lora)):
+        assert s.status == State.completed, f"{family} {mode}: {s.reason}"
+        losses = list(train_losses(s).values())
+        assert len(losses) == MODES[mode]["max_steps"] and all(math.isfinite(x) for x in losses), losses
+        assert losses[-1] < losses[0] - 0.01, (family, mode, losses)
+        h = header(s)
+        assert h["attn_implementation"] == ("eager" if family == "gemma2" else "sdpa"), h["attn_implementation"]
+        assert h["load"].startswith("sharded read"), h["load"]       # every family: each rank reads its slices
+    # the adapters start at zero: LoRA's first step is the base model's loss on the same batch
+    assert abs(train_losses(lora)[1] - train_losses(full)[1]) <= 1e-5 * train_losses(full)[1]
+    if family in MOE:                                                  # the fused experts and the router adapted, and trained
+        assert header(lora)["lora"]["target_parameters"] and header(lora)["lora"]["adapted_parameters"] > 0
+        ad = load_file(RunPaths(lora.run_dir).final / "adapter" / "adapter_model.safetensors")
+        experts = [v for k, v in ad.items() if ".experts." in k and "lora_B" in k]
+        assert experts and all(float(v.abs().max()) > 0 for v in experts)
+        assert "fused" in header(full)["load"]
+    if family == "gpt_neox": assert "1 renamed" in header(full)["load"]
+    base_dir = Path(full.config.model)
+    ids = torch.randint(6, 700, (2, 20), generator=torch.Generator().manual_seed(0))
+    base = _logits(base_dir, ids)
+    for s in (full, lora):
+        final = RunPaths(s.run_dir).final
+        _, info = AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+        assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+        got = _logits(final, ids)
+        assert torch.isfinite(got).all() and (got - base).abs().max() > 1e-4      # trained: not the base any more
+    adapted = _logits(load_adapted(RunPaths(lora.run_dir).final / "adapter", base_model=str(base_dir)), ids)
+    assert (adapted - _logits(RunPaths(lora.run_dir).final, ids)).abs().max() < 1e-4    # merged = base + adapters
+
+
+TWO_RANKS = {"qwen3_moe": dict(lora=dict(r=4)), "gemma2": {}}
+
+
+@pytest.mark.parametrize("family", list(TWO_RANKS))
+def test_two_ranks_then_a_fork_on_one_goes_on_the_same_trajectory(family, demo, small_train, runs_root, tmp_path):
+    "A 2-rank run, and a fork of its step-2 checkpoint on 1 process with 2 accumulation steps (the same global batch)."
+    model = family_model(family, tmp_path / family, demo)
+    s = FineTuneSession(model=str(model), data=str(small_train), eval_data=str(demo.eval_file),
+                        **{**FIELDS, "num_processes": 2}, max_steps=4, save_steps=2, lr_scheduler_type="constant",
+                        **TWO_RANKS[family])
+    s.start()
+    assert s.wait(timeout=600) == State.completed, s.reason
+    h = header(s)
+    assert h["world_size"] == 2 and max(h["params_per_rank"]) < h["params_total"]     # sharded
+    f = s.fork(step=2, num_processes=1, gradient_accumulation_steps=2)
+    assert f.wait(timeout=600) == State.completed, f.reason
+    a, b = train_losses(s), train_losses(f)
+    assert sorted(b) == [3, 4] and all(abs(a[k] - b[k]) <= 1e-4 * abs(a[k]) for k in b), (a, b)
+
+
+def test_dpo_on_a_mixture_of_experts(demo, runs_root, tmp_path):
+    model = family_model("qwen3_moe", tmp_path / "moe", demo)
+    s = FineTuneSession(model=str(model), data=str(demo.pref_train_file), method="dpo", beta=0.1, lora=dict(r=4),
+                        **{**FIELDS, "max_tokens_per_batch": 1024, "max_seq_len": 256}, max_steps=4)
+    s.start()
+    assert s.wait(timeout=600) == State.completed, s.reason
+    recs = [r for r in s.metrics() if r.get("kind") == "train"]
+    assert abs(recs[0]["loss"] - math.log(2)) < 1e-4              # the policy starts as its reference: sigmoid(0)
+    assert all(math.isfinite(r["loss"]) for r in recs) and recs[-1]["rewards/margins"] > 0
+
+
+def test_a_weight_renamed_after_the_preflight_fails_every_rank_before_step_1(demo, small_train, runs_root, tmp_path):
+    model = tmp_path / "model"; shutil.copytree(demo.model_dir, model)
+    s = FineTuneSession(model=str(model), data=str(small_train), **{**FIELDS, "num_processes": 2}, max_steps=2)
+    sd = load_file(model / "model.safetensors")                    # the preflight passed; now the files change
+    sd["model.layers.1.mlp.up_projx.weight"] = sd.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(sd, model / "model.safetensors", metadata={"format": "pt"})
+    s.start()
+    assert s.wait(timeout=300) == State.failed
+    assert "model.layers.1.mlp.up_proj.weight" in s.reason and "before step 1" in s.reason, s.reason
+    assert not train_losses(s) and not list(RunPaths(s.run_dir).checkpoints.glob("step-*"))
+    accts = [json.loads(RunPaths(s.run_dir).rank_account(r).read_text()) for r in (0, 1)]
+    failed = [a for a in accts if a["status"] == "failed"]       # the other rank may be ended by torchrun before its check
+    assert failed and all("model.layers.1.mlp.up_proj.weight" in a["error"] for a in failed), accts
+
+
+def test_a_nan_loss_fails_the_run_at_its_step_then_a_resume_skips_one(demo, small_train, runs_root, monkeypatch):
+    # tests/nan_worker.py makes the second step of each attempt NaN, through the real forward and backward
+    import os
+    from functools import partial
+    import ilab_nb.session as session_mod
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="nan_worker"))
+    s = FineTuneSession(model=str(demo.model_dir), data=str(small_train), **{**FIELDS, "num_processes": 2}, max_steps=4,
+                        save_steps=1)
+    s.start()
+    assert s.wait(timeout=600) == State.failed
+    assert ("NonFiniteError: loss became nan and grad_norm became nan at step 2: the update was not applied, and the run "
+            "stops rather than train on it; its last good checkpoint is step-00000001") in s.reason, s.reason
+    assert s.state["failed_rank"] == 0 and list(train_losses(s)) == [1]
+    assert [c["step"] for c in s.checkpoints] == [1] and not RunPaths(s.run_dir).final.exists()
+    # from that checkpoint, skipping such steps: the resumed attempt's second step (3) is skipped, the run completes
+    s.resume(skip_nonfinite_steps=True)
+    assert s.wait(timeout=600) == State.completed, s.reason
+    assert s.progress()["skipped_steps"] == [3] and sorted(train_losses(s)) == [1, 2, 4]
+    skipped = [r for r in s.metrics(kinds=("event",)) if r["event"] == "skipped"]
+    assert [r["step"] for r in skipped] == [3] and "the step was skipped (skip_nonfinite_steps)" in skipped[0]["error"]
+    ids = torch.randint(6, 700, (1, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(_logits(RunPaths(s.run_dir).final, ids)).all()
