@@ -246,11 +246,15 @@ def _add_demo_chat(sub):
     c.add_argument("--max-new-tokens", type=int, default=128); c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--system", help="a system message for the conversation")
 
-# %% ../nbs/10_cli.ipynb #ac467bab
+# %% ../nbs/10_cli.ipynb #3dedae8a
+def _add_outputs(sub):
+    _command(sub, "report", "write a run's report.html (its record: status, figures, loss plot, samples) and print its path")
+
+# %% ../nbs/10_cli.ipynb #ceb077cb
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ilab-nb", description="Background multi-process fine-tuning of Hugging Face causal LMs.")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_watching, _add_control, _add_demo_chat): add(sub)
+    for add in (_add_run, _add_watching, _add_control, _add_demo_chat, _add_outputs): add(sub)
     return p
 
 # %% ../nbs/10_cli.ipynb #8cece3ea
@@ -320,9 +324,13 @@ def _cmd_chat(a) -> int:
     model, tok = _attached(a).load_model(ck)
     return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
 
-# %% ../nbs/10_cli.ipynb #ddf641a8
+# %% ../nbs/10_cli.ipynb #9693df75
+def _cmd_report(a) -> int:
+    print(_attached(a).report().path); return 0
+
+# %% ../nbs/10_cli.ipynb #2ab8d4fe
 COMMANDS = dict(run=_cmd_run, ls=_cmd_ls, demo=_cmd_demo, status=_cmd_status, logs=_cmd_logs, watch=_cmd_watch,
-                stop=_cmd_stop, resume=_cmd_resume, fork=_cmd_fork, chat=_cmd_chat)
+                stop=_cmd_stop, resume=_cmd_resume, fork=_cmd_fork, chat=_cmd_chat, report=_cmd_report)
 
 def main(argv=None) -> int:
     "Entry point of the `ilab-nb` console script."

@@ -160,7 +160,7 @@ _DESCRIPTIONS = dict(
     eval_prompts="Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), "
                  "written as `samples` records.",
     eval_max_new_tokens="Longest answer, in new tokens, generated for each of eval_prompts.",
-    report_to="Trackers that also get the train/eval records: none, tensorboard, mlflow, or a list (as in TrainingArguments).",
+    report_to="Trackers that also get the train/eval records: none, tensorboard, mlflow, wandb, or a list (as in TrainingArguments).",
     logging_dir="TensorBoard's event-file directory; None = `tensorboard/` in the run directory.",
     lora=("Train LoRA adapters instead of every weight: a mapping of peft.LoraConfig fields (r, lora_alpha, lora_dropout, "
           "target_modules: all linear layers of the blocks by default, use_rslora, ...) or a peft.LoraConfig; None = full fine-tuning."),
@@ -225,7 +225,7 @@ def data_sources(v, field: str = "data") -> list:
 DataSources = Annotated[list[str | InMemoryData], BeforeValidator(lambda v, info: data_sources(v, info.field_name))]
 
 # %% ../nbs/00_config.ipynb #219c7503
-_TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
+_TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
 
 def _check_trackers_installed(names: list[str]) -> list[str]:
     "`names` if every tracker's package is importable, else a ValueError saying which extra to install."
@@ -391,7 +391,7 @@ class _ExperimentFields(_MachineFields):
     "Sample answers while training, and the trackers the metrics also go to."
     eval_prompts: list[str | list[dict[str, str]]] | None = _f("eval_prompts", None, min_length=1)
     eval_max_new_tokens: int = _f("eval_max_new_tokens", 32, ge=1)
-    report_to: list[Literal["tensorboard", "mlflow"]] = _f("report_to", [])
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = _f("report_to", [])
     logging_dir: str | None = _f("logging_dir", None)
 
 # %% ../nbs/00_config.ipynb #4f562c4b

@@ -8,7 +8,8 @@ import errno, functools, gc, importlib.metadata, inspect, os, re, typing
 from contextlib import contextmanager
 
 # %% auto #0
-__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'require_torch', 'no_space', 'writing', 'gc_paused', 'size_text', 'count_text']
+__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'require_torch', 'no_space', 'writing', 'gc_paused', 'no_hf_progress_bars',
+           'size_text', 'count_text']
 
 # %% ../nbs/00_core.ipynb #5960fd12
 def patch_to(cls, as_prop: bool = False, cls_method: bool = False):
@@ -69,6 +70,16 @@ def gc_paused():
     try: yield
     finally:
         if was: gc.enable()
+
+# %% ../nbs/00_core.ipynb #72687801
+@contextmanager
+def no_hf_progress_bars():
+    "transformers draws no progress bar inside the block; its setting is back as it was after."
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled(); hf_logging.disable_progress_bar()
+    try: yield
+    finally:
+        if was: hf_logging.enable_progress_bar()
 
 # %% ../nbs/00_core.ipynb #bc2b0961
 def size_text(n: float) -> str:

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['STATUS_COLOURS', 'run_curves', 'smooth_ema', 'LRFormatter', 'nice_ceiling', 'LossPlot', 'round_limits',
            'format_number', 'render_text', 'latest_samples', 'samples_html', 'Refresher', 'in_kernel', 'Dashboard',
-           'LossComparison', 'compare']
+           'LiveDisplay', 'show_live', 'finalize_displays', 'LossComparison', 'compare']
 
 # %% ../nbs/09_dashboard.ipynb #2a5ba047
 import html
@@ -363,19 +363,19 @@ def _failure_html(state: dict) -> str:
     return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
             f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
 
-# %% ../nbs/09_dashboard.ipynb #dbb89cfd
+# %% ../nbs/09_dashboard.ipynb #7f2f7f34
 class Refresher:
     "Calls `update()` every `refresh_s` s in a daemon thread until `done()` or `close()`; failures go to `report(html)`."
     def __init__(self, update, done, report, refresh_s: float = 1.0, name: str = "ilab-refresh"):
         self.update, self.done, self.report, self.refresh_s, self.name = update, done, report, refresh_s, name
-        self._closing, self._thread = threading.Event(), None
+        self._closing, self._thread, self.ends = threading.Event(), None, []      # ends: called once done
 
     @property
     def running(self) -> bool:
         "Whether the thread is alive."
         return bool(self._thread and self._thread.is_alive())
 
-# %% ../nbs/09_dashboard.ipynb #59ff8cf1
+# %% ../nbs/09_dashboard.ipynb #5d236e9b
 @patch
 def _loop(self:Refresher):
     while not self._closing.wait(self.refresh_s):
@@ -384,6 +384,9 @@ def _loop(self:Refresher):
         except Exception as e:  # keep the thread alive; say what went wrong in the widget, not in a cell
             self.report(_note(f"refresh failed: {type(e).__name__}: {e}", "#d93025"))
         if self.done():
+            for end in self.ends:
+                try: end()
+                except Exception as e: self.report(_note(f"ending failed: {type(e).__name__}: {e}", "#d93025"))
             break
 
 # %% ../nbs/09_dashboard.ipynb #8f44d8df
@@ -727,6 +730,90 @@ def _repr_mimebundle_(self:Dashboard, **kwargs):
     data = W.VBox._repr_mimebundle_(self, **kwargs) or {}
     data["text/plain"] = self.text()
     return data
+
+# %% ../nbs/09_dashboard.ipynb #5ae12e02
+_LIVE: dict = {}                 # key (a run id, a sweep id) -> the live displays of this kernel showing it
+_LIVE_LOCK = threading.Lock()
+
+class LiveDisplay:
+    "A widget shown with a display handle; `finalize()` replaces its output with `static()`, a bundle with no widget view."
+    def __init__(self, key: str, widget, static, ends_with_run: bool = True):
+        self.key, self.widget, self.static, self.ends_with_run = key, widget, static, ends_with_run
+        self.handle, self.parent, self.final, self._lock = None, None, None, threading.Lock()
+
+# %% ../nbs/09_dashboard.ipynb #d8ace66a
+def _display_pub():
+    "The kernel's display publisher (None outside IPython)."
+    try: from IPython import get_ipython
+    except ImportError: return None
+    ip = get_ipython()
+    return getattr(ip, "display_pub", None) if ip is not None else None
+
+@patch
+def show(self:LiveDisplay) -> LiveDisplay:
+    "Display the widget with a display id, remembering the cell that shows it (its static bundle if it has ended already)."
+    from IPython.display import display
+    refresher = getattr(self.widget, "refresher", None)
+    if refresher is not None and refresher.done():            # nothing live to show: the record, straight away
+        self.final = self.static(); display(self.final, raw=True); return self
+    self.parent = dict(getattr(_display_pub(), "parent_header", None) or {})
+    self.handle = display(self.widget._repr_mimebundle_(), raw=True, display_id=True)
+    with _LIVE_LOCK: _LIVE.setdefault(self.key, []).append(self)
+    if refresher is not None:
+        refresher.ends.append(self.finalize)
+        if refresher.done(): self.finalize()        # it ended between the check above and now
+    return self
+
+# %% ../nbs/09_dashboard.ipynb #be530328
+def _update(display_id: str, data: dict, parent: dict | None):
+    "Replace the data of display `display_id`, under the current parent and (where the kernel can) under `parent` too."
+    from IPython.display import update_display
+    update_display(data, raw=True, display_id=display_id)
+    pub = _display_pub()
+    if parent and hasattr(pub, "set_thread_parent"):            # ipykernel >= 6.29: this thread's parent, for one send
+        token = pub.set_thread_parent(parent)
+        try: update_display(data, raw=True, display_id=display_id)
+        finally: pub.reset_thread_parent(token)
+
+@patch
+def finalize(self:LiveDisplay) -> dict:
+    "Replace the output with the static bundle (once; later calls return it); the widget stops refreshing."
+    with self._lock:
+        if self.final is not None: return self.final
+        if (update := getattr(self.widget, "update", None)): update()        # the widget's state, as final as the record
+        self.final = self.static()
+    if self.handle is not None: _update(self.handle.display_id, self.final, self.parent)
+    with _LIVE_LOCK:
+        if self in _LIVE.get(self.key, []): _LIVE[self.key].remove(self)
+    if (refresher := getattr(self.widget, "refresher", None)) is not None: refresher.close()
+    return self.final
+
+# %% ../nbs/09_dashboard.ipynb #cd9c3daf
+def show_live(key: str, widget, static, ends_with_run: bool = True) -> LiveDisplay:
+    "Show `widget` live under `key`; it becomes `static()` when its refresher ends or `finalize_displays(key)` is called."
+    return LiveDisplay(key, widget, static, ends_with_run).show()
+
+def finalize_displays(key: str, run_views_only: bool = False) -> int:
+    "Finalise the live displays of `key` in this kernel (`run_views_only`: those that end with the run); how many."
+    with _LIVE_LOCK: live = [d for d in _LIVE.get(key, []) if d.ends_with_run or not run_views_only]
+    for d in live: d.finalize()
+    return len(live)
+
+# %% ../nbs/09_dashboard.ipynb #8864ceff
+@patch
+def _ipython_display_(self:Dashboard):
+    from ilab_nb.record import Record
+    show_live(self.monitor.run_id, self, lambda: Record(self.monitor.run_dir)._repr_mimebundle_())
+
+# %% ../nbs/09_dashboard.ipynb #210c5c3e
+def _finalize_all():
+    with _LIVE_LOCK: keys = list(_LIVE)
+    for k in keys:
+        try: finalize_displays(k)
+        except Exception: pass
+
+import atexit
+atexit.register(_finalize_all)
 
 # %% ../nbs/09_dashboard.ipynb #6c25a410
 def _as_monitor(run):

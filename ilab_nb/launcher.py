@@ -523,11 +523,23 @@ def _free_space(self:Supervisor) -> bool:
     if freed: _log(f"the disk is full: freed {', '.join(freed)} to write the final state")
     return bool(freed)
 
-# %% ../nbs/06_launcher.ipynb #29667393
+# %% ../nbs/06_launcher.ipynb #27608067
+@patch
+def _write_report(self:Supervisor, status, fields: dict):
+    "The run's `report.html` as it ends, showing the final state about to be written (never fails the caller)."
+    if not self.run_dir.exists(): return
+    try:
+        from ilab_nb.record import write_report
+        st = {**self.store.read_state(self.run_id), **self.pending, **fields, "status": status}
+        write_report(self.run_dir, state=st)
+    except Exception as e: _log(f"report.html not written: {type(e).__name__}: {e}")
+
+# %% ../nbs/06_launcher.ipynb #5afbca9e
 @patch
 def _finish(self:Supervisor, status, **kw):
     "Write the final state (freeing the reserve when the disk is full), retrying while this supervisor lives; then the event."
     base, st = kw.get("reason"), {}
+    self._write_report(status, kw)
     while self.run_dir.exists():       # a deleted run directory gets nothing written (nor re-created)
         if status == State.failed and (what := self._nospace_what()): kw["reason"] = disk_full_reason(base, what, self.run_id)
         left = {k: v for k, v in self.pending.items() if k != "status"}
@@ -734,7 +746,7 @@ def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, 
     except psutil.NoSuchProcess:
         raise RuntimeError(f"The supervisor of run {run_dir.name} exited at once; see {log}:\n" + "\n".join(tail_lines(log, 20))) from None
 
-# %% ../nbs/06_launcher.ipynb #a0205d56
+# %% ../nbs/06_launcher.ipynb #1b555a56
 def main(argv=None):
     "`python -m ilab_nb.launcher supervise <run_dir> [--attempt N] [--resume CKPT] [--no-queue] [--grace S] [--locks DIR]`"
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.launcher")
@@ -755,5 +767,13 @@ def main(argv=None):
                     log_tail=tail_lines(RunPaths(sup.run_dir).supervisor_log, 20),
                     log_file=str(RunPaths(sup.run_dir).supervisor_log.relative_to(sup.run_dir)))
         return 1
+    finally: _sweep_report(sup.run_dir)
+
+def _sweep_report(run_dir):
+    "When the run is its sweep's last to end, the sweep's `sweep-report.html` (14_sweep; never fails the caller)."
+    try:
+        from ilab_nb.sweep import report_if_last
+        if (p := report_if_last(run_dir)) is not None: _log(f"sweep report: {p}")
+    except Exception as e: _log(f"sweep-report.html not written: {type(e).__name__}: {e}")
 
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs

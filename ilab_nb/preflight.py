@@ -18,7 +18,8 @@ __all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root',
            'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'safetensors_problem', 'model_files_problem',
            'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file',
            'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
-           'check_mlflow_uri', 'check_destinations', 'check_eval_prompts', 'check_model_build', 'preflight']
+           'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts', 'check_model_build',
+           'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -387,8 +388,8 @@ def first_sample(record: dict, tok) -> dict:
                              "after the chat template; check its roles.")
     return sample
 
-# %% ../nbs/07_preflight.ipynb #982f2f90
-_TRACKER_IMPORTS = {"tensorboard": "torch.utils.tensorboard", "mlflow": "mlflow.tracking"}
+# %% ../nbs/07_preflight.ipynb #d57f4a05
+_TRACKER_IMPORTS = {"tensorboard": "torch.utils.tensorboard", "mlflow": "mlflow.tracking", "wandb": "wandb"}
 
 @functools.lru_cache(maxsize=None)
 def _import_error(module: str) -> str | None:
@@ -421,7 +422,38 @@ def check_mlflow_uri(uri: str, timeout: float = 5.0) -> str:
                                  f"or {choose}.") from None
     return uri
 
-# %% ../nbs/07_preflight.ipynb #a2fc6ef0
+# %% ../nbs/07_preflight.ipynb #6fec9094
+def _wandb_key(base: str) -> str | None:
+    "The W&B API key for `base`: `$WANDB_API_KEY`, else the netrc entry of its host (what `wandb login` writes)."
+    import netrc
+    from urllib.parse import urlparse
+    if os.environ.get("WANDB_API_KEY"): return os.environ["WANDB_API_KEY"]
+    try: auth = netrc.netrc(os.environ.get("NETRC")).authenticators(urlparse(base).hostname or "")
+    except (OSError, netrc.NetrcParseError): return None
+    return auth[2] if auth else None
+
+def check_wandb(run_dir, timeout: float = 5.0) -> dict:
+    "`{mode, dir}` of W&B for a run in `run_dir`; a `PreflightError` when it cannot work there."
+    import urllib.request, urllib.error
+    from ilab_nb.trackers import wandb_dir
+    mode = (os.environ.get("WANDB_MODE") or "online").lower()
+    drop = "or drop 'wandb' from report_to"
+    where = check_destination(wandb_dir(run_dir), "WANDB_DIR" if os.environ.get("WANDB_DIR") else "the run directory (W&B's files)",
+                              f"set WANDB_DIR to a writable directory, {drop}")
+    if mode in ("offline", "dryrun", "disabled"): return dict(mode=mode, dir=str(where))
+    base = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    offline = f"set WANDB_MODE=offline to keep the run's W&B files in its directory (send them later with `wandb sync`), {drop}"
+    if not _wandb_key(base):
+        raise PreflightError(f"report_to='wandb' is online (WANDB_MODE={mode}) but no W&B API key is set (WANDB_API_KEY, or `wandb "
+                             f"login`): log in, or {offline}.")
+    try: urllib.request.urlopen(base.rstrip("/") + "/healthz", timeout=timeout).close()
+    except urllib.error.HTTPError: pass                      # a server answered
+    except Exception as e:
+        why = getattr(e, "reason", e)
+        raise PreflightError(f"report_to='wandb': no W&B server answers at {base} ({type(why).__name__}: {why}); {offline}.") from None
+    return dict(mode=mode, dir=str(where), base_url=base)
+
+# %% ../nbs/07_preflight.ipynb #ad1c0036
 def check_destinations(cfg, runs_root) -> dict:
     "The writable folders (and URIs) of everything the run writes outside its run directory; a `PreflightError` for one that is not."
     from ilab_nb.launcher import locks_dir
@@ -437,6 +469,7 @@ def check_destinations(cfg, runs_root) -> dict:
         out["logging_dir"] = str(check_destination(tb, "logging_dir", "choose a writable logging_dir (relative paths are "
                                                    "taken from the run directory)"))
     if "mlflow" in cfg.report_to: out["mlflow_tracking_uri"] = check_mlflow_uri(mlflow_tracking_uri(run_dir))
+    if "wandb" in cfg.report_to: out["wandb"] = check_wandb(run_dir)
     return out
 
 # %% ../nbs/07_preflight.ipynb #881eee8d

@@ -104,6 +104,9 @@ class RunPaths:
     reference_logps = property(lambda self: self.root / "cache" / "reference_logps.pt", doc="A DPO run's reference log-probabilities.")
     accelerate_config = property(lambda self: self.root / "accelerate.yaml", doc="The run's own `accelerate launch` config.")
     fork = property(lambda self: self.root / "fork.json", doc="A forked run's lineage: parent run, its directory, the step forked.")
+    report = property(lambda self: self.root / "report.html", doc="The run's record as a page: status, figures, plot, samples.")
+    loss_png = property(lambda self: self.root / "loss.png", doc="The run's loss plot, beside its report.")
+    wandb = property(lambda self: self.root / "wandb", doc="W&B's files of the run (unless `WANDB_DIR` says), offline runs too.")
 
 # %% ../nbs/00_rundir.ipynb #e69f12f4
 @patch

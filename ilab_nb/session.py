@@ -12,14 +12,14 @@ import psutil
 from .config import TrainConfig, ConfigError, InMemoryData, load_config, with_changes
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
                               kill_run_processes, run_processes)
-from .core import patch, require_torch
+from .core import no_hf_progress_bars, patch, require_torch
 from .monitor import RunMonitor
 from .rundir import CKPT_MARKER, TRAINER_STATE, Event, RunPaths, State, read_json, status_of
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight, model_files_problem
 
 # %% auto #0
-__all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError']
+__all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError', 'end_views']
 
 # %% ../nbs/08_session.ipynb #a826efa4
 class FineTuneSession:
@@ -172,7 +172,12 @@ def progress(self:FineTuneSession) -> dict:
     "`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` of the run so far."
     self.monitor.poll(); return self.monitor.progress()
 
-# %% ../nbs/08_session.ipynb #beeca34b
+# %% ../nbs/08_session.ipynb #ce0da64f
+def end_views(key: str, run_views_only: bool = True) -> int:
+    "Finalise the live views of `key` (a run id, a sweep id) in this kernel; how many (none if no dashboard was imported)."
+    d = sys.modules.get("ilab_nb.dashboard")
+    return d.finalize_displays(key, run_views_only) if d is not None else 0
+
 @patch
 def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
     "Block until the run ends (tqdm bar when `progress`, default: in a terminal); returns the final status."
@@ -190,7 +195,7 @@ def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
                     bar.n = pr["step"] or 0
                     bar.set_postfix_str(f"{status} loss={pr['loss']:.4f}" if pr["loss"] is not None else status, refresh=False)
                     bar.refresh()
-            if status in TERMINAL: return status
+            if status in TERMINAL: end_views(self.run_id); return status
             if status == State.created: raise RuntimeError(f"Run {self.run_id} has no state in {self.run_dir}: it was not started "
                                                    "(call start()), or its directory was deleted.")
             if status == State.unreadable and not run_processes(self.run_dir):
@@ -409,7 +414,8 @@ def _load(self:FineTuneSession, p: Path, **kwargs):
     from ilab_nb.lora import load_trained
     if (why := model_files_problem(p)) is not None: raise ValueError(why)   # not safetensors' own words, and before any load
     trc = bool(self.config and self.config.trust_remote_code)
-    return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
+    with no_hf_progress_bars():        # no tqdm widget in the output a saved notebook keeps (00_core)
+        return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
 
 # %% ../nbs/08_session.ipynb #aa844196
 @patch
@@ -448,14 +454,32 @@ def dashboard(self:FineTuneSession, **kwargs):
     return Dashboard(RunMonitor(self.run_dir), on_stop=lambda: self.stop(wait=False), on_resume=self.resume,
                      status_fn=lambda: self.status, **kwargs)
 
-# %% ../nbs/08_session.ipynb #640c661b
+# %% ../nbs/08_session.ipynb #393e2663
+@patch
+def record(self:FineTuneSession):
+    "The run's record as it stands (09a_record): displayed as static HTML with the loss plot, and text."
+    from ilab_nb.record import Record
+    return Record(self.run_dir)
+
 @patch
 def _ipython_display_(self:FineTuneSession):
     from IPython.display import display
     try: d = self.dashboard()
-    except ImportError: d = None
-    if d is None: print(repr(self))
-    else: display(d)
+    except ImportError: print(repr(self)); return
+    display(d)                        # live with a display handle, then the record (09_dashboard's LiveDisplay)
+
+# %% ../nbs/08_session.ipynb #8d0dda21
+@patch
+def snapshot(self:FineTuneSession):
+    "Replace this run's live views in this kernel by their static record now; returns the record."
+    end_views(self.run_id, run_views_only=False)
+    return self.record()
+
+@patch
+def report(self:FineTuneSession):
+    "Write this run's `report.html` (and `loss.png`) in its directory now; returns it (a notebook shows its record)."
+    from ilab_nb.record import Report, write_report
+    return Report(write_report(self.run_dir))
 
 # %% ../nbs/08_session.ipynb #29362335
 @patch(cls_method=True)

@@ -12,7 +12,7 @@ from .rundir import Event, RunPaths
 
 # %% auto #0
 __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'mlflow_tracking_uri', 'MLflowTracker',
-           'TrackedWriter', 'record_tracker_error', 'tracker_notes', 'open_trackers']
+           'wandb_dir', 'WandbTracker', 'TrackedWriter', 'record_tracker_error', 'tracker_notes', 'open_trackers']
 
 # %% ../nbs/15_trackers.ipynb #d84537eb
 _DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -132,6 +132,37 @@ def finish(self:MLflowTracker, status: str, final_path=None):
     if final_path: self.client.set_tag(self.run_id, "final_model_path", str(final_path))
     self.client.set_terminated(self.run_id, status=_MLFLOW_STATUS.get(status, "FAILED"))
 
+# %% ../nbs/15_trackers.ipynb #694de1aa
+def wandb_dir(run_dir) -> Path:
+    "Where W&B writes the run's files: `$WANDB_DIR`, else the run directory (W&B's `wandb/` is made inside)."
+    return Path(os.environ.get("WANDB_DIR") or run_dir)
+
+class WandbTracker:
+    "Logs the config, train/eval scalars, sample answers and the final model's path to one W&B run."
+    name = "wandb"
+    def __init__(self, run_dir, config: dict):
+        import wandb
+        run_dir = Path(run_dir)
+        self.wandb = wandb
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "ilab_nb", name=run_dir.name, id=run_dir.name,
+                              resume="allow", dir=str(wandb_dir(run_dir)), config=config, reinit="finish_previous",
+                              settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+
+# %% ../nbs/15_trackers.ipynb #37e7861d
+@patch
+def log(self:WandbTracker, rec: dict):
+    data = dict(record_scalars(rec))
+    if rec.get("kind") == "samples" and rec.get("samples"):
+        data["samples"] = self.wandb.Table(columns=["prompt", "answer"], data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
+    if data: self.run.log(data, step=int(rec.get("step") or 0))
+
+@patch
+def finish(self:WandbTracker, status: str, final_path=None):
+    if self.run is None: return
+    if final_path: self.run.summary["final_model_path"] = str(final_path)
+    self.run.finish(exit_code=0 if status == Event.completed else 1)
+    self.run = None
+
 # %% ../nbs/15_trackers.ipynb #b58b1486
 class TrackedWriter:
     "A `MetricsWriter` that also forwards every record to the trackers of `report_to`."
@@ -189,13 +220,13 @@ def close(self:TrackedWriter):
     self._each("finish", Event.failed, None); self.trackers = []
     self.writer.close()
 
-# %% ../nbs/15_trackers.ipynb #c4b8af28
+# %% ../nbs/15_trackers.ipynb #0b40cc0f
 def open_trackers(writer, run_dir, cfg, rank: int):
     "`writer` wrapped with the trackers of `cfg.report_to` (rank 0 only)."
     if rank != 0 or not cfg.report_to: return writer
     config, run_dir = cfg.model_dump(mode="json"), Path(run_dir)
     made = {"tensorboard": lambda: TensorBoardTracker(tensorboard_dir(run_dir, cfg.logging_dir), config),
-            "mlflow": lambda: MLflowTracker(run_dir, config)}
+            "mlflow": lambda: MLflowTracker(run_dir, config), "wandb": lambda: WandbTracker(run_dir, config)}
     tw = TrackedWriter(writer, [], run_dir)
     for n in cfg.report_to:        # one that fails to open is a tracker broken at the set-up: reported, not fatal
         try: tw.trackers.append(made[n]())
