@@ -3,8 +3,10 @@ Debian chromium driven by Playwright (Python), a short notebook that starts a re
 the dashboard shows does not depend on the number of ranks) and displays its session, and one that chats with the
 model of the suite's `demo_run`.
 
-Asserts that the progress bar advances while the run trains, that the loss image changes, and that clicking
-Stop ends the run `cancelled` (checked through `FineTuneSession.attach` and state.json). Screenshots go to
+Asserts that the progress bar advances while the run trains, that the loss image changes, that clicking Stop ends the
+run `cancelled` (checked through `FineTuneSession.attach` and state.json) and turns the dashboard's output into the
+run's static record, which the notebook keeps: saved, its kernel shut down and the page reloaded, it shows the record
+with its plot and no widget error. The run's report.html opens in Chromium offline. Screenshots go to
 artifacts/ at the repository root (git-ignored). JupyterLab (its whole process group, kernels included) and
 the run's processes are always torn down. Skips, saying why, only when chromium or Playwright is missing."""
 import contextlib
@@ -161,6 +163,30 @@ def progress_state(page) -> dict:
     }""")
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def record_state(page) -> dict:
+    "What a run's static record on the page shows: its badge, whether its plot image decoded, widget errors, widgets."
+    return page.evaluate("""() => {
+        const r = document.querySelector('.ilab-record');
+        const img = r ? r.querySelector('img') : null;
+        const all = document.body.innerText;
+        return {badge: r ? r.querySelector('span').innerText.trim().toLowerCase() : '', text: r ? r.innerText : '',
+                img: img && img.complete ? img.naturalWidth : 0,
+                errors: /Error displaying widget|model not found/i.test(all),
+                widgets: document.querySelectorAll('.ilab-dashboard').length};
+    }""")
+
+
+def shut_down_kernels(lab):
+    "Shut down every kernel of this JupyterLab through its REST API, as the Kernel menu's Shut Down does."
+    with urllib.request.urlopen(f"{lab.url}/api/kernels?token={lab.token}", timeout=10) as r: kernels = json.load(r)
+    for k in kernels:
+        req = urllib.request.Request(f"{lab.url}/api/kernels/{k['id']}?token={lab.token}", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+
+
 def step_of(state) -> int:
     m = STEP_RE.search(state["text"])
     return int(m.group(1)) if m else -1
@@ -246,15 +272,30 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
                 shot(page, "2-later")
                 assert later["width"] > first["width"] > 0, (first, later)
                 assert later["status"] == "running", later
-                page.click(".ilab-stop")
-                stopped = poll(page, lambda st: st["status"] == "cancelled", 120, "the run to end cancelled after Stop")
-                time.sleep(1.5)  # the final refresh (Resume button, notice) reaches the page
-                shot(page, "3-cancelled")
-                assert page.is_visible(".ilab-resume") and not page.is_visible(".ilab-stop")
                 page.click("text=Log — last")  # open the collapsed log lines
                 page.wait_for_selector(".ilab-log pre", state="visible", timeout=10_000)
-                shot(page, "4-log-open")
-                assert step_of(stopped) >= step_of(later)
+                shot(page, "3-log-open")
+                page.click(".ilab-stop")
+                # the run ends cancelled, and the cell's output becomes the run's record: static HTML, no widget
+                page.wait_for_selector(".ilab-record", timeout=120_000)
+                rec = record_state(page)
+                page.locator(".ilab-record").first.screenshot(path=str(ARTIFACTS / "browser-4-record.png"))
+                assert rec["badge"] == "cancelled" and rec["img"] > 0 and not rec["widgets"], rec
+                assert step_of(dict(text=rec["text"])) >= step_of(later), rec
+                # saved, its kernel shut down, the page reloaded: the record is what the notebook shows
+                page.keyboard.press("Control+s")
+                nb_file = nbdir / "dashboard.ipynb"
+                end = time.monotonic() + 30
+                while "ilab-record" not in nb_file.read_text() and time.monotonic() < end: time.sleep(0.5)
+                assert "ilab-record" in nb_file.read_text() and WIDGET_VIEW not in nb_file.read_text()
+                shut_down_kernels(lab)
+                page.reload()
+                page.wait_for_selector(".ilab-record", timeout=60_000)
+                time.sleep(1)                                              # the image decoded, anything else rendered
+                again = record_state(page)
+                page.screenshot(path=str(ARTIFACTS / "browser-5-reopened-page.png"))
+                shots.append("browser-5-reopened-page.png")
+                assert again["badge"] == "cancelled" and again["img"] > 0 and not again["errors"] and not again["widgets"], again
             except Exception:
                 with contextlib.suppress(Exception):
                     page.screenshot(path=str(ARTIFACTS / "browser-failure-page.png"))
@@ -264,6 +305,13 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
         assert s.status == "cancelled", (s.status, s.reason, s.logs(20))
         assert json.loads((s.run_dir / "state.json").read_text())["status"] == "cancelled"
         assert (s.run_dir / "control" / "stop").exists()  # it was the dashboard's Stop, not a crash
+        # its report.html, written by its supervisor as it ended, opens in a browser with no network
+        with chromium_page() as page:
+            page.context.set_offline(True)
+            page.goto((s.run_dir / "report.html").as_uri())
+            rep = record_state(page)
+            page.screenshot(path=str(ARTIFACTS / "browser-6-report.png"), full_page=True)
+            assert rep["badge"] == "cancelled" and rep["img"] > 0, rep
         print(f"\n[measured] browser test {time.monotonic() - t0:.1f} s; screenshots: {shots}")
     finally:
         with contextlib.suppress(FileNotFoundError):

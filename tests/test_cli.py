@@ -1,6 +1,7 @@
 """The `ilab-nb` command line, run as real subprocesses against real runs of the demo model (one CPU process: what
 the commands do does not depend on the number of ranks; 2-rank runs are watched by the session and SLURM tests)."""
 import json, re, subprocess, threading
+from pathlib import Path
 
 import pytest
 import yaml
@@ -95,6 +96,9 @@ def test_run_in_background_then_ls_status_logs_stop_resume_watch(config_file, ru
     assert "cancelled" in w.stdout and "attempt 2" in w.stdout
     assert_followed(followed, run_id, 2)
     assert not run_processes(runs_root / run_id)
+    assert ">cancelled</span>" in (runs_root / run_id / "report.html").read_text()     # its supervisor's, as it ended
+    out = ilab("report", run_id, "--runs-root", runs_root, check=0).stdout.strip()           # written again, on request
+    assert out == str(runs_root / run_id / "report.html") and "attempt 2" in Path(out).read_text()
 
 
 def assert_followed(followed, run_id, attempt):

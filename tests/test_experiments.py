@@ -1,4 +1,4 @@
-"""Issue 11, with real processes: trackers (TensorBoard's and MLflow's own readers), sample answers at each
+"""Issue 11, with real processes: trackers (TensorBoard's and MLflow's own readers, W&B's offline transaction log), sample answers at each
 evaluation under FSDP, and chatting with a run's model. The finished run they read is conftest's `tracked_run`
 (2-rank FSDP, eval prompts, TensorBoard and MLflow), shared with tests/test_schema.py. (A real sweep through the
 device queue, attached from another process: the tutorial's, in tests/test_notebooks_headless.py.)"""
@@ -44,6 +44,37 @@ def test_mlflow_metric_history_equals_metrics_jsonl(tracked_run):
     run = c.get_run(ref["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["final_model_path"] == str(tracked_run.run_dir / "final")
     assert run.data.params["learning_rate"] == "0.001" and run.data.params["num_processes"] == "2"
+
+
+def wandb_records(path):
+    """The protobuf records of a W&B transaction log (`run-<id>.wandb`): LevelDB's log format (32 KiB blocks of
+    records with a 7-byte header: CRC, length, type full/first/middle/last) after W&B's 7-byte `:W&B` header. W&B's
+    Python package no longer reads these (its Go core does), so the suite reads them to check what an offline run holds."""
+    import struct
+    from wandb.proto import wandb_internal_pb2 as pb
+    data, out, part, block = path.read_bytes(), [], b"", 32768
+    assert data[:4] == b":W&B", data[:7]
+    pos = 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7: pos += block - pos % block; continue            # a block's padding
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7]); pos += 7
+        part += data[pos:pos + n]; pos += n
+        if kind in (1, 4): r = pb.Record(); r.ParseFromString(part); out.append(r); part = b""
+    return out
+
+
+@pytest.mark.processes
+def test_wandb_offline_run_holds_the_metrics_under_the_dashboards_names(tracked_run):
+    (log,) = (tracked_run.run_dir / "wandb").glob(f"offline-run-*/run-{tracked_run.run_id}.wandb")
+    recs = wandb_records(log)
+    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in recs if r.WhichOneof("record_type") == "history"]
+    for tag, kind, key in (("train/loss", "train", "loss"), ("eval/loss", "eval", "eval_loss")):
+        want = [(r["step"], r[key]) for r in _jsonl(tracked_run, kind)]
+        assert [(h["_step"], h[tag]) for h in rows if tag in h] == want
+    config = next(r.run.config for r in recs if r.WhichOneof("record_type") == "run")
+    assert {i.key: json.loads(i.value_json) for i in config.update}["learning_rate"] == 0.001
+    assert [r.exit.exit_code for r in recs if r.WhichOneof("record_type") == "exit"] == [0]
 
 
 @pytest.mark.processes

@@ -27,6 +27,7 @@ from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # The tutorial's own numbers are 160 steps (resumed for 20 more), 20, 30 and 10; a short first run still leaves 12
 # steps between its first checkpoint (where the tutorial stops it) and its end.
 TUTORIAL = dict(max_steps=16, save_steps=4, more_steps=4, second_run_steps=4, sweep_steps=2,
@@ -86,6 +87,25 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     assert "cancelled" in text and "completed" in text
     assert f"held-out exact-match accuracy after {TOTAL} steps:" in text
 
+    # The saved notebook is the record of its runs: every view whose run ended (the dashboards, the sweep's, the chat
+    # box after its snapshot) is static HTML with the loss plot inlined, and no widget view, which a kernel-less
+    # renderer would show as nothing (or JupyterLab as an error).
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "data" in o]
+    html_of = lambda cls: [o for o in outs if f"class=\"{cls}\"" in o["data"].get("text/html", "")
+                           or f"class='{cls}'" in o["data"].get("text/html", "")]
+    records, sweeps, chats = html_of("ilab-record"), html_of("ilab-sweep-record"), html_of("ilab-chat-record")
+    assert len(records) >= 3 and len(sweeps) == 1 and len(chats) == 1, (len(records), len(sweeps), len(chats))
+    assert not [o for o in records + sweeps + chats if WIDGET_VIEW in o["data"]]
+    done = [o["data"]["text/html"] for o in records if ">completed</span>" in o["data"]["text/html"]]
+    assert len(done) >= 3 and all("final training loss" in h and 'src="data:image/png;base64,' in h for h in done)
+    assert 'src="data:image/png;base64,' in sweeps[0]["data"]["text/html"]
+    assert not [o for o in outs if WIDGET_VIEW in o["data"]], "a live widget view was left in the saved notebook"
+    # rendered without a kernel, as GitHub, nbviewer and documentation builds do
+    from nbconvert import HTMLExporter
+    page, _ = HTMLExporter().from_notebook_node(nbformat.reads(nbformat.writes(nb), as_version=4))
+    assert page.count(">completed</span>") >= 3 and "ilab-sweep-record" in page and "ilab-chat-record" in page
+    assert page.count("data:image/png;base64,") >= 4
+
     # FineTuneSession.resume(), on the tutorial's first run: stopped at a checkpoint, resumed as attempt 2 from it,
     # completed; the logged steps (every 2nd, logging_steps=2) continue without a gap or a repeat; nothing is left.
     store = RunStore(runs_root)
@@ -127,3 +147,8 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     assert e0 <= a1, "the sweep's runs held the one CPU slot at the same time"
     shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert all(r in shown for r in sw.run_ids) and set(sw.run_ids) <= set(store.list_runs()) and sweep_id not in store.list_runs()
+    # each run's supervisor wrote its report.html as the run ended; the last of the sweep's, the sweep's report
+    for s in [store.run_dir(r) for r in store.list_runs()]:
+        assert (s / "report.html").exists() and (s / "loss.png").exists(), s
+    wait_until(lambda: (sw.dir / "sweep-report.html").exists(), 30, what="the sweep's report")
+    assert "ilab-sweep-record" in (sw.dir / "sweep-report.html").read_text()

@@ -91,6 +91,10 @@ def test_start_is_fast_and_the_run_outlives_its_killed_parent(demo, small_train,
     assert out["total"] == 16 and out["steps"] == list(range(1, 17))          # every step's metrics
     assert out["model"].endswith("ForCausalLM") and out["frame_steps"] == 16
     assert_no_process_left(run_dir)
+    # the kernel that started it died, yet the run's record is in its directory, written by its supervisor
+    page = (run_dir / "report.html").read_text()
+    assert "<title>ilab_nb run " in page and ">completed</span>" in page and "step <b>16</b> / 16" in page
+    assert 'src="data:image/png;base64,' in page and (run_dir / "loss.png").exists()
 
 
 KEPT = ("supervisor", "launcher", "request", "preflight", "num_processes", "device")   # state.json's fields a repair keeps
