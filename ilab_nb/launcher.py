@@ -771,6 +771,7 @@ def main(argv=None):
 
 def _sweep_report(run_dir):
     "When the run is its sweep's last to end, the sweep's `sweep-report.html` (14_sweep; never fails the caller)."
+    if RunPaths(run_dir).sweep_spec is None: return       # not a sweep's run: nothing to import or to wait for
     try:
         from ilab_nb.sweep import report_if_last
         if (p := report_if_last(run_dir)) is not None: _log(f"sweep report: {p}")

@@ -13,9 +13,10 @@ from pathlib import Path
 from .core import patch
 
 # %% auto #0
-__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION',
-           'SCHEMA', 'Name', 'State', 'status_of', 'Event', 'RankState', 'RunPaths', 'read_json', 'tail_lines',
-           'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems', 'schema_markdown']
+__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'SWEEPS_DIR', 'CKPT_MARKER', 'TRAINER_STATE',
+           'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of', 'Event', 'RankState', 'RunPaths', 'read_json',
+           'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
+           'schema_markdown']
 
 # %% ../nbs/00_rundir.ipynb #a3a6030c
 class Name(StrEnum):
@@ -107,6 +108,16 @@ class RunPaths:
     report = property(lambda self: self.root / "report.html", doc="The run's record as a page: status, figures, plot, samples.")
     loss_png = property(lambda self: self.root / "loss.png", doc="The run's loss plot, beside its report.")
     wandb = property(lambda self: self.root / "wandb", doc="W&B's files of the run (unless `WANDB_DIR` says), offline runs too.")
+
+# %% ../nbs/00_rundir.ipynb #a8aa6c03
+SWEEPS_DIR = ".sweeps"
+
+@patch(as_prop=True)
+def sweep_spec(self:RunPaths) -> Path | None:
+    "The `sweep.json` of the sweep this run belongs to (its id is `<sweep_id>-NN`), or None."
+    sid, _, n = self.run_id.rpartition("-")
+    p = self.root.parent / SWEEPS_DIR / sid / "sweep.json"
+    return p if sid and n.isdigit() and p.is_file() else None
 
 # %% ../nbs/00_rundir.ipynb #e69f12f4
 @patch

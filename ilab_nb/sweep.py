@@ -14,12 +14,11 @@ from .runstore import RunStore, TERMINAL, new_run_id, validate_run_id, write_jso
 from .monitor import RunMonitor
 from .session import FineTuneSession, end_views
 from .core import patch
-from .rundir import RunPaths
+from .rundir import RunPaths, SWEEPS_DIR
 
 # %% auto #0
-__all__ = ['EXTRA_SUMMARY', 'SWEEPS_DIR', 'MISSING', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary',
-           'sweeps_dir', 'Sweep', 'MissingRun', 'sweep_table_html', 'SweepDashboard', 'sweep_record_html',
-           'report_if_last']
+__all__ = ['EXTRA_SUMMARY', 'MISSING', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary', 'sweeps_dir', 'Sweep',
+           'MissingRun', 'sweep_table_html', 'SweepDashboard', 'sweep_record_html', 'report_if_last']
 
 # %% ../nbs/14_sweep.ipynb #5828eab4
 def _takes_list(field: str) -> bool:
@@ -77,8 +76,6 @@ EXTRA_SUMMARY = (("final_eval_accuracy", "eval_rewards/accuracies"), ("final_eva
                  ("final_eval_perplexity", "eval_perplexity"))
 
 # %% ../nbs/14_sweep.ipynb #ac6422cc
-SWEEPS_DIR = ".sweeps"
-
 def sweeps_dir(runs_root=None) -> Path:
     "Where the sweeps of a runs root are kept (a dot directory, so `list_runs` never takes one for a run)."
     return RunStore(runs_root).root / SWEEPS_DIR
@@ -345,9 +342,9 @@ def report(self:Sweep):
 def report_if_last(run_dir) -> Path | None:
     "Write the sweep report of the sweep `run_dir` belongs to, if every run of it has ended; its path, else None."
     from filelock import FileLock
-    run_dir = Path(run_dir); sid = run_dir.name.rsplit("-", 1)[0]
-    d = sweeps_dir(run_dir.parent) / sid
-    if not (d / "sweep.json").exists() or run_dir.name not in [r["run_id"] for r in _read_spec(d / "sweep.json")["runs"]]: return None
+    run_dir = Path(run_dir); spec = RunPaths(run_dir).sweep_spec
+    if spec is None or run_dir.name not in [r["run_id"] for r in _read_spec(spec)["runs"]]: return None
+    d, sid = spec.parent, spec.parent.name
     with FileLock(str(d / ".report.lock")):
         sw = Sweep.attach(sid, runs_root=run_dir.parent)
         return sw.report().path if all(_ended(s.status) for s in sw.sessions) else None

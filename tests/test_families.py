@@ -154,7 +154,7 @@ def test_a_nan_loss_fails_the_run_at_its_step_then_a_resume_skips_one(demo, smal
     assert s.wait(timeout=600) == State.failed
     assert ("NonFiniteError: loss became nan and grad_norm became nan at step 2: the update was not applied, and the run "
             "stops rather than train on it; its last good checkpoint is step-00000001") in s.reason, s.reason
-    assert s.state["failed_rank"] == 0 and list(train_losses(s)) == [1]
+    assert s.state["failed_rank"] in (0, 1) and list(train_losses(s)) == [1]     # both ranks stop with the same error
     assert [c["step"] for c in s.checkpoints] == [1] and not RunPaths(s.run_dir).final.exists()
     # from that checkpoint, skipping such steps: the resumed attempt's second step (3) is skipped, the run completes
     s.resume(skip_nonfinite_steps=True, num_processes=1, gradient_accumulation_steps=2)     # the same global batch
