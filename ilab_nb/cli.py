@@ -249,6 +249,12 @@ def _add_demo_chat(sub):
 # %% ../nbs/10_cli.ipynb #3dedae8a
 def _add_outputs(sub):
     _command(sub, "report", "write a run's report.html (its record: status, figures, loss plot, samples) and print its path")
+    c = _command(sub, "eval", "evaluate a run's model beside the model it started from with lm-evaluation-harness tasks")
+    c.add_argument("--tasks", required=True, help="comma-separated: lm-eval task names, or the run's own heldout / heldout_preference")
+    c.add_argument("--checkpoint", type=int, help="a checkpoint's step (default: the final model)")
+    c.add_argument("--no-base", action="store_true", help="do not evaluate the starting model")
+    c.add_argument("--limit", type=int, help="at most this many documents per task")
+    c.add_argument("--foreground", action="store_true", help="wait for it and print the results table")
 
 # %% ../nbs/10_cli.ipynb #ceb077cb
 def build_parser() -> argparse.ArgumentParser:
@@ -328,9 +334,20 @@ def _cmd_chat(a) -> int:
 def _cmd_report(a) -> int:
     print(_attached(a).report().path); return 0
 
+
+def _cmd_eval(a) -> int:
+    ev = _attached(a).evaluate([t.strip() for t in a.tasks.split(",") if t.strip()], checkpoint=a.checkpoint,
+                               base=not a.no_base, limit=a.limit)
+    print(f"{ev.eval_id} queued ({ev.dir})", flush=True)
+    if not a.foreground: return 0
+    status = ev.wait(); print(f"{ev.eval_id}: {status}" + (f": {ev.reason}" if ev.reason else ""))
+    if status == State.completed: print(ev.results().to_string(index=False))
+    return 0 if status == State.completed else 1
+
 # %% ../nbs/10_cli.ipynb #2ab8d4fe
 COMMANDS = dict(run=_cmd_run, ls=_cmd_ls, demo=_cmd_demo, status=_cmd_status, logs=_cmd_logs, watch=_cmd_watch,
-                stop=_cmd_stop, resume=_cmd_resume, fork=_cmd_fork, chat=_cmd_chat, report=_cmd_report)
+                stop=_cmd_stop, resume=_cmd_resume, fork=_cmd_fork, chat=_cmd_chat, report=_cmd_report,
+                eval=_cmd_eval)
 
 def main(argv=None) -> int:
     "Entry point of the `ilab-nb` console script."

@@ -160,6 +160,8 @@ _DESCRIPTIONS = dict(
     eval_prompts="Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), "
                  "written as `samples` records.",
     eval_max_new_tokens="Longest answer, in new tokens, generated for each of eval_prompts.",
+    eval_tasks=("Evaluate the final model beside the starting one when the run completes: lm-eval task names, or the run's own "
+                "'heldout' (its held-out chat turns) and 'heldout_preference' (its held-out pairs); see FineTuneSession.evaluate."),
     report_to="Trackers that also get the train/eval records: none, tensorboard, mlflow, wandb, or a list (as in TrainingArguments).",
     logging_dir="TensorBoard's event-file directory; None = `tensorboard/` in the run directory.",
     lora=("Train LoRA adapters instead of every weight: a mapping of peft.LoraConfig fields (r, lora_alpha, lora_dropout, "
@@ -388,9 +390,10 @@ class _MachineFields(_MemoryFields):
 
 # %% ../nbs/00_config.ipynb #0becc796
 class _ExperimentFields(_MachineFields):
-    "Sample answers while training, and the trackers the metrics also go to."
+    "Sample answers while training, the evaluation after it, and the trackers the metrics also go to."
     eval_prompts: list[str | list[dict[str, str]]] | None = _f("eval_prompts", None, min_length=1)
     eval_max_new_tokens: int = _f("eval_max_new_tokens", 32, ge=1)
+    eval_tasks: list[str] = _f("eval_tasks", [])
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = _f("report_to", [])
     logging_dir: str | None = _f("logging_dir", None)
 
@@ -671,7 +674,7 @@ RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_sched
                      "num_processes", "devices", "oversubscribe_cpus", "ignore_memory_estimate", "num_machines",
                      "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "slurm", "launcher_args",
                      "accelerate_config",
-                     "eval_steps", "eval_prompts", "eval_max_new_tokens", "save_steps", "save_total_limit",
+                     "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps", "save_total_limit",
                      "logging_steps", "logging_dir", "report_to")
 
 _MEANS = {   # why a field may not change on a resume: what the checkpoint holds

@@ -417,7 +417,7 @@ def in_kernel() -> bool:
     ip = get_ipython()
     return ip is not None and getattr(ip, "kernel", None) is not None
 
-# %% ../nbs/09_dashboard.ipynb #0ef69bf9
+# %% ../nbs/09_dashboard.ipynb #865961af
 class Dashboard(W.VBox):
     "Live ipywidgets view of one run, fed by a `RunMonitor`; Stop / Resume call `on_stop` / `on_resume`."
 
@@ -427,7 +427,7 @@ class Dashboard(W.VBox):
         self.add_class("ilab-dashboard")
         self.monitor, self.on_stop, self.on_resume, self.status_fn = monitor, on_stop, on_resume, status_fn
         self.refresh_s, self.log_lines = refresh_s, log_lines
-        self.refresher = Refresher(self.update, lambda: self.last_status in TERMINAL, lambda h: self._set(self.message, h),
+        self.refresher = Refresher(self.update, self.ended, lambda h: self._set(self.message, h),
                                    refresh_s, name=f"ilab-dashboard-{monitor.run_id}")
         self.plot = LossPlot(smooth=smooth)
         self.refreshes = self.redraws = 0
@@ -638,7 +638,7 @@ def _show_records(self:Dashboard, status: str) -> bool:
     changed |= self._show_checkpoints()
     return self._show_samples() | changed
 
-# %% ../nbs/09_dashboard.ipynb #bb8e410f
+# %% ../nbs/09_dashboard.ipynb #b162f499
 @patch
 def update(self:Dashboard) -> bool:
     "One synchronous refresh (status, progress, plot, log, checkpoints, sample answers); returns whether anything changed."
@@ -654,13 +654,37 @@ def update(self:Dashboard) -> bool:
         elif changed:
             self._show_progress(status)
         changed |= self._set(self.log_view, _pre(self.monitor.log_tail(self.log_lines)))
-        return changed
+        return changed | self._show_evaluations()
 
-# %% ../nbs/09_dashboard.ipynb #ac4b9269
+# %% ../nbs/09_dashboard.ipynb #83aa3e8b
+@patch
+def _evaluation(self:Dashboard):
+    "The evaluation the run's completion queued (`evaluation` in its state), or None."
+    eid = self.monitor.state().get("evaluation")
+    if not eid: return None
+    from ilab_nb.evaluation import Evaluation
+    return Evaluation(RunPaths(self.monitor.run_dir).evals / eid)
+
+@patch
+def ended(self:Dashboard) -> bool:
+    "Whether there is nothing more to follow: the run has ended, and so has the evaluation its completion queued."
+    ev = self._evaluation() if self.last_status == State.completed else None
+    return self.last_status in TERMINAL and (ev is None or ev.status in TERMINAL)
+
+@patch
+def _show_evaluations(self:Dashboard) -> bool:
+    from ilab_nb.evaluation import evaluations_of
+    evs = evaluations_of(self.monitor.run_dir)
+    if not evs: return False
+    if getattr(self, "eval_view", None) is None:
+        self.eval_view = W.HTML().add_class("ilab-evaluations"); self.children = self.children + (self.eval_view,)
+    return self._set(self.eval_view, "".join(ev.record_bundle()["text/html"] for ev in evs))
+
+# %% ../nbs/09_dashboard.ipynb #357b97ad
 @patch
 def start(self:Dashboard):
     "Start the refresh thread (no-op when it runs, when the run is terminal, or after `close()`)."
-    if self.last_status not in TERMINAL:
+    if not self.ended():
         self.refresher.start()
     return self
 
@@ -850,9 +874,11 @@ def _repr_png_(self:LossComparison):
 # %% ../nbs/09_dashboard.ipynb #2fe31e96
 @patch
 def __repr__(self:LossComparison):
-    rows = [f"{'run':<28} {'steps':>7} {'final loss':>11} {'best eval':>10}"]
+    evals = sorted({k for r in self.summary for k in r if "/" in k})          # evaluation scores, `task/metric`
+    rows = [f"{'run':<28} {'steps':>7} {'final loss':>11} {'best eval':>10}" + "".join(f" {k:>24}" for k in evals)]
     rows += [f"{r['label'][:28]:<28} {r['steps']:>7} {format_number(r['final_loss'], '.4f'):>11} "
-             f"{format_number(r['best_eval_loss'], '.4f'):>10}" for r in self.summary]
+             f"{format_number(r['best_eval_loss'], '.4f'):>10}" + "".join(f" {format_number(r.get(k), '.4f'):>24}" for k in evals)
+             for r in self.summary]
     return "\n".join(rows)
 
 # %% ../nbs/09_dashboard.ipynb #7ef91b4b
@@ -876,7 +902,12 @@ def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
     finite = [v for v in c["eval_loss"] if math.isfinite(v)]
     return {"label": label, "run_id": m.run_id, "steps": c["steps"][-1] if c["steps"] else 0,
             "final_loss": c["loss"][-1] if c["loss"] else math.nan, "best_eval_loss": min(finite) if finite else math.nan,
-            "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed}
+            "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed, **_scores(m.run_dir)}
+
+def _scores(run_dir) -> dict:
+    "The run's newest evaluation's scores (18_evaluation's `latest_scores`): what `compare()` sets beside the curves."
+    from ilab_nb.evaluation import latest_scores
+    return latest_scores(run_dir)
 
 # %% ../nbs/09_dashboard.ipynb #fabd5029
 def _style_comparison(ax):

@@ -523,22 +523,37 @@ def _free_space(self:Supervisor) -> bool:
     if freed: _log(f"the disk is full: freed {', '.join(freed)} to write the final state")
     return bool(freed)
 
-# %% ../nbs/06_launcher.ipynb #27608067
+# %% ../nbs/06_launcher.ipynb #2457538c
+@patch
+def _start_evaluation(self:Supervisor) -> dict:
+    "`{evaluation: id}` of the evaluation of `eval_tasks` queued now, or `{eval_error: why}`; `{}` without `eval_tasks`."
+    cfg = read_json(RunPaths(self.run_dir).config_for(self.attempt), {}) or {}
+    if not cfg.get("eval_tasks"): return {}
+    try:
+        from ilab_nb.session import FineTuneSession
+        from ilab_nb.evaluation import start_evaluation
+        return {"evaluation": start_evaluation(FineTuneSession.attach(self.run_id, self.store.root), cfg["eval_tasks"]).eval_id}
+    except Exception as e:
+        _log(f"the evaluation of eval_tasks was not started: {type(e).__name__}: {e}")
+        return {"eval_error": f"{type(e).__name__}: {e}"}
+
+# %% ../nbs/06_launcher.ipynb #694d6667
 @patch
 def _write_report(self:Supervisor, status, fields: dict):
     "The run's `report.html` as it ends, showing the final state about to be written (never fails the caller)."
-    if not self.run_dir.exists(): return
+    if not self.run_dir.exists() or read_json(RunPaths(self.run_dir).config, {}).get("kind") == "eval": return   # an evaluation's: its run's
     try:
         from ilab_nb.record import write_report
         st = {**self.store.read_state(self.run_id), **self.pending, **fields, "status": status}
         write_report(self.run_dir, state=st)
     except Exception as e: _log(f"report.html not written: {type(e).__name__}: {e}")
 
-# %% ../nbs/06_launcher.ipynb #5afbca9e
+# %% ../nbs/06_launcher.ipynb #29d132ba
 @patch
 def _finish(self:Supervisor, status, **kw):
     "Write the final state (freeing the reserve when the disk is full), retrying while this supervisor lives; then the event."
     base, st = kw.get("reason"), {}
+    if status == State.completed: kw.update(self._start_evaluation())
     self._write_report(status, kw)
     while self.run_dir.exists():       # a deleted run directory gets nothing written (nor re-created)
         if status == State.failed and (what := self._nospace_what()): kw["reason"] = disk_full_reason(base, what, self.run_id)

@@ -19,7 +19,7 @@ __all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root',
            'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file',
            'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
            'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts', 'check_model_build',
-           'preflight']
+           'check_eval_tasks', 'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -516,7 +516,16 @@ def check_model_build(cfg, kind: str) -> dict:
     return dict(model_class=type(L.base_of(model)).__name__, layout=layout, attn_implementation=attn, **info,
                 weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with from_pretrained")
 
-# %% ../nbs/07_preflight.ipynb #2165a044
+# %% ../nbs/07_preflight.ipynb #13d712dd
+def check_eval_tasks(cfg, records, evals) -> list[str]:
+    "`cfg.eval_tasks`, each runnable on what the run holds out; a `PreflightError` naming the one that is not."
+    from ilab_nb.evaluation import EvalError, check_tasks
+    from ilab_nb.data import split_records
+    held = evals or (split_records(records, cfg.eval_split, cfg.seed)[1] if cfg.eval_split > 0 else [])
+    try: return check_tasks(cfg.eval_tasks, held)
+    except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
+
+# %% ../nbs/07_preflight.ipynb #66e0e42c
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 00_core
 def preflight(cfg, runs_root) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
@@ -535,6 +544,7 @@ def preflight(cfg, runs_root) -> dict:
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     built = check_model_build(cfg, kind)
+    if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0), adapters=built["trainable_params"])
     disk = check_disk(cfg, runs_root)

@@ -13,8 +13,8 @@ from .rundir import RunPaths, State, status_of
 from . import dashboard as D
 
 # %% auto #0
-__all__ = ['summary_rows', 'loss_png', 'record_html', 'record_text', 'record_bundle', 'Record', 'report_page', 'write_report',
-           'Report']
+__all__ = ['summary_rows', 'loss_png', 'evaluations_html', 'record_html', 'record_text', 'record_bundle', 'Record', 'report_page',
+           'write_report', 'Report']
 
 # %% ../nbs/09a_record.ipynb #64b8d1e7
 def summary_rows(monitor) -> list[tuple]:
@@ -59,7 +59,13 @@ def _attach_html(monitor, when: float) -> str:
             f' · from any kernel: <code>FineTuneSession.attach("{rid}")</code> · in a shell: <code>ilab-nb status {rid}</code>'
             f' · recorded {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))}</div>')
 
-# %% ../nbs/09a_record.ipynb #e92defdd
+# %% ../nbs/09a_record.ipynb #e840e38b
+def evaluations_html(run_dir) -> str:
+    "The run's evaluations as HTML: each one's progress and results table ('' without any)."
+    from ilab_nb.evaluation import evaluations_of
+    return "".join(f'<div style="margin-top:6px">{ev.record_bundle()["text/html"]}</div>' for ev in evaluations_of(run_dir))
+
+# %% ../nbs/09a_record.ipynb #37db8be3
 def record_html(monitor, status: str | None = None, png: bytes | None = None, state: dict | None = None) -> str:
     "The run's record as one HTML fragment (inline styles, the loss plot inlined, no script); `png`, `state`: if known."
     monitor.poll()
@@ -80,6 +86,7 @@ def record_html(monitor, status: str | None = None, png: bytes | None = None, st
     latest, previous = D.latest_samples(monitor.records)
     if latest is not None: parts.append(D.samples_html(latest, previous))
     parts.append(f'<div style="font-size:12.5px;margin-top:6px"><b>Checkpoints ({len(cks)})</b>{D._checkpoints_html(cks)}</div>')
+    parts.append(evaluations_html(monitor.run_dir))
     parts.append(_attach_html(monitor, time.time()))
     return ('<div class="ilab-record" style="max-width:940px;font-family:system-ui,-apple-system,sans-serif;color:#202124">'
             + "".join(parts) + "</div>")

@@ -108,6 +108,7 @@ class RunPaths:
     report = property(lambda self: self.root / "report.html", doc="The run's record as a page: status, figures, plot, samples.")
     loss_png = property(lambda self: self.root / "loss.png", doc="The run's loss plot, beside its report.")
     wandb = property(lambda self: self.root / "wandb", doc="W&B's files of the run (unless `WANDB_DIR` says), offline runs too.")
+    evals = property(lambda self: self.root / "eval", doc="The run's evaluations, each `eval/<eval_id>/` a run directory of its own.")
 
 # %% ../nbs/00_rundir.ipynb #a8aa6c03
 SWEEPS_DIR = ".sweeps"
@@ -278,6 +279,9 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
     "samples": dict(file="metrics.jsonl",
                     doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds they took",
                     required=dict(step="int", epoch="float", seconds="float", max_new_tokens="int", samples="list")),
+    "task": dict(file="metrics.jsonl", doc="an evaluation's (eval/<eval_id>/metrics.jsonl): each model x task as it starts and ends",
+                 required=dict(model="str", task="str", status="str"), values=dict(status=("running", "done")),
+                 optional=dict(seconds="float", n="int?", scores="dict")),
     "event": dict(file="metrics.jsonl", doc="`event` in " + " | ".join(METRICS_EVENTS),
                   required=dict(event="str"), values=dict(event=METRICS_EVENTS),
                   optional=dict(step="int", epoch="float", path="str", rank="int", error="str", data_seen="dict")),
@@ -292,6 +296,7 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 attempts="list", backend="str", job_id="str", job_attempt="int", job_restarts="int", job_state="str?",
                                 pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
                                 claimed_by="str", tracker_errors="list", changes="dict", forked_from="dict",
+                                evaluation="str", eval_error="str", tasks="list",
                                 **{f"{s}_at": "float" for s in STATES})),
     "lifecycle": dict(file="events.jsonl", doc="`event` in " + " | ".join(LIFECYCLE_EVENTS),
                       required=dict(time="float", event="str"), values=dict(event=LIFECYCLE_EVENTS),

@@ -179,6 +179,13 @@ def end_views(key: str, run_views_only: bool = True) -> int:
     return d.finalize_displays(key, run_views_only) if d is not None else 0
 
 @patch
+def _evaluating(self:FineTuneSession, st: dict) -> bool:
+    "Whether the evaluation this run's completion queued (`eval_tasks`) is still going."
+    if not st.get("evaluation"): return False
+    from ilab_nb.evaluation import Evaluation
+    return Evaluation(RunPaths(self.run_dir).evals / st["evaluation"]).status not in TERMINAL
+
+@patch
 def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
     "Block until the run ends (tqdm bar when `progress`, default: in a terminal); returns the final status."
     if progress is None: progress = sys.stderr.isatty()
@@ -195,7 +202,9 @@ def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
                     bar.n = pr["step"] or 0
                     bar.set_postfix_str(f"{status} loss={pr['loss']:.4f}" if pr["loss"] is not None else status, refresh=False)
                     bar.refresh()
-            if status in TERMINAL: end_views(self.run_id); return status
+            if status in TERMINAL:
+                if not self._evaluating(st): end_views(self.run_id)    # else the dashboard follows the evaluation to its end
+                return status
             if status == State.created: raise RuntimeError(f"Run {self.run_id} has no state in {self.run_dir}: it was not started "
                                                    "(call start()), or its directory was deleted.")
             if status == State.unreadable and not run_processes(self.run_dir):
@@ -480,6 +489,19 @@ def report(self:FineTuneSession):
     "Write this run's `report.html` (and `loss.png`) in its directory now; returns it (a notebook shows its record)."
     from ilab_nb.record import Report, write_report
     return Report(write_report(self.run_dir))
+
+# %% ../nbs/08_session.ipynb #8666cda6
+@patch
+def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None, batch_size: int = 16):
+    "Queue an evaluation of this run (lm-eval task names, or 'heldout' / 'heldout_preference'); returns it, started."
+    from ilab_nb.evaluation import start_evaluation
+    return start_evaluation(self, tasks, checkpoint, base, limit, num_processes, batch_size, queue=self.queue)
+
+@patch(as_prop=True)
+def evaluations(self:FineTuneSession) -> list:
+    "The run's evaluations (`ilab_nb.evaluation.Evaluation`), oldest first."
+    from ilab_nb.evaluation import evaluations_of
+    return evaluations_of(self.run_dir)
 
 # %% ../nbs/08_session.ipynb #29362335
 @patch(cls_method=True)

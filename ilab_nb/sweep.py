@@ -205,11 +205,12 @@ def list_sweeps(cls:Sweep, runs_root=None) -> list:
 # %% ../nbs/14_sweep.ipynb #5e0114f6
 @patch
 def results(self:Sweep):
-    "A pandas DataFrame, one row per run: run id, the varied fields, status, final/best losses, tokens/s."
+    "A pandas DataFrame, one row per run: run id, the varied fields, status, final/best losses, tokens/s, evaluation scores."
     import pandas as pd
+    from ilab_nb.evaluation import latest_scores
     rows = []
     for s, r in zip(self.sessions, self.spec["runs"]):
-        rows.append(dict(run_id=s.run_id, **r["values"], status=s.status, **run_summary(s.monitor)))
+        rows.append(dict(run_id=s.run_id, **r["values"], status=s.status, **run_summary(s.monitor), **latest_scores(s.run_dir)))
     return pd.DataFrame(rows)
 
 # %% ../nbs/14_sweep.ipynb #0f2eff60
