@@ -342,7 +342,7 @@ def stop(self:Evaluation, wait: bool = True, timeout=None) -> str:
     if not stop.exists(): write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}"})
     return self.wait(timeout) if wait else self.status
 
-# %% ../nbs/18_evaluation.ipynb #087da595
+# %% ../nbs/18_evaluation.ipynb #b5086b16
 @patch
 def results(self:Evaluation):
     "pandas: one row per task and metric: `task`, `metric`, `base`, `tuned`, `delta` (tuned - base), `stderr` (tuned's)."
@@ -353,9 +353,27 @@ def results(self:Evaluation):
         for metric, (v, err) in r["scores"].items(): got.setdefault((r["task"], metric), {})[r["model"]] = (v, err)
     rows = [dict(task=t, metric=m, base=by.get("base", (math.nan,))[0], tuned=by.get("tuned", (math.nan,))[0],
                  stderr=(by.get("tuned") or (None, None))[1]) for (t, m), by in got.items()]
+    rows += [dict(task="heldout_preference", metric=m, base=0.0, tuned=v, stderr=None) for m, v in self.preference_rewards().items()]
     df = pd.DataFrame(rows, columns=["task", "metric", "base", "tuned", "delta", "stderr"])
     df["delta"] = df["tuned"] - df["base"]
     return df
+
+# %% ../nbs/18_evaluation.ipynb #5235010e
+def _choice_logps(samples_file: Path) -> dict:
+    "`{doc_id: (logp chosen, logp rejected)}` from an lm-eval samples file of `heldout_preference`."
+    out = {}
+    for line in samples_file.read_text(encoding="utf-8").splitlines():
+        s = json.loads(line); out[s["doc_id"]] = tuple(float(r[0]) for r in s["filtered_resps"][:2])
+    return out
+
+@patch
+def preference_rewards(self:Evaluation) -> dict:
+    "`{'rewards/accuracies', 'rewards/margins'}` of the trained model against the base on `heldout_preference` ({} if not both)."
+    files = {m: sorted((self.dir / m).glob("samples_heldout_preference_*.jsonl")) for m in ("base", "tuned")}
+    if not (files["base"] and files["tuned"]): return {}
+    base, tuned = _choice_logps(files["base"][-1]), _choice_logps(files["tuned"][-1])
+    margins = [(tuned[i][0] - base[i][0]) - (tuned[i][1] - base[i][1]) for i in tuned if i in base]
+    return {"rewards/accuracies": sum(m > 0 for m in margins) / len(margins), "rewards/margins": sum(margins) / len(margins)} if margins else {}
 
 # %% ../nbs/18_evaluation.ipynb #ee99c7d3
 @patch

@@ -169,3 +169,18 @@ def test_continued_pretraining_on_plain_text_lowers_held_out_perplexity(demo, ru
     assert f"held-out perplexity {ev[-1]['eval_perplexity']:,.1f} (step {ev[-1]['step']})" in dash.progress_text.value
     print(f"\n[measured] {stats['note']}; {ev[-1]['step']} steps: held-out perplexity {ev[0]['eval_perplexity']:.1f} -> "
           f"{ev[1]['eval_perplexity']:.1f}")
+
+
+@pytest.mark.processes
+def test_heldout_preference_rises_on_the_dpo_run(dpo_run):
+    "lm-eval's two-choice task on the run's 16 held-out pairs (ilab_nb.evaluation): the chosen answer likelier more often."
+    ev = dpo_run.evaluate(["heldout_preference"])
+    assert ev.wait(timeout=600) == "completed", ev.reason
+    df = ev.results().set_index("metric")
+    acc, rew = df.loc["acc"], df.loc["rewards/accuracies"]
+    own = [r for r in _records(dpo_run.run_dir, "eval") if r["step"] == 6][0]      # the run's own last evaluation
+    print(f"\n[measured] heldout_preference (16 held-out pairs): acc base {acc.base:.3f}, tuned {acc.tuned:.3f}; "
+          f"rewards/accuracies {rew.base:.3f} -> {rew.tuned:.3f} (the run's own: {own['eval_rewards/accuracies']:.3f})")
+    assert rew.base == 0 and rew.tuned > rew.base                  # preferred against the starting model, as DPO trains it
+    assert abs(rew.tuned - own["eval_rewards/accuracies"]) <= 1 / 16   # two measures of it: lm-eval's and the run's own
+    assert [e.eval_id for e in FineTuneSession.attach(dpo_run.run_id, runs_root=dpo_run.store.root).evaluations] == [ev.eval_id]
