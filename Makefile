@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-fast setup sync-check nbtest pytest browser-deps slurm-deps clean-venv gpu-wheels gpu-check
+.PHONY: demo test test-fast setup sync-check nbtest pytest browser-deps slurm-deps llama-deps clean-venv gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
@@ -46,10 +46,18 @@ slurm-deps:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || \
 	  echo "slurm-wlm and munge could not be installed: the SLURM tests will skip"; }
 
+# llama.cpp's Python binding for the GGUF tests' second reader: PyPI has only its source, a C++ build of many minutes on
+# 2 cores, done once per machine (pip keeps the wheel it built in its cache; later venvs install that in seconds). The
+# tests skip, saying why, when it cannot be had. A portable build: no -march=native.
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+llama-deps: setup
+	@$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  timeout 1800 $(BIN)/python -m pip install -q "$(LLAMA_CPP_SPEC)" || echo "llama-cpp-python could not be built: the llama.cpp checks will skip"
+
 # On both cores: two pytest-xdist workers; the tests sharing a run, a JupyterLab or the SLURM cluster stay on one
 # (tests/conftest.py's SHARED_BY). TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 2
-pytest: setup browser-deps slurm-deps
+pytest: setup browser-deps slurm-deps llama-deps
 	$(BIN)/python -m pytest tests -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 test: sync-check nbtest pytest
