@@ -792,4 +792,11 @@ def _sweep_report(run_dir):
         if (p := report_if_last(run_dir)) is not None: _log(f"sweep report: {p}")
     except Exception as e: _log(f"sweep-report.html not written: {type(e).__name__}: {e}")
 
-if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs
+def _exit(code: int):
+    """Leave at once once the run's state is final: no interpreter teardown (of the record's matplotlib, say) between the
+    final state and the supervisor's end, so whoever sees the run ended sees none of its processes left."""
+    try: sys.stdout.flush(); sys.stderr.flush()
+    except OSError: pass
+    os._exit(code)
+
+if __name__ == "__main__" and "IPython" not in sys.modules: _exit(main())   # not when the notebook itself runs
