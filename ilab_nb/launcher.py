@@ -19,9 +19,10 @@ from .rundir import Event, RankState, RunPaths, State, tail_lines
 # %% auto #0
 __all__ = ['ACCELERATE_CONFIG', 'OOM_ADVICE', 'STOP_GRACE_S', 'TERM_GRACE_S', 'RESERVE_BYTES', 'locks_dir', 'cpu_slots',
            'device_request', 'visible_devices', 'cuda_request', 'DeviceSlots', 'machine_args', 'free_port',
-           'accelerate_command', 'launch_env', 'write_accelerate_config', 'describe_exit', 'torchrun_failures',
-           'torchrun_root_cause', 'rank_records', 'cause_of', 'failing_rank', 'memory_cgroup', 'kernel_oom_kill',
-           'sigkill_cause', 'classify_exit', 'Supervisor', 'disk_full_reason', 'spawn_supervisor', 'main']
+           'accelerate_command', 'launches_directly', 'launch_command', 'launch_env', 'write_accelerate_config',
+           'describe_exit', 'torchrun_failures', 'torchrun_root_cause', 'rank_records', 'cause_of', 'failing_rank',
+           'memory_cgroup', 'kernel_oom_kill', 'sigkill_cause', 'classify_exit', 'Supervisor', 'disk_full_reason',
+           'spawn_supervisor', 'main']
 
 # %% ../nbs/06_launcher.ipynb #2f274475
 def locks_dir(path=None) -> Path:
@@ -190,6 +191,22 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     cmd += ["-m", worker_module, str(run_dir), "--attempt", str(attempt)]
     if resume: cmd += ["--resume", str(resume)]
     return cmd
+
+# %% ../nbs/06_launcher.ipynb #cef424eb
+def launches_directly(cfg) -> bool:
+    "Whether the run's worker is started without `accelerate launch`: one process on one machine, no accelerate settings of the user's."
+    return (int(cfg.get("num_processes", 1)) == 1 and int(cfg.get("num_machines") or 1) == 1
+            and not cfg.get("accelerate_config") and not cfg.get("launcher_args"))
+
+def launch_command(run_dir, cfg, attempt=1, resume=None, worker_module="ilab_nb.worker") -> tuple[list, dict]:
+    "`(argv, environment it adds)` of one attempt: the worker itself where `launches_directly`, else `accelerate launch`."
+    if not launches_directly(cfg): return accelerate_command(run_dir, cfg, attempt, resume, worker_module=worker_module), {}
+    cmd = [sys.executable, "-m", worker_module, str(run_dir), "--attempt", str(attempt)] + (["--resume", str(resume)] if resume else [])
+    cpu = cfg.get("device") == "cpu"
+    env = {"ACCELERATE_USE_CPU": str(cpu), "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or "1"}
+    if cpu: env.update(KMP_AFFINITY="granularity=fine,compact,1,0", KMP_BLOCKTIME="1")
+    return cmd, env
 
 # %% ../nbs/06_launcher.ipynb #5db16fc4
 def _env(run_dir) -> dict:
@@ -610,19 +627,20 @@ def _gone(self:Supervisor) -> int:
     kill_run_processes(self.run_dir)
     return 1
 
-# %% ../nbs/06_launcher.ipynb #b79e2720
+# %% ../nbs/06_launcher.ipynb #5bb0a503
 @patch
 def _launch(self:Supervisor, cfg, request, slots) -> tuple:
-    write_accelerate_config(self.run_dir)
-    cmd = accelerate_command(self.run_dir, {**cfg, "device": request["kind"]}, self.attempt, self.resume,
-                             worker_module=self.worker_module)
+    cfg = {**cfg, "device": request["kind"]}
+    self.direct = launches_directly(cfg)
+    if not self.direct: write_accelerate_config(self.run_dir)
+    cmd, extra_env = launch_command(self.run_dir, cfg, self.attempt, self.resume, worker_module=self.worker_module)
     self._beat(status=State.starting, slots=slots, command=cmd)
     self._event(Event.starting, attempt=self.attempt, slots=slots)
     _log("launching: " + shlex.join(cmd))
     log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0)
     offset = log.tell()
     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
-                                 env=launch_env(self.run_dir, request, slots), process_group=0,
+                                 env={**launch_env(self.run_dir, request, slots), **extra_env}, process_group=0,
                                  close_fds=True, preexec_fn=_die_with_parent)
     self._beat(launcher={**ProcessRef.of(self.proc.pid).to_dict(), "pgid": self.proc.pid})
     self.running, self.cgroup_at_launch = False, memory_cgroup()    # its OOM kills so far: the ranks share its cgroup
@@ -652,13 +670,15 @@ def _watch(self:Supervisor, reader, events) -> int | None:
         self.proc.wait(); kill_run_processes(self.run_dir); return 1
     return None
 
-# %% ../nbs/06_launcher.ipynb #c8df51e6
+# %% ../nbs/06_launcher.ipynb #e30e8077
 @patch
 def _failure(self:Supervisor, code, offset, events) -> dict:
     try:
         with open(RunPaths(self.run_dir).supervisor_log, "rb") as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
     except OSError: text = ""
     rank, rank_code = failing_rank(self.run_dir, text, self.attempt)
+    direct = getattr(self, "direct", False)
+    if direct and rank_code is None: rank, rank_code = 0, code         # the launched process was rank 0 itself
     recs = rank_records(self.run_dir, self.attempt); rec = recs.get(rank) or {}
     where = f" on {rec['host']}" if rec.get("host") and len({r.get("host") for r in recs.values()}) > 1 else ""
     why = []
@@ -674,7 +694,7 @@ def _failure(self:Supervisor, code, offset, events) -> dict:
     after = [f"rank {f['rank']} {describe_exit(f['exitcode'])}" for f in torchrun_failures(text)
              if f["rank"] != rank and f["exitcode"] in _LAUNCHER_SIGNALS]
     if after: why.append("then the launcher ended the others (" + ", ".join(sorted(after)) + ")")
-    why.append(f"accelerate launch {describe_exit(code)}")
+    if not direct: why.append(f"accelerate launch {describe_exit(code)}")
     log = RunPaths(self.run_dir).rank_log("supervisor" if rank is None else rank)
     if not log.exists(): log = RunPaths(self.run_dir).supervisor_log
     return {"reason": f"Run {self.run_id} failed: " + "; ".join(why) + f". See {log}.", "failed_rank": rank,
