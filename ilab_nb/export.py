@@ -251,13 +251,17 @@ def vocab_tokens(tok, vocab_size: int) -> tuple[list[str], list[int]]:
         else: tokens.append(f"[PAD{i}]"); types.append(T.UNUSED)
     return tokens, types
 
-# %% ../nbs/17_export.ipynb #e0c0e791
+# %% ../nbs/17_export.ipynb #23f63664
 def end_of_turn_token(tok) -> str | None:
     "The special token the chat template closes an assistant turn with (None: no template, or none follows)."
     if not tok.chat_template: return None
     mark = "ILABNB-ANSWER-MARK"
-    text = tok.apply_chat_template([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": mark}],
-                                   tokenize=False)
+    try: text = tok.apply_chat_template([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": mark}],
+                                        tokenize=False)
+    except Exception as e:                                # a template that refuses this conversation: no end of turn
+        log.warning(f"export_gguf: the chat template does not render a user turn and an answer ({e}): EOS kept")
+        return None
+    if mark not in text: return None
     specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
     after = tok.convert_ids_to_tokens(tok(text[text.index(mark) + len(mark):], add_special_tokens=False)["input_ids"])
     return next((t for t in after if t in specials), None)
@@ -413,11 +417,14 @@ def _role_texts(conv: list[dict], pieces: list[tuple]) -> tuple[dict, dict]:
                                 f"{prefix[m['role']] + '…' + suffix[m['role']]!r} and {pre + '…' + suf!r}")
     return prefix, suffix
 
-# %% ../nbs/17_export.ipynb #0b2d0b36
+# %% ../nbs/17_export.ipynb #08a29966
 def chat_parts(tok) -> ChatParts:
     "The chat template of `tok` as texts (`ChatParts`), derived by rendering marker conversations; else TemplateError."
     if not tok.chat_template: raise TemplateError("the tokenizer has no chat template")
-    render = lambda msgs, gen=False: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    def render(msgs, gen=False):
+        try: return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        except Exception as e:
+            raise TemplateError(f"the chat template refuses a conversation of {', '.join(m['role'] for m in msgs)} ({e})") from None
     conv = [{"role": r, "content": f"ILABNB-{r.upper()}-{i}-MARK"} for i, r in
             enumerate(("system", "user", "assistant", "user", "assistant"))]
     pieces = [_split_at(p, m["content"]) for p, m in zip(_grow(render, conv), conv)]
