@@ -1,12 +1,16 @@
 """GGUF export read by llama.cpp (through llama-cpp-python), a reader that shares no code with the writer: its logits,
-its tokenization and its chat answers against transformers' on the demo model and tiny Qwen2, Qwen3, Mistral and
-Llama 3 models, and on tokenizers with each recognised pre-tokenizer; the `python -m ilab_nb.export` command line.
+its tokenization and its chat answers against transformers' on the demo model, tiny Qwen2, Qwen3, Mistral, Llama 3
+rope, linear rope and biased Llama models, and on tokenizers with each recognised pre-tokenizer; the
+`python -m ilab_nb.export` command line.
 
 Tolerances: max |logit difference| over a 64-89 token prompt (logits of magnitude ~1-2), against the HF model in F32.
-What was seen on these models is in brackets.
-- F32 file, llama.cpp with an F32 KV cache: 1e-5 [2.4e-7 - 6.0e-7]. With its default F16 KV cache: 3e-3 [3.1e-4].
-- F16 file: 5e-3 [3.0e-4 - 7.3e-4] (llama.cpp multiplies F16 weights with activations rounded to F16).
-- Q8_0 file: 0.1 [7.9e-3 - 2.0e-2] (weights and activations in 8-bit blocks of 32).
+What was seen on these nine models is in brackets.
+- F32 file, llama.cpp with an F32 KV cache: 1e-5 [2.1e-7 - 6.0e-7]. With its default F16 KV cache: 3e-3 [3.1e-4].
+- F16 file: 5e-3 [2.4e-4 - 7.3e-4] (llama.cpp multiplies F16 weights with activations rounded to F16).
+- BF16 file: 2e-2 [1.8e-3 - 5.4e-3] (8 bits of mantissa).
+- Q8_0 file: 0.1 [6.8e-3 - 2.0e-2] (weights and activations in 8-bit blocks of 32).
+The models' vectors are perturbed (a random model's biases are 0 and its norms 1): an export that left the Llama's q/k
+biases in transformers' order was off by 1.1e-3 in F32, so the F32 tolerance catches it.
 """
 import json, os, subprocess, sys
 
@@ -21,10 +25,10 @@ except ImportError: llama_cpp = None
 needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed: the llama.cpp reader "
                                      "checks need it (pip install llama-cpp-python)")
 
-from ilab_nb.demo import family_model, read_chat_jsonl, SPECIAL_TOKENS
+from ilab_nb.demo import read_chat_jsonl, SPECIAL_TOKENS
 from ilab_nb.export import export_gguf, write_modelfile, LLAMA3_PATTERN, QWEN2_PATTERN
 
-TOL = {"f32": 1e-5, "f16": 5e-3, "q8_0": 0.1}
+TOL = {"f32": 1e-5, "f16": 5e-3, "bf16": 2e-2, "q8_0": 0.1}
 F16_KV_TOL = 3e-3
 STRESS = ["It's 2024-01-05: 12345 apples,\n\n  and   they'll  say\t\tDONE. I'M here 3.14159!",
           "Ünïcödé café naïve — 你好 🙂 ok", "  leading spaces\nand\r\nwindows lines   ", "<|user|>inline <|end|> specials"]
@@ -33,14 +37,19 @@ STRESS = ["It's 2024-01-05: 12345 apples,\n\n  and   they'll  say\t\tDONE. I'M h
 # --- the models ------------------------------------------------------------------------------------------------------
 
 def _tiny(kind, path, tokenizer, **shape):
-    "A tiny random `kind` model with 800 tokens, `tokenizer` saved beside it."
+    """A tiny random `kind` model with 800 tokens, `tokenizer` saved beside it. Its vectors are perturbed (biases start
+    at 0, norms at 1), so a bias not permuted or a norm in the wrong place changes the logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model(kind, **{**dict(vocab_size=800, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                                 bos_token_id=1, eos_token_id=5, pad_token_id=0), **shape})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        model = AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1: p.add_(torch.randn_like(p) * 0.3)
+        model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -70,14 +79,16 @@ def models(demo, tmp_path_factory):
                  original_max_position_embeddings=64)
     return {
         "demo": demo.model_dir,
-        "qwen2": family_model("qwen2", root / "qwen2", demo),
+        "qwen2": _tiny("qwen2", root / "qwen2", tok),                                   # q, k, v biases
         "qwen3": _tiny("qwen3", root / "qwen3", tok, head_dim=32),                    # head_dim 32, hidden / heads 16
-        "mistral": family_model("mistral", root / "tiny-m", demo),                    # sliding window 64
+        "mistral": _tiny("mistral", root / "tiny-m", tok, sliding_window=64),
         "llama3-rope": _tiny("llama", root / "llama3", _retrained(demo, split(LLAMA3_PATTERN), add_bos=True),
                              rope_parameters=rope3, tie_word_embeddings=False),
         "qwen2-pre": _tiny("llama", root / "qwen2pre", _retrained(demo, split(QWEN2_PATTERN))),
         "smollm": _tiny("llama", root / "smollm", _retrained(demo, P.Sequence([P.Digits(individual_digits=True),
                         P.ByteLevel(add_prefix_space=False, use_regex=True)])), tie_word_embeddings=True),
+        "llama-bias": _tiny("llama", root / "llamabias", tok, attention_bias=True),             # q and k biases permuted too
+        "llama-linear": _tiny("llama", root / "llamalin", tok, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)),
     }
 
 
@@ -113,13 +124,13 @@ def max_logit_diff(model, llm, ids):
     return float(np.abs(np.asarray(llm.scores[:len(ids)]) - ref).max())
 
 
-NAMES = ["demo", "qwen2", "qwen3", "mistral", "llama3-rope", "qwen2-pre", "smollm"]
+NAMES = ["demo", "qwen2", "qwen3", "mistral", "llama3-rope", "qwen2-pre", "smollm", "llama-bias", "llama-linear"]
 
 
 # --- logits ----------------------------------------------------------------------------------------------------------
 
 @needs_llama_cpp
-@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("name", NAMES)
 def test_llama_cpp_logits_equal_transformers(models, name, dtype, demo, tmp_path_factory):
     model, tok = hf(models, name)
@@ -170,7 +181,7 @@ def test_llama_cpp_tokenizes_as_transformers(models, name, demo, tmp_path_factor
     bad = [(t, a, b) for t, a, b in zip(texts, mine, theirs) if a != b]
     assert not bad, f"{len(bad)} of {len(texts)} texts tokenized differently, first: {bad[0]}"
     expected = {"demo": "gpt-2", "qwen2": "qwen2", "qwen3": "gpt-2", "mistral": "gpt-2", "llama3-rope": "llama-bpe",
-                "qwen2-pre": "qwen2", "smollm": "smollm"}[name]
+                "qwen2-pre": "qwen2", "smollm": "smollm", "llama-bias": "gpt-2", "llama-linear": "gpt-2"}[name]
     assert tokenizer_vocab(models[name], 800)["pre"] == expected
 
 
