@@ -255,6 +255,12 @@ def _add_outputs(sub):
     c.add_argument("--no-base", action="store_true", help="do not evaluate the starting model")
     c.add_argument("--limit", type=int, help="at most this many documents per task")
     c.add_argument("--foreground", action="store_true", help="wait for it and print the results table")
+    c = _command(sub, "export", "write a run's model as a GGUF file for llama.cpp and Ollama, with an Ollama Modelfile beside it")
+    c.add_argument("--format", default="gguf", help="gguf (default)")
+    c.add_argument("--dtype", default="q8_0", help="f32, f16, bf16 or q8_0 (default)")
+    c.add_argument("--checkpoint", help="a checkpoint step, 'latest', or a model directory (default: the final model)")
+    c.add_argument("--out", help="the file, or a folder for it (default: the run's export/)")
+    c.add_argument("--no-modelfile", action="store_true", help="do not write the Ollama Modelfile")
 
 # %% ../nbs/10_cli.ipynb #ceb077cb
 def build_parser() -> argparse.ArgumentParser:
@@ -324,15 +330,26 @@ def _cmd_fork(a) -> int:
     return _waited(f) if a.foreground else 0
 
 # %% ../nbs/10_cli.ipynb #f3a0aa40
+def _checkpoint_arg(c):
+    "A `--checkpoint` value as `load_model` takes it: a step number, 'latest', a folder, or None."
+    return c if c is None or not c.isdigit() else int(c)
+
+
 def _cmd_chat(a) -> int:
     from ilab_nb.chat import terminal_chat
-    ck = a.checkpoint if a.checkpoint is None or not a.checkpoint.isdigit() else int(a.checkpoint)
-    model, tok = _attached(a).load_model(ck)
+    model, tok = _attached(a).load_model(_checkpoint_arg(a.checkpoint))
     return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
 
 # %% ../nbs/10_cli.ipynb #9693df75
 def _cmd_report(a) -> int:
     print(_attached(a).report().path); return 0
+
+
+def _cmd_export(a) -> int:
+    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile)
+    print(f)
+    if f.modelfile: print(f"Ollama: ollama create {Path(f).stem.lower()} -f {f.modelfile}")
+    return 0
 
 
 def _cmd_eval(a) -> int:
@@ -347,7 +364,7 @@ def _cmd_eval(a) -> int:
 # %% ../nbs/10_cli.ipynb #2ab8d4fe
 COMMANDS = dict(run=_cmd_run, ls=_cmd_ls, demo=_cmd_demo, status=_cmd_status, logs=_cmd_logs, watch=_cmd_watch,
                 stop=_cmd_stop, resume=_cmd_resume, fork=_cmd_fork, chat=_cmd_chat, report=_cmd_report,
-                eval=_cmd_eval)
+                eval=_cmd_eval, export=_cmd_export)
 
 def main(argv=None) -> int:
     "Entry point of the `ilab-nb` console script."

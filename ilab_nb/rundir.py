@@ -109,6 +109,7 @@ class RunPaths:
     loss_png = property(lambda self: self.root / "loss.png", doc="The run's loss plot, beside its report.")
     wandb = property(lambda self: self.root / "wandb", doc="W&B's files of the run (unless `WANDB_DIR` says), offline runs too.")
     evals = property(lambda self: self.root / "eval", doc="The run's evaluations, each `eval/<eval_id>/` a run directory of its own.")
+    exports = property(lambda self: self.root / "export", doc="The run's exported files (GGUF, with their Ollama Modelfiles).")
 
 # %% ../nbs/00_rundir.ipynb #a8aa6c03
 SWEEPS_DIR = ".sweeps"

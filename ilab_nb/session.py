@@ -503,6 +503,14 @@ def evaluations(self:FineTuneSession) -> list:
     from ilab_nb.evaluation import evaluations_of
     return evaluations_of(self.run_dir)
 
+# %% ../nbs/08_session.ipynb #00cea0ac
+@patch
+def export(self:FineTuneSession, format: str = "gguf", dtype: str = "q8_0", checkpoint=None, path=None,
+           modelfile: bool = True, progress: bool | None = None):
+    "The run's model (`final/`, or `checkpoint`: step, 'latest' or path) as a GGUF file (f32, f16, bf16, q8_0); its path."
+    from ilab_nb.export import export_run
+    return export_run(self, format, dtype, checkpoint, path, modelfile, progress)
+
 # %% ../nbs/08_session.ipynb #29362335
 @patch(cls_method=True)
 def compare(cls:FineTuneSession, runs, labels=None, **kwargs):
