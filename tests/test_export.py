@@ -1,7 +1,9 @@
 """GGUF export read by llama.cpp (through llama-cpp-python), a reader that shares no code with the writer: its logits,
 its tokenization and its chat answers against transformers' on the demo model, tiny Qwen2, Qwen3, Mistral, Llama 3
 rope, linear rope and biased Llama models, and on tokenizers with each recognised pre-tokenizer; the
-`python -m ilab_nb.export` command line.
+`python -m ilab_nb.export` command line; and the demo run's trained model exported through the session and
+`ilab-nb export`, read back by transformers' GGUF reader and by llama.cpp (the LoRA run's and a checkpoint's:
+tests/test_lora.py).
 
 Tolerances: max |logit difference| over a 64-89 token prompt (logits of magnitude ~1-2), against the HF model in F32.
 What was seen on these nine models is in brackets.
@@ -12,18 +14,19 @@ What was seen on these nine models is in brackets.
 The models' vectors are perturbed (a random model's biases are 0 and its norms 1): an export that left the Llama's q/k
 biases in transformers' order was off by 1.1e-3 in F32, so the F32 tolerance catches it.
 """
-import json, os, subprocess, sys
+import json, os, re, subprocess, sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, ilab
 
 try: import llama_cpp
 except ImportError: llama_cpp = None
 needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed: the llama.cpp reader "
-                                     "checks need it (pip install llama-cpp-python)")
+                                     "checks need it (`make llama-deps` builds it once per machine)")
 
 from ilab_nb.demo import read_chat_jsonl, SPECIAL_TOKENS
 from ilab_nb.export import export_gguf, write_modelfile, LLAMA3_PATTERN, QWEN2_PATTERN
@@ -247,5 +250,66 @@ def test_command_line_refuses_with_a_sentence(demo, tmp_path, capsys):
     from ilab_nb.export import main
     assert main([str(demo.model_dir), str(tmp_path / "x.gguf"), "--dtype", "q4"]) == 2
     err = capsys.readouterr()
-    assert "error: export_gguf: dtype 'q4' is not one of f32, f16, bf16, q8_0" in err.err and not err.out
+    assert "error: dtype 'q4' is not one of f32, f16, bf16, q8_0" in err.err and not err.out
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the demo run's model --------------------------------------------------------------------------------------------
+
+DEMO_LIMIT = 40          # conversations: the demo_run's --eval-limit (tests/conftest.py)
+
+
+def llama_answers(path, items, max_tokens=10):
+    "llama.cpp's greedy answer to each item's context (`answer_prompts`), with the file's own chat template."
+    llm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
+    try: return [llm.create_chat_completion(messages=it["context"], temperature=0, max_tokens=max_tokens, repeat_penalty=1.0)
+                 ["choices"][0]["message"]["content"].strip() for it in items]
+    finally: llm.close()
+
+
+@needs_llama_cpp
+@pytest.mark.processes
+def test_the_demo_runs_model_read_back_by_transformers_and_llama_cpp(demo_run, demo):
+    """The demo run's final model exported through `ilab-nb export` (f32) and the session (f16, q8_0). Transformers'
+    GGUF reader: the f32 file's logits equal the final model's (1e-5; bitwise equal seen) and its tokenizer tokenizes
+    every held-out conversation as the final tokenizer does; the q8_0 file answers the held-out questions within 2
+    points of the final model. llama.cpp, with the file's own template, greedy: the f32 and f16 files give the final
+    model's answers, the q8_0 file its accuracy within 2 points."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ilab_nb import FineTuneSession
+    from ilab_nb.demo import answer_prompts, evaluate_answers
+    r, run_dir = demo_run
+    after = float(re.search(r"held-out accuracy:\s+([\d.]+) ?% -> ([\d.]+) ?%", r.stdout).group(2))
+    p = ilab("export", run_dir.name, "--runs-root", run_dir.parent, "--dtype", "f32", check=0)
+    f32 = Path(p.stdout.splitlines()[0])
+    assert f32 == run_dir / "export" / f"{run_dir.name}-final-f32.gguf" and f32.with_suffix(".Modelfile").exists()
+    assert f"ollama create {f32.stem.lower()} -f {f32.with_suffix('.Modelfile')}" in p.stdout
+    s = FineTuneSession.attach(run_dir.name, runs_root=run_dir.parent)
+    f16, q8 = s.export(dtype="f16", progress=False), s.export(progress=False)
+    assert q8.name == f"{run_dir.name}-final-q8_0.gguf" and q8.stat().st_size < 0.35 * f32.stat().st_size
+    final, tok = s.load_model()
+    held = read_chat_jsonl(demo.eval_file)
+    # transformers' reader: logits and tokenization
+    back = AutoModelForCausalLM.from_pretrained(f32.parent, gguf_file=f32.name, dtype=torch.float32).eval()
+    gtok = AutoTokenizer.from_pretrained(f32.parent, gguf_file=f32.name)
+    texts = [tok.apply_chat_template(c, tokenize=False) for c in held]
+    assert [gtok(t)["input_ids"] for t in texts] == [tok(t)["input_ids"] for t in texts]
+    with torch.no_grad():
+        diff = max((back(input_ids=torch.tensor([tok(t)["input_ids"]])).logits
+                    - final.eval()(input_ids=torch.tensor([tok(t)["input_ids"]])).logits).abs().max().item() for t in texts[:8])
+    assert diff <= 1e-5, diff
+    want = evaluate_answers(final, tok, demo.eval_file, limit=DEMO_LIMIT)
+    q8_back = AutoModelForCausalLM.from_pretrained(q8.parent, gguf_file=q8.name, dtype=torch.float32)
+    got_q8 = evaluate_answers(q8_back, tok, demo.eval_file, limit=DEMO_LIMIT)
+    assert abs(100 * want["accuracy"] - after) <= 2 and abs(100 * (got_q8["accuracy"] - want["accuracy"])) <= 2, (want["accuracy"], got_q8["accuracy"])
+    # llama.cpp: answers
+    items = answer_prompts(held[:DEMO_LIMIT])
+    answers = [e["answer"] for e in want["examples"]]
+    for f in (f32, f16):
+        got = llama_answers(f, items)
+        same = sum(a == b for a, b in zip(got, answers))
+        assert same == len(items), (f.name, [(a, b) for a, b in zip(got, answers) if a != b][:5])
+    acc_q8 = sum(a == it["expected"] for a, it in zip(llama_answers(q8, items), items)) / len(items)
+    print(f"\n[measured] {len(items)} held-out questions: final {want['accuracy']:.1%}; q8_0 via transformers "
+          f"{got_q8['accuracy']:.1%}, via llama.cpp {acc_q8:.1%}; f32 logits max diff {diff:.2e}")
+    assert abs(100 * (acc_q8 - want["accuracy"])) <= 2, (acc_q8, want["accuracy"])

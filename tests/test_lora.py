@@ -1,7 +1,8 @@
 """LoRA adapters for real: a 2-rank FSDP run through FineTuneSession (adapters only in every checkpoint, the merged
 model in final/, equal logits), resumed from its middle checkpoint (the same trajectory and adapters), and the same
-run under DDP (the adapters gathered from FSDP's shards equal a replica's)."""
-import json, os, shutil, subprocess, sys
+run under DDP (the adapters gathered from FSDP's shards equal a replica's); its final model and a checkpoint exported as
+GGUF and read back by transformers and llama.cpp."""
+import importlib.util, json, os, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,47 @@ def test_adapters_gathered_from_fsdp_shards_equal_a_ddp_replica(lora_run, tmp_pa
     fsdp, _ = _losses(lora_run.run_dir); ddp, heads = _losses(rd)
     assert heads[0]["strategy"] == "ddp" and heads[0]["finetuning"] == "lora"
     for k in fsdp: assert abs(ddp[k] - fsdp[k]) <= 1e-4 * abs(fsdp[k]), (k, ddp[k], fsdp[k])
+
+
+def test_final_and_a_checkpoint_exported_as_gguf(lora_run, demo):
+    """The LoRA run's model in llama.cpp's format: `final/` (merged) through the session, the step-3 checkpoint (its
+    adapters only, merged onto their base for the export) through `ilab-nb export`. Transformers' GGUF reader gives the
+    logits of the merged model and of the base with the step-3 adapters (1e-5)."""
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+    from conftest import ilab, cli_env
+    s, paths = lora_run, RunPaths(lora_run.run_dir)
+    final = s.export(dtype="f32", progress=False)
+    assert final == paths.root / "export" / f"{s.run_id}-final-f32.gguf" and final.modelfile.exists()
+    r = ilab("export", s.run_id, "--runs-root", paths.root.parent, "--checkpoint", "3", "--dtype", "f32", check=0,
+             env=cli_env(OMP_NUM_THREADS="1"))
+    ck = Path(r.stdout.splitlines()[0])
+    assert ck == paths.root / "export" / f"{s.run_id}-step-00000003-f32.gguf" and ck.with_suffix(".Modelfile").exists()
+    assert sorted(p.name for p in (paths.root / "export").iterdir()) == sorted(
+        [final.name, final.modelfile.name, ck.name, ck.with_suffix(".Modelfile").name])        # no merged folder left
+    ids = torch.randint(6, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    read = lambda f: AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32).eval()
+    base = lambda: AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        want_final = AutoModelForCausalLM.from_pretrained(paths.final, dtype=torch.float32).eval()(input_ids=ids).logits
+        want_ck = PeftModel.from_pretrained(base(), paths.checkpoint(3)).eval()(input_ids=ids).logits
+        got_final, got_ck = read(final)(input_ids=ids).logits, read(ck)(input_ids=ids).logits
+    torch.testing.assert_close(got_final, want_final, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_ck, want_ck, atol=1e-5, rtol=0)
+    assert (want_ck - want_final).abs().max() > 1e-3                          # two different models were exported
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed: the llama.cpp "
+                    "reader checks need it (`make llama-deps` builds it once per machine)")
+def test_final_gguf_read_by_llama_cpp(lora_run):
+    "llama.cpp reads the LoRA run's merged model from its GGUF file with the merged model's logits (1e-4: its own kernels)."
+    import llama_cpp
+    from transformers import AutoModelForCausalLM
+    f = lora_run.export(dtype="f32", progress=False, path=lora_run.run_dir / "llama-cpp.gguf")
+    ids = torch.randint(6, 200, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(RunPaths(lora_run.run_dir).final, dtype=torch.float32)(input_ids=ids).logits[0]
+    llm = llama_cpp.Llama(str(f), logits_all=True, n_ctx=64, n_threads=1, verbose=False, type_k=0, type_v=0)
+    try: llm.eval(ids[0].tolist()); got = torch.tensor(llm.scores[:ids.shape[1]])
+    finally: llm.close()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
