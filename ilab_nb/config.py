@@ -260,6 +260,9 @@ _DESCRIPTIONS.update(
     main_process_ip="Address of the machine of rank 0 (multi-machine runs); SLURM takes it from the allocation.",
     main_process_port="Rendezvous port on the main machine; None = a free port chosen at launch.",
     rdzv_backend="torchrun rendezvous across machines: static (accelerate's default) or c10d.",
+    ddp_timeout=("Seconds a rank waits in a collective (a barrier, a broadcast) for the others before the run fails: the "
+                 "process group's timeout (TrainingArguments' name and default). Work one rank does alone between "
+                 "collectives must fit in it."),
     backend="Who runs the processes: local (this machine, ilab_nb's FIFO queue) or slurm (sbatch on a SLURM cluster).",
     slurm="SLURM job options (partition, account, time, nodes, gpus_per_node, ...); only with backend='slurm'.",
 )
@@ -385,6 +388,7 @@ class _MachineFields(_MemoryFields):
     main_process_ip: str | None = _f("main_process_ip", None)
     main_process_port: int | None = _f("main_process_port", None, ge=1, lt=65536)
     rdzv_backend: Literal["static", "c10d"] = _f("rdzv_backend", "static")
+    ddp_timeout: int = _f("ddp_timeout", 1800, ge=1)
     backend: Literal["local", "slurm"] = _f("backend", "local")
     slurm: SlurmOptions | None = _f("slurm", None)
 
@@ -672,7 +676,7 @@ def load_config(x: "TrainConfig | dict | str | os.PathLike", **overrides: Any) -
 RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
                      "max_grad_norm", "gradient_accumulation_steps", "skip_nonfinite_steps", "attn_implementation",
                      "num_processes", "devices", "oversubscribe_cpus", "ignore_memory_estimate", "num_machines",
-                     "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "slurm", "launcher_args",
+                     "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "ddp_timeout", "slurm", "launcher_args",
                      "accelerate_config",
                      "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps", "save_total_limit",
                      "logging_steps", "logging_dir", "report_to")
