@@ -707,6 +707,7 @@ def _conclude(self:Supervisor, offset, reader, events) -> int:
     left = kill_run_processes(self.run_dir)     # every process of the run is tagged; none may outlive it
     if left: _log(f"killed {left} leftover process(es) of the run")
     events += [r for r in reader.read_new() if r.get("attempt") == self.attempt and r.get("kind") == "event"]
+    self._stop_requested()                      # a request the ranks honoured before the watch loop read it: logged too
     status = classify_exit(code, self.stop_at is not None, self.forced, events, self.signum)
     if status != State.completed and (dropped := self._drop_incomplete()): _log(f"removed the half-written {', '.join(dropped)}")
     if status == State.completed: self._finish(status, exit_code=code)
