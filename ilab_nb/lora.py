@@ -46,6 +46,8 @@ def add_adapters(model, cfg: TrainConfig):
     if cfg.precision == "bf16":
         for p in pm.parameters():
             if not p.requires_grad: p.data = p.data.to(torch.bfloat16)
+    if cfg.strategy == "fsdp":                            # FSDP casts every adapter's input itself: see "Sharding" below
+        for layer in _lora_layers(pm): layer.cast_input_dtype_enabled = False
     return pm
 
 # %% ../nbs/04a_lora.ipynb #b7bf01e5
@@ -98,18 +100,16 @@ def save_adapter(model, out_dir, rank: int) -> Path:
 
 # %% ../nbs/04a_lora.ipynb #b1c19457
 def load_adapted(adapter_dir, base_model: str | None = None, trust_remote_code: bool = False, **kwargs):
-    "The base model (named in the adapter's config, or `base_model`) with the adapters of `adapter_dir`, for use."
-    import torch
+    "The base model (named in the adapter's config, or `base_model`) with the adapters of `adapter_dir`, for use: in the base's dtype, or `dtype=`."
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
     base_model = base_model or PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
-    kwargs.setdefault("dtype", torch.float32)
     base = AutoModelForCausalLM.from_pretrained(base_model, trust_remote_code=trust_remote_code, **kwargs)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
-def merge_adapter(adapter_dir, out_dir, base_model: str | None = None, trust_remote_code: bool = False) -> Path:
-    "Merge the adapters of `adapter_dir` into their base and write the merged model to `out_dir` (one process)."
-    merged = load_adapted(adapter_dir, base_model, trust_remote_code).merge_and_unload()
+def merge_adapter(adapter_dir, out_dir, base_model: str | None = None, trust_remote_code: bool = False, dtype="auto") -> Path:
+    "Merge the adapters of `adapter_dir` into their base and write the merged model to `out_dir` (one process), in the base's dtype or `dtype`."
+    merged = load_adapted(adapter_dir, base_model, trust_remote_code, dtype=dtype).merge_and_unload()
     merged.config.use_cache = True
     merged.save_pretrained(str(out_dir))
     return Path(out_dir)
