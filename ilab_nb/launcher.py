@@ -14,7 +14,7 @@ from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, HEARTBEAT_S, 
                               kill_run_processes, read_json, write_json_atomic)
 from .monitor import MetricsReader
 from .core import no_space, patch, size_text
-from .rundir import Event, RankState, RunPaths, State, tail_lines
+from .rundir import Event, RankState, RunPaths, State, no_follow, refuse_links, tail_lines
 
 # %% auto #0
 __all__ = ['ACCELERATE_CONFIG', 'OOM_ADVICE', 'STOP_GRACE_S', 'TERM_GRACE_S', 'RESERVE_BYTES', 'locks_dir', 'cpu_slots',
@@ -519,7 +519,7 @@ def _make_reserve(self:Supervisor):
     "Set aside `RESERVE_BYTES` in the run directory (written out: a sparse file would free nothing)."
     p = RunPaths(self.run_dir).reserve
     try:
-        with open(p, "wb") as f: f.write(b"\0" * RESERVE_BYTES); f.flush(); os.fsync(f.fileno())
+        with open(p, "wb", opener=no_follow) as f: f.write(b"\0" * RESERVE_BYTES); f.flush(); os.fsync(f.fileno())
     except OSError: p.unlink(missing_ok=True)
 
 @patch
@@ -637,7 +637,7 @@ def _launch(self:Supervisor, cfg, request, slots) -> tuple:
     self._beat(status=State.starting, slots=slots, command=cmd)
     self._event(Event.starting, attempt=self.attempt, slots=slots)
     _log("launching: " + shlex.join(cmd))
-    log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0)
+    log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0, opener=no_follow)
     offset = log.tell()
     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
                                  env={**launch_env(self.run_dir, request, slots), **extra_env}, process_group=0,
@@ -674,7 +674,7 @@ def _watch(self:Supervisor, reader, events) -> int | None:
 @patch
 def _failure(self:Supervisor, code, offset, events) -> dict:
     try:
-        with open(RunPaths(self.run_dir).supervisor_log, "rb") as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
+        with open(RunPaths(self.run_dir).supervisor_log, "rb", opener=no_follow) as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
     except OSError: text = ""
     rank, rank_code = failing_rank(self.run_dir, text, self.attempt)
     direct = getattr(self, "direct", False)
@@ -766,6 +766,7 @@ def run(self:Supervisor) -> int:
 def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None, worker_module=None) -> ProcessRef:
     "Start the detached supervisor of one attempt of the run in `run_dir`; returns its `ProcessRef`."
     run_dir = Path(run_dir).absolute()
+    refuse_links(run_dir, "start its processes")         # its shell appends to supervisor.log, its ranks write everywhere (00_rundir)
     args = [sys.executable, "-m", "ilab_nb.launcher", "supervise", str(run_dir), "--attempt", str(attempt),
             "--locks", str(locks_dir(locks))]
     if resume: args += ["--resume", str(resume)]

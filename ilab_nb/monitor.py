@@ -4,11 +4,11 @@
 
 # %% ../nbs/04_monitor.ipynb #acefc739
 from __future__ import annotations
-import json
+import json, os
 from pathlib import Path
 
 from .core import patch
-from .rundir import TRAINER_STATE, Event, RunPaths, checkpoint_step, complete_checkpoints, read_json, standing_records, tail_lines
+from .rundir import TRAINER_STATE, Event, RunDirLinkError, RunPaths, checkpoint_step, complete_checkpoints, no_follow, read_json, standing_records, tail_lines
 
 # %% auto #0
 __all__ = ['MetricsReader', 'RunMonitor', 'data_notes']
@@ -24,11 +24,11 @@ class MetricsReader:
 def _new_bytes(self:MetricsReader) -> bytes:
     "The complete lines appended since the last call (and the offset moved past them)."
     try:
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb", opener=no_follow) as f:
             f.seek(0, 2); size = f.tell()
             if size < self.offset: self.offset, self.records = 0, []   # file replaced: start over
             f.seek(self.offset); chunk = f.read(size - self.offset)
-    except FileNotFoundError: return b""
+    except (FileNotFoundError, RunDirLinkError): return b""           # a link in its place is not followed (00_rundir)
     end = chunk.rfind(b"\n")
     if end < 0: return b""
     self.offset += end + 1
@@ -153,8 +153,16 @@ def log_path(self:RunMonitor, rank=None) -> Path:
 # %% ../nbs/04_monitor.ipynb #20f5431c
 @patch
 def log_tail(self:RunMonitor, n=50, rank=None) -> list:
-    "Last `n` lines of a rank's log (`rank=None`: the most relevant log, see `log_path`)."
-    return tail_lines(self.log_path(rank), n)
+    """Last `n` lines of a rank's log (`rank=None`: the most relevant log, see `log_path`). A rank the run does not have,
+    or a log that is a symbolic link (never followed, 00_rundir), is an error that says so, not an empty tail."""
+    p = self.log_path(rank)
+    if p.is_symlink():
+        raise RunDirLinkError(f"{p} is a symbolic link (to {os.readlink(p)}); ilab_nb does not follow links in a run directory: remove it")
+    world = self.state().get("num_processes")
+    if isinstance(rank, int) and world and not 0 <= rank < world:
+        raise ValueError(f"run {self.run_id} has {world} rank(s), 0..{world - 1}: there is no rank {rank} "
+                         "(rank='supervisor' for the supervisor's log)")
+    return tail_lines(p, n)
 
 # %% ../nbs/04_monitor.ipynb #6563c395
 def data_notes(header: dict | None) -> list[str]:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_rundir.ipynb #bb0e1430
 from __future__ import annotations
-import json
+import errno, json, os
 import textwrap
 from dataclasses import dataclass
 from enum import StrEnum, auto
@@ -14,8 +14,9 @@ from .core import patch
 
 # %% auto #0
 __all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'SWEEPS_DIR', 'CKPT_MARKER', 'TRAINER_STATE',
-           'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of', 'Event', 'RankState', 'RunPaths', 'read_json',
-           'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
+           'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of', 'Event', 'RankState', 'RunPaths',
+           'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links', 'OwnerError', 'owner_problem', 'refuse_foreign',
+           'read_json', 'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
            'schema_markdown']
 
 # %% ../nbs/00_rundir.ipynb #a3a6030c
@@ -207,17 +208,69 @@ def checkpoint_tmp(self:RunPaths, step) -> Path:
     "Where that checkpoint is written before its rename."
     return self.checkpoints / f".tmp-step-{int(step):08d}"
 
+# %% ../nbs/00_rundir.ipynb #df33668e
+class RunDirLinkError(PermissionError):
+    "A symbolic link inside a run directory: ilab_nb neither reads nor writes through it."
+
+def no_follow(path, flags):
+    "An `opener` for `open()`: the file itself, never a symbolic link in its place (`O_NOFOLLOW`)."
+    try: return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP: raise
+        raise RunDirLinkError(f"{path} is a symbolic link (to {os.readlink(path)}); ilab_nb does not follow "
+                              "links in a run directory: remove it") from None
+
+def links_in(root) -> list:
+    "Every symbolic link under `root` (not `root` itself), without following any."
+    out = []
+    for d, dirs, files in os.walk(root, followlinks=False):
+        out += [Path(d, n) for n in dirs + files if os.path.islink(os.path.join(d, n))]
+    return sorted(out)
+
+def refuse_links(root, doing: str):
+    "`RunDirLinkError` naming the links under `root` (the first three and a count) before `doing`; None without any."
+    if not (links := links_in(root)): return
+    shown = ", ".join(f"{p.relative_to(root)} -> {os.readlink(p)}" for p in links[:3]) + (f" and {len(links) - 3} more" if len(links) > 3 else "")
+    raise RunDirLinkError(f"{root} holds {len(links)} symbolic link(s) ({shown}); ilab_nb does not follow links "
+                          f"in a run directory, so it will not {doing}: remove them")
+
+# %% ../nbs/00_rundir.ipynb #6fa899a3
+class OwnerError(PermissionError):
+    "A file to act on belongs to another user (or every user may write it), and its owner was not said to be trusted."
+
+def _user(uid: int) -> str:
+    import pwd
+    try: return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError: return f"uid {uid}"
+
+def owner_problem(path) -> str | None:
+    "Why `path` is not the caller's to act on (owned by another user, or writable by every user); None if it is."
+    st = os.stat(path)
+    if st.st_uid != os.geteuid(): return f"is owned by {_user(st.st_uid)}, not by you ({_user(os.geteuid())})"
+    if st.st_mode & 0o002: return "is writable by every user"
+    return None
+
+def refuse_foreign(paths, doing: str, trust_owner: bool = False):
+    "`OwnerError` for the first of `paths` (those that exist) with an `owner_problem`, unless `trust_owner`."
+    if trust_owner: return
+    for p in paths:
+        if os.path.lexists(p) and (why := owner_problem(p)):
+            raise OwnerError(f"{p} {why}; ilab_nb will not {doing} unless you trust its owner (trust_owner=True; "
+                             "ilab-nb: --trust-owner): that would run, with your rights, what its files name (a model and its code, "
+                             "pickled state)")
+
 # %% ../nbs/00_rundir.ipynb #3df13410
 def read_json(path, default=None):
-    "Parse a JSON file; `default` if it is missing, unreadable or mid-write."
-    try: return json.loads(Path(path).read_text())
+    "Parse a JSON file; `default` if it is missing, unreadable, mid-write or a symbolic link."
+    try:
+        with open(path, "rb", opener=no_follow) as f: return json.loads(f.read())
     except (OSError, ValueError): return default
 
 # %% ../nbs/00_rundir.ipynb #31d23094
 def tail_lines(path, n=50) -> list:
-    "The last `n` lines of a text file ([] if it does not exist), reading only the end of it."
+    "The last `n` lines of a text file ([] if it does not exist or is a symbolic link), reading only the end of it."
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=no_follow) as f:
             f.seek(0, 2); size = f.tell(); block = 8192 * max(1, n // 50 + 1)
             while True:
                 start = max(0, size - block); f.seek(start); data = f.read(size - start)
@@ -242,11 +295,11 @@ def complete_checkpoints(run_dir) -> list:
 
 # %% ../nbs/00_rundir.ipynb #ed84c114
 def standing_records(records, kinds=("train", "eval")) -> list:
-    "The records of `kinds` that stand: a header resumed from step S drops the earlier records past S."
+    "The records of `kinds` that stand: a header resumed from step S drops the earlier records past S (a later attempt started over: all)."
     out = []
     for r in records:
-        if r.get("kind") == "header" and r.get("resumed_from_step") is not None:
-            out = [x for x in out if (x.get("step") or 0) <= r["resumed_from_step"]]
+        if r.get("kind") == "header" and (r.get("resumed_from_step") is not None or (r.get("attempt") or 1) > 1):
+            out = [x for x in out if (x.get("step") or 0) <= (r.get("resumed_from_step") or 0)]
         elif r.get("kind") in kinds: out.append(r)
     return out
 
@@ -293,7 +346,7 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 supervisor="dict", supervisor_log="str", heartbeat_at="float", slots="list",
                                 command="list", launcher="dict", world_size="int?", exit_code="int?", ended_at="float",
                                 reason="str", failed_rank="int?", signal="any", log_tail="list", log_file="str",
-                                stop_requested_at="float", forced="bool", resume_from="str", resumed_from_step="int",
+                                stop_requested_at="float", forced="bool", resume_from="str?", resumed_from_step="int",
                                 attempts="list", backend="str", job_id="str", job_attempt="int", job_restarts="int", job_state="str?",
                                 pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
                                 claimed_by="str", tracker_errors="list", changes="dict", forked_from="dict",

@@ -13,7 +13,7 @@ import psutil
 from filelock import FileLock
 
 from .core import patch
-from .rundir import STATES, TERMINAL, Event, RunPaths, State, read_json, tail_lines
+from .rundir import STATES, TERMINAL, Event, RunPaths, State, no_follow, read_json, tail_lines
 
 # %% auto #0
 __all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'StateError', 'default_runs_root',
@@ -110,7 +110,7 @@ def write_json_atomic(path, obj):
 def ends_mid_line(path) -> bool:
     "Whether the file at `path` ends without a newline: its last writer was killed mid-line."
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=no_follow) as f:
             if f.seek(0, 2) == 0: return False
             f.seek(-1, 2); return f.read(1) != b"\n"
     except OSError: return False
@@ -119,13 +119,13 @@ def ends_mid_line(path) -> bool:
 def append_jsonl(path, obj):
     "Append one JSON object as one line (one write call), on a line of its own even after a torn last line."
     line = json.dumps(obj, default=str) + "\n"
-    with open(path, "a") as f: f.write(("\n" if ends_mid_line(path) else "") + line); f.flush()
+    with open(path, "a", opener=no_follow) as f: f.write(("\n" if ends_mid_line(path) else "") + line); f.flush()
 
 # %% ../nbs/03_runstore.ipynb #22ca7523
 @contextmanager
 def dir_lock(path):
     "An exclusive `flock` on `path`, created if missing, but never its directory (`FileNotFoundError` then)."
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = no_follow(path, os.O_RDWR | os.O_CREAT)
     try: fcntl.flock(fd, fcntl.LOCK_EX); yield path
     finally: os.close(fd)
 
