@@ -21,8 +21,8 @@ from pydantic_core import PydanticCustomError
 from .core import patch
 
 # %% auto #0
-__all__ = ['DataSources', 'RESUME_CHANGEABLE', 'RESUME_REFUSED', 'ConfigError', 'InMemoryData', 'data_sources', 'SlurmOptions',
-           'config_problems', 'TrainConfig', 'load_config', 'with_changes']
+__all__ = ['DataSources', 'RESUME_CHANGEABLE', 'RESUME_REFUSED', 'ConfigError', 'config_line', 'InMemoryData', 'data_sources',
+           'SlurmOptions', 'config_problems', 'TrainConfig', 'load_config', 'with_changes']
 
 # %% ../nbs/00_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -69,6 +69,27 @@ def _yaml_key_lines(text: str) -> dict[str, int]:
     except yaml.YAMLError: return {}
     return _mapping_lines(node) if isinstance(node, yaml.MappingNode) else {}
 
+# %% ../nbs/00_config.ipynb #2043aff6
+def _yaml_duplicate(node, prefix: str = "") -> tuple | None:
+    "The first key given twice in one mapping of a composed YAML document: `(key, first line, second line)`, or None."
+    if isinstance(node, yaml.SequenceNode): return next(filter(None, (_yaml_duplicate(v, prefix) for v in node.value)), None)
+    if not isinstance(node, yaml.MappingNode): return None
+    seen = {}
+    for k, v in node.value:
+        name = prefix + str(k.value)
+        if name in seen: return name, seen[name], k.start_mark.line + 1
+        seen[name] = k.start_mark.line + 1
+        if dup := _yaml_duplicate(v, name + "."): return dup
+    return None
+
+class _DuplicateKey(ValueError): pass
+
+def _json_object(pairs) -> dict:
+    "A JSON object's pairs as a dict (`object_pairs_hook`), refusing a key given twice."
+    keys = [k for k, _ in pairs]
+    if dup := next((k for i, k in enumerate(keys) if k in keys[:i]), None): raise _DuplicateKey(dup)
+    return dict(pairs)
+
 # %% ../nbs/00_config.ipynb #6aff9ad1
 def _json_key_lines(text: str) -> dict[str, int]:
     "1-based line of the first occurrence of each `\"key\":` (a good guess for flat JSON configs)."
@@ -91,7 +112,7 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
     try: text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e: raise _file_error(path, f"cannot read {path}: {e}") from None
     if fmt == "yaml":
-        try: d = yaml.safe_load(text)
+        try: d, dup = yaml.safe_load(text), _yaml_duplicate(yaml.compose(text, Loader=yaml.SafeLoader))
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -99,16 +120,29 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
             raise _file_error(path, f"{path}{where}: invalid YAML: {problem}") from None
         lines = _yaml_key_lines(text)
     elif fmt == "json":
-        try: d = json.loads(text)
+        try: d, dup = json.loads(text, object_pairs_hook=_json_object), None
         except json.JSONDecodeError as e:
             raise _file_error(path, f"{path}, line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}") from None
+        except _DuplicateKey as e:
+            at = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(str(e))}"\s*:', text)] + [None, None]
+            dup = (str(e), at[0], at[1])
         lines = _json_key_lines(text)
     else:
         raise _file_error(path, f"{path}: unknown config file type '{p.suffix}'; use .yaml, .yml or .json")
+    if dup: raise _file_error(path, f"{path}, line {dup[2]}: '{dup[0]}' is given twice (first on line {dup[1]}); only one "
+                               "would be used, so remove the other")
     if d is None: d = {}
     if not isinstance(d, dict):
         raise _file_error(path, f"{path}: the top level must be a mapping of field: value, not {type(d).__name__}")
     return d, lines
+
+# %% ../nbs/00_config.ipynb #78b9d601
+def config_line(path, key: str, overrides=()) -> int | None:
+    "The line of `key` (a field or a dotted `lora.r`: its own line, else its field's) in the config file `path`; None if overridden."
+    if key.split(".")[0] in overrides: return None
+    try: lines = _read_config_file(path)[1]
+    except ConfigError: return None
+    return lines.get(key) or lines.get(key.split(".")[0])
 
 # %% ../nbs/00_config.ipynb #b1727761
 _DESCRIPTIONS = dict(
@@ -478,6 +512,9 @@ def _lora_fields(v):
         raise _lora_problem(k, f"unknown LoraConfig field '{k}'" + (f" — did you mean '{near}'?" if near else
                             f" (e.g. {', '.join(_LORA_COMMON)}; see peft.LoraConfig)"))
     if v.get("bias", "none") != "none": raise _lora_problem("bias", "bias: only 'none' (the base's biases stay frozen)")
+    if v.get("layers_to_transform") is not None and isinstance(v.get("target_modules", "all-linear"), str):
+        raise _lora_problem("layers_to_transform", "layers_to_transform needs target_modules as a list of layer names, e.g. "
+                            "['q_proj', 'v_proj'] (peft cannot limit a pattern such as the default 'all-linear' to some layers)")
     if v.get("init_lora_weights", True) not in (True, False, "gaussian"):
         raise _lora_problem("init_lora_weights", f"init_lora_weights={v['init_lora_weights']!r}: use True, False or 'gaussian' "
                             "(the others read the base's weights)")
@@ -679,11 +716,11 @@ RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_sched
                      "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "ddp_timeout", "slurm", "launcher_args",
                      "accelerate_config",
                      "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps", "save_total_limit",
-                     "logging_steps", "logging_dir", "report_to")
+                     "logging_steps", "logging_dir", "report_to", "merge_lora")
 
 _MEANS = {   # why a field may not change on a resume: what the checkpoint holds
     "the checkpoint holds this model's weights": ("model", "trust_remote_code"),
-    "the checkpoint holds adapters of this shape (and merges them so)": ("lora", "merge_lora"),
+    "the checkpoint holds adapters of this shape": ("lora",),
     "the checkpoint's data position counts the samples of this data, split, tokenized and batched this way":
         ("data", "eval_data", "eval_split", "seed", "max_seq_len", "long_sequence_policy", "max_tokens_per_batch", "batching"),
     "the optimizer state (and DPO's reference log-probabilities) belong to this training method":
@@ -694,21 +731,35 @@ _MEANS = {   # why a field may not change on a resume: what the checkpoint holds
 }
 RESUME_REFUSED = {f: why for why, fs in _MEANS.items() for f in fs}
 
+# %% ../nbs/00_config.ipynb #54bf4d23
+def _global_batch_problem(old: TrainConfig, new: TrainConfig, changes: dict, what: str) -> dict | None:
+    "The problem when `changes` change the micro-batches of a step (processes x accumulation) without naming the accumulation."
+    a, b = old.num_processes * old.gradient_accumulation_steps, new.num_processes * new.gradient_accumulation_steps
+    if a == b or "gradient_accumulation_steps" in changes: return None
+    keep = (f"gradient_accumulation_steps={a // new.num_processes} keeps it" if a % new.num_processes == 0
+            else f"no whole gradient_accumulation_steps keeps it on {new.num_processes} processes")
+    return dict(field="num_processes", type="resume", input=new.num_processes,
+                msg=f"{what} with num_processes={new.num_processes} (was {old.num_processes}) would change the global batch from "
+                    f"{a} to {b} micro-batches per optimizer step: {keep}; give gradient_accumulation_steps too, to say which you want")
+
 # %% ../nbs/00_config.ipynb #9bcfb202
-def with_changes(cfg: TrainConfig, changes: dict, what: str = "resume") -> tuple[TrainConfig, dict]:
-    "`cfg` with `changes` applied and `{field: [old, new]}` of those that differ; a refused or invalid change raises ConfigError."
+def with_changes(cfg: TrainConfig, changes: dict, what: str = "resume", refused=None) -> tuple[TrainConfig, dict]:
+    """`cfg` with `changes` applied and `{field: [old, new]}` of those that differ; a refused or invalid change raises
+    ConfigError. `refused`: the fields that may not change (`RESUME_REFUSED`; none when there is no checkpoint to honour)."""
+    refused = RESUME_REFUSED if refused is None else refused
     old = cfg.model_dump(mode="json")
     if unknown := [k for k in changes if k not in TrainConfig.model_fields]:
         TrainConfig.from_dict({**cfg.model_dump(), **{k: changes[k] for k in unknown}})    # names the closest field
     def refuse(fields):
         if fields: raise ConfigError([dict(field=k, type="resume", input=changes[k],
-                                           msg=f"{what} cannot change it (was {_show(old[k])}): {RESUME_REFUSED[k]}; "
+                                           msg=f"{what} cannot change it (was {_show(old[k])}): {refused[k]}; "
                                                "start a new run instead") for k in fields])
     try: new = TrainConfig.from_dict({**cfg.model_dump(), **changes})
     except ConfigError:          # a refused change first, then whatever else is wrong
-        refuse([k for k in changes if k in RESUME_REFUSED and json.loads(json.dumps(changes[k], default=str)) != old[k]])
+        refuse([k for k in changes if k in refused and json.loads(json.dumps(changes[k], default=str)) != old[k]])
         raise
     dumped = new.model_dump(mode="json")
     diff = {k: [old[k], dumped[k]] for k in changes if old[k] != dumped[k]}
-    refuse([k for k in diff if k in RESUME_REFUSED])
+    refuse([k for k in diff if k in refused])
+    if p := _global_batch_problem(cfg, new, changes, what): raise ConfigError([p])
     return new, diff
