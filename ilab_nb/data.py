@@ -259,7 +259,11 @@ def _files(path: str) -> list[Path]:
     p = Path(path).expanduser()
     if p.is_dir() and not _is_saved_dataset(p):
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
-        files = files or sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() == ".txt")   # a folder of documents
+        docs = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() == ".txt")      # a folder of documents
+        if files and docs:
+            raise DataError(f"holds both data files ({files[0].name}, ...) and .txt documents ({docs[0].name}, ...); one data set "
+                            f"holds one shape, so give the files you mean, e.g. {os.path.join(path, '*' + files[0].suffix)}", path)
+        files = files or docs
         if not files:
             raise DataError("is a directory without .jsonl, .json or .parquet files (or .txt documents), and not a dataset saved "
                             "with datasets.Dataset.save_to_disk", path)
@@ -349,11 +353,22 @@ def _memory_rows(data: InMemoryData):
     _check_columns(data.obj.column_names, data.name)
     yield from enumerate(data.obj.with_format(None))
 
+# %% ../nbs/01_data.ipynb #81fe3c1d
+def _document(p: Path) -> tuple[str, list]:
+    "A `.txt` file as one document; bytes that are not UTF-8 text are a problem at their line, as in JSONL (never U+FFFD)."
+    raw = p.read_bytes()
+    try:
+        if b"\0" in raw: raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "a NUL byte: a binary file")
+        return "document", [(1, {"text": raw.decode("utf-8-sig")})]
+    except UnicodeDecodeError as e:
+        return "line", [(raw.count(b"\n", 0, e.start) + 1, _Bad(f"not valid UTF-8 text ({e.reason} at byte {e.start}); save the "
+                                                              "document as UTF-8"))]
+
 # %% ../nbs/01_data.ipynb #cf6a48a3
 def _rows(p: Path) -> tuple[str, Any]:
     "(position unit, `(position, row)` pairs) of one data file or saved dataset."
     if p.is_dir(): return "row", _dataset_rows(p)
-    if p.suffix.lower() == ".txt": return "document", [(1, {"text": p.read_text(encoding="utf-8", errors="replace")})]   # one document
+    if p.suffix.lower() == ".txt": return _document(p)
     with open(p, "rb") as f: magic = f.read(4)
     if magic == b"PAR1": return "row", _parquet_rows(p)
     return "line", (_json_rows(p) if p.suffix.lower() == ".json" else _jsonl_rows(p))
