@@ -8,22 +8,24 @@ import errno, functools, json, math, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
 from .config import TrainConfig
-from .core import count_text, gc_paused, require_torch, size_text
+from .core import count_text, gc_paused, no_hf_progress_bars, require_torch, size_text
 from .launcher import cpu_slots
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model', 'load_run_data',
-           'check_model', 'check_model_dir', 'query_gpus', 'used_gpus', 'check_bf16', 'preflight_device',
-           'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'safetensors_problem', 'model_files_problem',
-           'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file',
-           'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
-           'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts', 'check_model_build',
-           'check_eval_tasks', 'preflight']
+__all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model',
+           'load_run_data', 'check_model', 'check_remote_code', 'check_model_dir', 'query_gpus', 'used_gpus',
+           'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'safetensors_problem',
+           'model_files_problem', 'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes',
+           'check_memory', 'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample',
+           'check_tracker_imports', 'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts',
+           'tied_adapted', 'lora_problem', 'check_model_build', 'check_eval_tasks', 'check_data', 'preflight']
 
 # %% ../nbs/07_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
-    "A problem found before the run was started (devices, disk, model)."
+    "A problem found before the run was started (devices, disk, model); `field`: the config field (or `lora.key`) it is about."
+    def __init__(self, msg: str, field: str | None = None):
+        super().__init__(msg); self.field = field
 
 # %% ../nbs/07_preflight.ipynb #4c52cdf3
 def mount_of(path) -> tuple:
@@ -120,10 +122,32 @@ def check_model(cfg):
     if Path(cfg.model).expanduser().is_dir() and _weights_bytes(cfg.model) == 0:
         raise PreflightError(f"{cfg.model} has no weight files (*.safetensors or *.bin); save the model there with save_pretrained.")
 
+# %% ../nbs/07_preflight.ipynb #15c86295
+def check_remote_code(cfg, trust_owner: bool = False) -> list | None:
+    "With `trust_remote_code`: the model's own code files and their owners (warned); another user's refused. None without it."
+    import warnings
+    from ilab_nb.rundir import OwnerError, _user, refuse_foreign
+    if not cfg.trust_remote_code: return None
+    mp = Path(cfg.model).expanduser()
+    if not mp.is_dir():
+        warnings.warn(f"trust_remote_code=True: the Python code of the hub repository {cfg.model} will run in this process and in "
+                      "every rank of the run"); return [cfg.model]
+    files = sorted(mp.rglob("*.py"))
+    try: refuse_foreign([mp, *files], "run its code", trust_owner)
+    except OwnerError as e: raise PreflightError(f"trust_remote_code: {e}", "trust_remote_code") from None
+    code = [f"{f.relative_to(mp)} ({_user(f.stat().st_uid)})" for f in files]
+    warnings.warn(f"trust_remote_code=True: the model's own code will run in this process and in every rank of the run: "
+                  + (", ".join(code) if code else "no .py file") + f" in {mp}")
+    return [str(f) for f in files]
+
 # %% ../nbs/07_preflight.ipynb #16c5e3cb
 def check_model_dir(cfg) -> Path:
-    "The model's path; a `PreflightError` when it is a local directory without `config.json`, else `check_model`'s."
+    "The model's path; a `PreflightError` when it is a local directory without `config.json` or a path that is gone."
+    from ilab_nb.data import _HUB_ID
     mp = Path(cfg.model).expanduser()
+    if not mp.exists() and not _HUB_ID.match(cfg.model):
+        raise PreflightError(f"model={cfg.model!r} does not exist (a folder moved or deleted?) and is no hub id; give the "
+                             "model's folder as it is now.", "model")
     if mp.exists() and not (mp / "config.json").is_file():
         raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
                              "(written by save_pretrained).")
@@ -244,6 +268,12 @@ def model_files_problem(d) -> str | None:
             return f"{d} is incomplete: {idx.name} names {len(shards)} shard(s), {len(missing)} missing ({missing[0]}, ...)"
     for f in sorted(d.glob("*.safetensors")) + sorted(d.glob("adapter/*.safetensors")):
         if why := safetensors_problem(f): return f"{d}: {why}"
+    ac = d / "adapter" / "adapter_config.json" if (d / "adapter").is_dir() else d / "adapter_config.json"
+    try: base = json.loads(ac.read_text()).get("base_model_name_or_path") if ac.exists() else None
+    except (OSError, ValueError, AttributeError): base = None
+    if not (d / "config.json").exists() and base and os.path.isabs(base) and not os.path.exists(base):
+        return (f"{d} holds LoRA adapters of the base model {base}, which is no longer there (moved or deleted?); put it back, "
+                "or load them onto it where it is now: load_model(..., base_model=PATH)")
     return None
 
 # %% ../nbs/07_preflight.ipynb #a2aa8686
@@ -333,20 +363,26 @@ def _free_bytes(path) -> int:
     return shutil.disk_usage(p).free
 
 # %% ../nbs/07_preflight.ipynb #2ce05cf0
-def check_disk(cfg, runs_root) -> dict:
-    "Estimate the disk the run's checkpoints and final model need and compare it to what is free under `runs_root`."
+def check_disk(cfg, runs_root, total_steps: int | None = None, trainable: int | None = None) -> dict:
+    """Estimate the disk the run's checkpoints and final model need and compare it to what is free under `runs_root`.
+    `total_steps`: the plan's (`check_data`); `trainable`: the parameters a LoRA run trains (`check_model_build`)."""
     w = _weights_bytes(cfg.model)
     try: n = sum(tensor_sizes(cfg.model).values()) or w // 2
     except Exception: n = w // 2                 # .bin files or an unreadable header: assume 16-bit files (the common case)
-    keep = cfg.save_total_limit or (min(3, max(1, cfg.max_steps // cfg.save_steps)) if cfg.save_steps and cfg.max_steps > 0 else 2)
-    per_ckpt, final = 16 * n, 4 * n
-    need, free = final + (keep + 1) * per_ckpt, _free_bytes(runs_root)
+    steps = cfg.max_steps if cfg.max_steps > 0 else total_steps
+    written = ((steps - 1) // cfg.save_steps + 1 if cfg.save_steps else 1) if steps else (cfg.save_total_limit or 3)
+    on_disk = min((cfg.save_total_limit or written) + 1, written)   # the newest is written before the oldest is pruned
+    a = trainable if cfg.lora is not None and trainable else 0
+    per_ckpt, final = 16 * (a or n), (4 * n if not a or cfg.merge_lora else 0) + 4 * a
+    need, free = final + on_disk * per_ckpt, _free_bytes(runs_root)
     if need > free:
-        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {size_text(need)} for {keep} checkpoint(s) "
-                             f"of {size_text(per_ckpt)} and the final model ({size_text(final)} in float32, "
-                             f"{count_text(n)} parameters), but {size_text(free)} is free. "
+        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {size_text(need)} for {on_disk} checkpoint(s) "
+                             f"of {size_text(per_ckpt)} ({'LoRA adapters, ' if a else ''}{written} written, "
+                             f"{'the newest ' + str(cfg.save_total_limit) + ' kept' if cfg.save_total_limit else 'all kept'}) and the "
+                             f"final model ({size_text(final)} in float32, {count_text(n)} parameters), but {size_text(free)} is free. "
                              "Free some space, choose another runs_root, or set save_total_limit.")
-    return {"weights_bytes": w, "params": n, "checkpoints_kept": keep, "need_bytes": need, "free_bytes": free}
+    return {"weights_bytes": w, "params": n, "checkpoints_written": written, "checkpoints_kept": on_disk,
+            "checkpoint_bytes": per_ckpt, "need_bytes": need, "free_bytes": free}
 
 # %% ../nbs/07_preflight.ipynb #0c9a44b7
 def cluster_device(cfg) -> tuple:
@@ -496,6 +532,35 @@ def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
                              "shorter prompts, or lower eval_max_new_tokens.")
     return {"prompt_tokens": lens, "generation_tokens": batch}
 
+# %% ../nbs/07_preflight.ipynb #c1f273f6
+def tied_adapted(model) -> list:
+    "The adapted layers of a peft `model` whose weight is the input embedding's (a tied output layer); [] without adapters."
+    from ilab_nb.lora import base_of, is_adapted
+    if not is_adapted(model): return []
+    from peft.tuners.lora import LoraLayer
+    emb = base_of(model).get_input_embeddings().weight
+    return [n.removeprefix("base_model.model.") for n, m in model.named_modules()
+            if isinstance(m, LoraLayer) and getattr(m.get_base_layer(), "weight", None) is emb]
+
+def _linear_names(model) -> list:
+    import torch
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+def lora_problem(model, cfg) -> PreflightError | None:
+    "What `cfg.lora` asks of `model` (built, no adapters yet) that it cannot give: layers it lacks, a rank above its layers'."
+    import torch
+    if cfg.lora is None: return None
+    name, n = type(model).__name__, getattr(model.config, "num_hidden_layers", None)
+    lt = cfg.lora.get("layers_to_transform")
+    if lt is not None and n and (bad := [i for i in ([lt] if isinstance(lt, int) else lt) if not 0 <= i < n]):
+        return PreflightError(f"lora.layers_to_transform: {name} has layers 0..{n - 1}; {bad} are not among them", "lora.layers_to_transform")
+    widest = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)), default=0)
+    if widest and (r := cfg.lora.get("r", 8)) > widest:
+        return PreflightError(f"lora.r={r} is more than any linear layer of {name} can take: the widest has rank {widest} "
+                              f"(min of its inputs and outputs), and a larger r adds parameters, not rank; use r <= {widest} "
+                              "(8 to 64 is usual)", "lora.r")
+    return None
+
 # %% ../nbs/07_preflight.ipynb #6e76d8b2
 def check_model_build(cfg, kind: str) -> dict:
     "Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they would refuse."
@@ -506,9 +571,18 @@ def check_model_build(cfg, kind: str) -> dict:
         attn = M.attention_for(cfg, layout, kind, mc)
     except ValueError as e: raise PreflightError(str(e)) from None
     model = M.build_empty_model(cfg, attn)
+    if why := lora_problem(model, cfg): raise why
+    linear = _linear_names(model)
     try: model = L.add_adapters(model, cfg)
     except (ValueError, TypeError) as e:
-        raise PreflightError(f"lora: peft cannot add these adapters to {type(model).__name__}: {e}") from None
+        if "not found in the base model" in str(e):
+            raise PreflightError(f"lora.target_modules={cfg.lora.get('target_modules')!r} matches no layer of {type(model).__name__}; "
+                                 f"its linear layers are {', '.join(linear)} (or 'all-linear')", "lora.target_modules") from None
+        raise PreflightError(f"lora: peft cannot add these adapters to {type(model).__name__}: {e}", "lora") from None
+    if tied := tied_adapted(model):
+        raise PreflightError(f"lora.target_modules adapts {', '.join(tied)}, whose weight is tied to the input embedding "
+                             "(tie_word_embeddings): merged into final/, its update would change both, and the merged model would "
+                             "not be the adapted one; leave it out ('all-linear' does)", "lora.target_modules")
     mp = Path(cfg.model).expanduser()
     plan = M.weight_plan(model, mp) if mp.is_dir() and any(mp.glob("*.safetensors")) else None
     if plan is not None and (err := M.missing_weights_error(plan)): raise PreflightError(err)
@@ -525,10 +599,39 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
     try: return check_tasks(cfg.eval_tasks, held)
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
 
+# %% ../nbs/07_preflight.ipynb #1d3e5fbc
+PREFLIGHT_ROWS = 20_000      # records tokenized before launch: all of a set up to this many, else an even sample of them
+
+def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
+    """Build the run's train and eval samples as its ranks will (its method's `build`): a `PreflightError` for what they
+    would refuse; per set `{records, checked, samples, note}`, and `total_steps` (`estimated` when a sample was checked)."""
+    from ilab_nb.data import DataError, split_records
+    from ilab_nb.worker import plan_steps, training_method
+    method = training_method(cfg, records[0]["kind"])
+    if evals: train_r, eval_r = records, evals
+    else: train_r, eval_r = split_records(records, cfg.eval_split, cfg.seed) if cfg.eval_split > 0 else (records, [])
+    out = {}
+    for what, rs in (("train", train_r), ("eval", eval_r)):
+        if not rs: continue
+        sample = rs if len(rs) <= PREFLIGHT_ROWS else rs[::math.ceil(len(rs) / PREFLIGHT_ROWS)]
+        try:
+            with no_hf_progress_bars(): ds, stats = method.build(sample, tok, cache_dir=None)
+        except DataError as e:
+            said = f"{'the eval data' if what == 'eval' else 'the training data'}" + (f" (an even sample of {len(sample):,} of its "
+                   f"{len(rs):,} records)" if len(sample) < len(rs) else "")
+            raise PreflightError(f"{said}: {e}", "max_seq_len" if "max_seq_len" in str(e) else None) from None
+        out[what] = dict(records=len(rs), checked=len(sample), samples=stats["samples"], note=stats.get("note"))
+        if what == "train":
+            try: steps = len(plan_steps(method.lengths(ds, layout), cfg, cfg.num_processes, layout, method.budget(layout)))
+            except (RuntimeError, ValueError) as e: raise PreflightError(f"the training data: {e}") from None
+            exact = len(sample) == len(rs) or cfg.max_steps > 0
+            out.update(total_steps=steps if exact else math.ceil(steps * len(rs) / len(sample)), estimated=not exact)
+    return out
+
 # %% ../nbs/07_preflight.ipynb #66e0e42c
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 00_core
-def preflight(cfg, runs_root) -> dict:
-    "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found."
+def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
+    "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`: 00_rundir."
     from ilab_nb.data import load_tokenizer, ensure_chat_template
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
@@ -536,6 +639,7 @@ def preflight(cfg, runs_root) -> dict:
     destinations = check_destinations(cfg, runs_root)
     model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
     records, evals = load_run_data(cfg)
+    remote_code = check_remote_code(cfg, trust_owner)
     mp = check_model_dir(cfg)
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     ensure_chat_template(tok)
@@ -545,12 +649,13 @@ def preflight(cfg, runs_root) -> dict:
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     built = check_model_build(cfg, kind)
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
+    data = check_data(cfg, records, evals, tok, built["layout"])
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0), adapters=built["trainable_params"])
-    disk = check_disk(cfg, runs_root)
+    disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"])
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
             "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]),
             "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}),
-            **({"model_id": model_id} if model_id != cfg.model else {}), "model": built, "memory": memory,
-            **cpus, **disk, **backend_preflight(cfg, runs_root)}
+            **({"model_id": model_id} if model_id != cfg.model else {}), "model": built, "memory": memory, "data": data,
+            **({"remote_code": remote_code} if remote_code is not None else {}), **cpus, **disk, **backend_preflight(cfg, runs_root)}
