@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, json, sys, time
 from pathlib import Path
 
-from .rundir import TERMINAL, State, status_of
+from .rundir import TERMINAL, State, no_follow, status_of
 from .trackers import tracker_notes
 
 # %% auto #0
@@ -27,6 +27,7 @@ def parse_overrides(items) -> dict:
         if isinstance(val, str):          # YAML 1.1 reads 1e-4 as a string
             try: val = float(val)
             except ValueError: pass
+        if k.strip() in out: raise ValueError(f"override {k.strip()!r} is given twice ({k.strip()}={out[k.strip()]!r} and {it!r}); give it once")
         out[k.strip()] = val
     return out
 
@@ -96,7 +97,7 @@ def format_status(s) -> str:
 def _new_lines(path, pos: int) -> tuple:
     "`(complete lines appended to path since byte pos, the new pos)`; a file shorter than pos was replaced: from 0."
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=no_follow) as f:
             size = f.seek(0, 2)
             if size < pos: pos = 0
             f.seek(pos); data = f.read()
@@ -202,6 +203,8 @@ def _command(sub, name, help, run_arg=True):
     return c
 
 # %% ../nbs/10_cli.ipynb #36331b35
+_TRUST = "act on files another user owns (or anyone may write): their config and model code would run as you"
+
 def _add_run(sub):
     c = _command(sub, "run", "start a fine-tuning run from a config file (in the background unless --foreground)", run_arg=False)
     c.add_argument("config", metavar="CONFIG", help="YAML or JSON config file")
@@ -209,6 +212,7 @@ def _add_run(sub):
     c.add_argument("--foreground", action="store_true", help="wait for the run with a progress bar (Ctrl-C stops it)")
     c.add_argument("--run-id"); c.add_argument("--name", help="a name to put in the generated run id")
     c.add_argument("--no-queue", action="store_true", help="fail at once if the devices are busy instead of queueing")
+    c.add_argument("--trust-owner", action="store_true", help=_TRUST)
 
 # %% ../nbs/10_cli.ipynb #570013e4
 def _add_watching(sub):
@@ -227,13 +231,13 @@ def _add_control(sub):
     c = _command(sub, "resume", "continue a run from its latest complete checkpoint (with --set: changed settings)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
                    help="a setting to change as the run goes on (max_steps, learning_rate, num_processes, ...); repeatable")
-    c.add_argument("--foreground", action="store_true")
+    c.add_argument("--foreground", action="store_true"); c.add_argument("--trust-owner", action="store_true", help=_TRUST)
     c = _command(sub, "fork", "start a new run from a run's complete checkpoint (weights, optimizer, schedule, data position)")
     c.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
                    help="a setting of the new run that differs (learning_rate, max_steps, ...); repeatable")
     c.add_argument("--run-id"); c.add_argument("--name", help="a name to put in the generated run id")
-    c.add_argument("--foreground", action="store_true")
+    c.add_argument("--foreground", action="store_true"); c.add_argument("--trust-owner", action="store_true", help=_TRUST)
 
 # %% ../nbs/10_cli.ipynb #31a35f47
 def _add_demo_chat(sub):
@@ -282,7 +286,7 @@ def _waited(s) -> int:
 # %% ../nbs/10_cli.ipynb #459e6d2d
 def _cmd_run(a) -> int:
     s = _fts()(config=a.config, runs_root=a.runs_root, run_id=a.run_id, name=a.name, queue=not a.no_queue,
-                    **parse_overrides(a.overrides))
+                    trust_owner=getattr(a, "trust_owner", False), **parse_overrides(a.overrides))
     s.start(); print(f"{s.run_id} started ({s.run_dir})", flush=True)
     return _waited(s) if a.foreground else 0
 
@@ -319,13 +323,14 @@ def _cmd_stop(a) -> int:
 # %% ../nbs/10_cli.ipynb #972d7410
 def _cmd_resume(a) -> int:
     s = _attached(a); changes = parse_overrides(a.changes)
-    s.resume(**changes)
+    s.resume(trust_owner=getattr(a, "trust_owner", False), **changes)
     said = f" with {', '.join(f'{k}={v!r}' for k, v in changes.items())}" if changes else ""
     print(f"{s.run_id} resumed (attempt {s.state.get('attempt')}){said}", flush=True)
     return _waited(s) if a.foreground else 0
 
 def _cmd_fork(a) -> int:
-    s = _attached(a); f = s.fork(a.step, run_id=a.run_id, name=a.name, **parse_overrides(a.changes))
+    s = _attached(a)
+    f = s.fork(a.step, run_id=a.run_id, name=a.name, trust_owner=getattr(a, "trust_owner", False), **parse_overrides(a.changes))
     print(f"{f.run_id} forked from {s.run_id} at step {f.state['forked_from']['step']} ({f.run_dir})", flush=True)
     return _waited(f) if a.foreground else 0
 

@@ -4,17 +4,18 @@
 
 # %% ../nbs/08_session.ipynb #992396e1
 from __future__ import annotations
-import json, math, os, socket, shutil, sys, time
+import errno, json, math, os, socket, shutil, stat, sys, time
 from pathlib import Path
 
 import psutil
 
-from .config import TrainConfig, ConfigError, InMemoryData, load_config, with_changes
+from .config import TrainConfig, ConfigError, InMemoryData, config_line, load_config, with_changes
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
                               kill_run_processes, run_processes)
 from .core import no_hf_progress_bars, patch, require_torch
 from .monitor import RunMonitor
-from .rundir import CKPT_MARKER, TRAINER_STATE, Event, RunPaths, State, read_json, status_of
+from .rundir import (CKPT_MARKER, TRAINER_STATE, Event, RunDirLinkError, RunPaths, State, read_json, refuse_foreign,
+                            refuse_links, status_of)
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight, model_files_problem
 
@@ -32,8 +33,9 @@ class FineTuneSession:
     `stop()` or `resume()` it, then `load_model()`. Any later process finds it with
     `FineTuneSession.attach(run_id)` or `FineTuneSession.list_runs()`."""
     def __init__(self, model=None, data=None, *, config=None, runs_root=None, run_id=None, name=None, queue=True,
-                 **config_fields):
+                 trust_owner=False, **config_fields):
         fields = {**({"model": model} if model is not None else {}), **({"data": data} if data is not None else {}), **config_fields}
+        if isinstance(config, (str, os.PathLike)): refuse_foreign([config], "use it as a config", trust_owner)
         cfg = load_config(config if config is not None else {}, **fields)
         self.config = _resolve_paths(cfg, config)
         self.store = RunStore(runs_root)
@@ -42,7 +44,10 @@ class FineTuneSession:
             raise FileExistsError(f"Run {self.run_id!r} already exists in {self.store.root}; attach to it with "
                                   f"FineTuneSession.attach({self.run_id!r}) or choose another run_id.")
         self.queue = queue
-        self.preflight = preflight(self.config, self.store.root)
+        try: self.preflight = preflight(self.config, self.store.root, trust_owner)
+        except PreflightError as e:            # about a field of a config file: its line there too
+            if not (e.field and isinstance(config, (str, os.PathLike)) and (n := config_line(config, e.field, fields))): raise
+            raise PreflightError(f"{e} ({config}, line {n})", e.field) from None
         self._init_common()
 
     def _init_common(self):
@@ -273,41 +278,53 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None) -> str:
 
 # %% ../nbs/08_session.ipynb #3855edde
 @patch
-def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=None) -> tuple:
+def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=None, trust_owner: bool = False) -> tuple:
     "`(config, diff, preflight)` of the run going on from `ckpt` with `changes` to `base` (default: its config now)."
     base = base or self.config
     if base is None: raise RuntimeError(f"Run {self.run_id}: its config.json cannot be read, so it cannot {what}.")
-    cfg, diff = with_changes(base, changes, what)
+    cfg, diff = with_changes(base, changes, what, refused={} if ckpt.get("path") is None else None)   # no checkpoint: nothing to honour
     step, epoch, why = ckpt["step"], ckpt.get("epoch"), None
     if cfg.max_steps > 0 and cfg.max_steps <= step: why = ("max_steps", cfg.max_steps, f"max_steps={cfg.max_steps}")
     elif cfg.max_steps <= 0 and epoch is not None and cfg.num_train_epochs <= epoch + 1e-9:
         why = ("num_train_epochs", cfg.num_train_epochs, f"num_train_epochs={cfg.num_train_epochs:g} (the checkpoint is at epoch {epoch:g})")
     if why: raise ConfigError([dict(field=why[0], type="resume", input=why[1], msg=f"{what}: {why[2]} ends at or before the "
                                     f"checkpoint of step {step}; give a larger {why[0]} to go on from it")])
-    pf = preflight(cfg, self.store.root) if diff else self.preflight
+    pf = preflight(cfg, self.store.root, trust_owner) if diff else self.preflight
     return cfg, diff, pf
 
 # %% ../nbs/08_session.ipynb #326f3925
 @patch
 def _resume_point(self:FineTuneSession, st: dict, changes: dict) -> dict:
-    "The checkpoint a resume of the run in state `st` goes on from (its latest complete one), or why there is none."
+    "The checkpoint a resume of the run in state `st` goes on from (its latest complete one; none: from the start), or why not."
     status = st.get("status")
     if status not in (State.failed, State.cancelled, State.completed):
         raise RuntimeError(f"Run {self.run_id} is {status or 'not started'}; only a cancelled, failed or completed run can be resumed.")
     ckpts = self.checkpoints
-    if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to resume from; start a new run instead.")
+    if not ckpts and status != State.completed: return dict(step=0, epoch=0.0, path=None)     # ended before its first checkpoint
+    if not ckpts: raise RuntimeError(f"Run {self.run_id} is completed but has no complete checkpoint to go on from; start a new run instead.")
     if status == State.completed and not changes:
         raise RuntimeError(f"Run {self.run_id} is completed at step {ckpts[-1]['step']}; resume it with a larger max_steps (or "
                            f"num_train_epochs) to go on, e.g. resume(max_steps={2 * ckpts[-1]['step']}).")
     return ckpts[-1]
 
+# %% ../nbs/08_session.ipynb #1ae24adc
+@patch
+def _may_act(self:FineTuneSession, doing: str, ck: dict, trust_owner: bool = False):
+    "Refuse to `doing` a run whose directory holds a symbolic link, or that another user owns (or anyone may write): 00_rundir."
+    refuse_links(self.run_dir, doing)
+    p = RunPaths(self.run_dir)
+    ckpt = [Path(ck["path"]), *sorted(Path(ck["path"]).rglob("*"))] if ck.get("path") else []
+    refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *ckpt], doing, trust_owner)
+
 # %% ../nbs/08_session.ipynb #60f78469
 @patch
-def resume(self:FineTuneSession, **changes) -> FineTuneSession:
-    """Continue the run from its latest complete checkpoint as a new attempt; returns at once. `changes`: settings that
-    change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...: `ilab_nb.config.RESUME_CHANGEABLE`)."""
+def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> FineTuneSession:
+    """Continue the run from its latest complete checkpoint (none: from the start) as a new attempt; returns at once.
+    `changes`: settings that change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...:
+    `ilab_nb.config.RESUME_CHANGEABLE`). `trust_owner`: act on a run another user owns (00_rundir)."""
     st = self.state; ck = self._resume_point(st, changes)
-    cfg, diff, pf = self._changed(changes, ck, "resume") if changes or self.config is not None else (None, {}, None)
+    self._may_act("resume it", ck, trust_owner)
+    cfg, diff, pf = self._changed(changes, ck, "resume", trust_owner=trust_owner) if changes or self.config is not None else (None, {}, None)
     attempt, by = int(st.get("attempt", 1)) + 1, f"pid {os.getpid()} on {socket.gethostname()}"
     paths, upd, before = RunPaths(self.run_dir), {}, (self.config, self.preflight)
     if diff:
@@ -331,11 +348,13 @@ def resume(self:FineTuneSession, **changes) -> FineTuneSession:
 
 # %% ../nbs/08_session.ipynb #1c3cbc80
 def _link_tree(src: Path, dst: Path, only: str | None = None):
-    "Copy the tree `src` (or its one file `only`) to `dst` as hard links (a plain copy where links are refused)."
+    "Copy the tree `src` (or its one file `only`) to `dst` as hard links (a plain copy where links are refused): regular files only."
     def link(a, b):
+        if not stat.S_ISREG(os.lstat(a).st_mode): raise RunDirLinkError(f"{a} is not a regular file; a fork copies only those")
         try: os.link(a, b)
         except OSError: shutil.copy2(a, b)
     if only is not None: return link(Path(src) / only, Path(dst) / only)
+    refuse_links(src, "copy it into a fork")
     shutil.copytree(src, dst, copy_function=link)
 
 # %% ../nbs/08_session.ipynb #f9adf7c3
@@ -344,6 +363,9 @@ def checkpoint_at(self:FineTuneSession, step=None) -> tuple[dict, TrainConfig]:
     "The complete checkpoint at `step` (default: the latest) and the config of the attempt that wrote it: what a fork starts from."
     ckpts = self.checkpoints
     if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to fork from.")
+    if isinstance(step, str) and step.strip().isdigit(): step = int(step)              # "2", as a command line gives it
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step must be a checkpoint's step number (one of {[c['step'] for c in ckpts]}) or None, not {step!r}")
     ck = ckpts[-1] if step is None else next((c for c in ckpts if c["step"] == step), None)
     if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
     wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")      # the attempt that saved it
@@ -363,12 +385,13 @@ def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig) -> tup
 
 # %% ../nbs/08_session.ipynb #efcdfb5a
 @patch
-def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, **changes) -> FineTuneSession:
+def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False, **changes) -> FineTuneSession:
     """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
     (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
     ck, base = self.checkpoint_at(step)
-    cfg, diff, pf = self._changed(changes, ck, "fork", base)
-    pf = pf or preflight(cfg, self.store.root)          # the fork's own devices and memory, as a new run's
+    self._may_act("fork it", ck, trust_owner)
+    cfg, diff, pf = self._changed(changes, ck, "fork", base, trust_owner)
+    pf = pf or preflight(cfg, self.store.root, trust_owner)          # the fork's own devices and memory, as a new run's
     new = type(self).__new__(type(self))
     new.store, new.queue, new.preflight = self.store, queue, pf
     new.run_id = validate_run_id(run_id) if run_id is not None else new_run_id(name or "fork")

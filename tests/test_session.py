@@ -290,7 +290,7 @@ def test_bad_input_fails_at_construction_and_writes_nothing(case, demo, small_tr
     kw, exc, words = {
         "unknown field": (dict(learning_rat=1e-4), ConfigError, ["learning_rat", "learning_rate"]),
         "malformed data line": (dict(data=bad), DataError, ["bad.jsonl", "2"]),
-        "missing model directory": (dict(model=tmp_path / "no-such-model"), FileNotFoundError, ["no-such-model"]),
+        "missing model directory": (dict(model=tmp_path / "no-such-model"), PreflightError, ["no-such-model", "does not exist"]),
         "nonexistent device": (dict(device="auto", devices=[7, 8]), PreflightError, ["GPU"]),
     }[case]
     before = sorted(p.name for p in tmp_path.iterdir())
