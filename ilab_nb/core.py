@@ -74,12 +74,15 @@ def gc_paused():
 # %% ../nbs/00_core.ipynb #72687801
 @contextmanager
 def no_hf_progress_bars():
-    "transformers draws no progress bar inside the block; its setting is back as it was after."
+    "transformers and datasets draw no progress bar inside the block; their settings are back as they were after."
+    import datasets
     from transformers.utils import logging as hf_logging
-    was = hf_logging.is_progress_bar_enabled(); hf_logging.disable_progress_bar()
+    was = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar(); datasets.disable_progress_bars()
     try: yield
     finally:
-        if was: hf_logging.enable_progress_bar()
+        if was[0]: hf_logging.enable_progress_bar()
+        if was[1]: datasets.enable_progress_bars()
 
 # %% ../nbs/00_core.ipynb #bc2b0961
 def size_text(n: float) -> str:

@@ -619,7 +619,7 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
         except DataError as e:
             said = f"{'the eval data' if what == 'eval' else 'the training data'}" + (f" (an even sample of {len(sample):,} of its "
                    f"{len(rs):,} records)" if len(sample) < len(rs) else "")
-            raise PreflightError(f"{said}: {e}", "max_seq_len" if "max_seq_len" in str(e) else None) from None
+            raise PreflightError(f"{said}: {e}", "max_seq_len" if "max_seq_len" in str(e) or "too long" in str(e) else None) from None
         out[what] = dict(records=len(rs), checked=len(sample), samples=stats["samples"], note=stats.get("note"))
         if what == "train":
             try: steps = len(plan_steps(method.lengths(ds, layout), cfg, cfg.num_processes, layout, method.budget(layout)))

@@ -388,6 +388,7 @@ def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig) -> tup
 def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False, **changes) -> FineTuneSession:
     """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
     (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
+    refuse_links(self.run_dir, "fork it")                  # before anything of it is read
     ck, base = self.checkpoint_at(step)
     self._may_act("fork it", ck, trust_owner)
     cfg, diff, pf = self._changed(changes, ck, "fork", base, trust_owner)

@@ -1,0 +1,180 @@
+"""Hostile and bad input, one case at a time, through what a user calls (the session, the command line, real files and
+processes): a run directory cannot reach outside itself, another user's run is not acted on unless its owner is
+trusted, and no bad value trains. The parser-level forms of the same rules are checked in the notebooks (00_config,
+00_rundir, 01_data, 07_preflight, 08_session)."""
+import json, os, shutil
+from pathlib import Path
+
+import pytest
+
+from ilab_nb import FineTuneSession
+from ilab_nb.config import ConfigError, TrainConfig
+from ilab_nb.data import DataError
+from ilab_nb.preflight import PreflightError
+from ilab_nb.rundir import OwnerError, RunDirLinkError, RunPaths, State
+from ilab_nb.runstore import RunStore
+
+from conftest import FIELDS, cli_env, ilab, make_session, runs_env
+
+ONE = {**FIELDS, "num_processes": 1}
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="gives a run directory to another user (chown): needs root")
+
+
+def ended_run(root: Path, run_id: str, status=State.failed, **state) -> Path:
+    "A run directory as a run that ended leaves it (state, events, logs), without training: what readers act on."
+    store = RunStore(root); d = store.create_run(run_id)
+    store.write_state(run_id, status=status, attempt=1, num_processes=2, **state)
+    store.append_event(run_id, "created")
+    RunPaths(d).logs.mkdir(exist_ok=True)
+    RunPaths(d).rank_log(1).write_text("step 1/4 loss 3.2\n")
+    TrainConfig(model="m", data=["d.jsonl"], num_processes=2).to_json(RunPaths(d).config)
+    return d
+
+
+# --- the run directory is a boundary ---------------------------------------------------------------------------------
+
+@pytest.mark.processes
+def test_logs_never_print_what_a_link_points_at_nor_nothing_for_a_missing_rank(tmp_path):
+    "`ilab-nb logs` of a log linked to a file elsewhere refuses (that file's text is not printed); --rank 7 of a 2-rank run says so."
+    secret = tmp_path / "elsewhere" / "secret.txt"; secret.parent.mkdir(); secret.write_text("the other file's text\n")
+    d = ended_run(tmp_path / "runs", "r-linked")
+    RunPaths(d).rank_log(0).symlink_to(secret)
+    r = ilab("logs", "r-linked", "--rank", "0", "--runs-root", tmp_path / "runs", check=2)
+    assert "the other file's text" not in r.stdout + r.stderr
+    assert f"rank-0.log is a symbolic link (to {secret}); ilab_nb does not follow links in a run directory" in r.stderr
+    r = ilab("logs", "r-linked", "--rank", "7", "--runs-root", tmp_path / "runs", check=2)
+    assert "run r-linked has 2 rank(s), 0..1: there is no rank 7" in r.stderr and not r.stdout
+
+
+def test_nothing_of_a_run_with_a_link_is_resumed_forked_or_launched(tmp_path):
+    """A run whose log is linked out (the resumed worker would have appended to that file) and one whose checkpoint
+    holds a linked folder (a fork would have hard-linked its files): refused before anything is written or started;
+    the files elsewhere keep their one link and their bytes."""
+    from ilab_nb.launcher import spawn_supervisor
+    elsewhere = tmp_path / "elsewhere"; elsewhere.mkdir(); (elsewhere / "weights.bin").write_bytes(b"not the run's")
+    out_log = elsewhere / "my.log"; out_log.write_text("mine\n")
+    d = ended_run(tmp_path / "runs", "r-log", status=State.cancelled)
+    RunPaths(d).rank_log(0).symlink_to(out_log)
+    e = ended_run(tmp_path / "runs", "r-ckpt", status=State.cancelled)
+    ck = RunPaths(e).checkpoint(2); ck.mkdir(parents=True); (ck / "COMPLETE").write_text("{}")
+    (ck / "extra").symlink_to(elsewhere, target_is_directory=True)
+    before = {p.name: (p.read_bytes(), p.stat().st_nlink) for p in elsewhere.iterdir()}
+    for run_id, doing in (("r-log", lambda s: s.resume()), ("r-ckpt", lambda s: s.resume()), ("r-ckpt", lambda s: s.fork(2))):
+        s = FineTuneSession.attach(run_id, runs_root=tmp_path / "runs")
+        with pytest.raises(RunDirLinkError, match="ilab_nb does not follow links in a run directory, so it will not"):
+            doing(s)
+        assert s.status == State.cancelled
+    with pytest.raises(RunDirLinkError, match="so it will not start its processes"):
+        spawn_supervisor(d, attempt=2)                                   # a link made after the resume's own check
+    assert sorted(RunStore(tmp_path / "runs").list_runs()) == ["r-ckpt", "r-log"]
+    assert {p.name: (p.read_bytes(), p.stat().st_nlink) for p in elsewhere.iterdir()} == before
+
+
+@needs_root
+@pytest.mark.processes
+def test_root_does_not_resume_another_users_run_nor_run_its_code(demo, tmp_path):
+    """A run directory given to another user whose config points `model` at a folder with its own code and
+    `trust_remote_code: true`: resuming or forking it as root is refused naming the owner, and so is using its
+    config; the model's code never runs (it would leave a file). With trust_owner=True the caller takes it on."""
+    model = tmp_path / "their-model"; shutil.copytree(demo.model_dir, model)
+    ran = tmp_path / "the-code-ran"
+    (model / "configuration_theirs.py").write_text(f"open({str(ran)!r}, 'w').write('x')\n")    # what importing it does
+    mc = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**mc, "auto_map": {"AutoConfig": "configuration_theirs.TheirConfig"}}))
+    d = ended_run(tmp_path / "runs", "r-theirs", status=State.cancelled)
+    cfg = make_session(demo, demo.train_file, tmp_path / "mine", num_processes=1).config.model_copy(
+        update=dict(model=str(model), trust_remote_code=True))
+    cfg.to_json(RunPaths(d).config)
+    for p in [d, *d.rglob("*"), model, *model.rglob("*")]: os.chown(p, 65534, 65534, follow_symlinks=False)
+    s = FineTuneSession.attach("r-theirs", runs_root=tmp_path / "runs")
+    assert s.status == State.cancelled                                          # reading it needs no trust
+    with pytest.raises(OwnerError, match="r-theirs is owned by nobody \\(uid 65534\\), not by you .*will not resume it unless you "
+                                         "trust its owner \\(trust_owner=True; ilab-nb: --trust-owner\\)"):
+        s.resume()
+    with pytest.raises(OwnerError, match="config.json is owned by nobody .* will not use it as a config"):
+        FineTuneSession(config=RunPaths(d).config, runs_root=tmp_path / "mine")
+    r = ilab("resume", "r-theirs", "--runs-root", tmp_path / "runs", check=2)
+    assert "is owned by nobody (uid 65534)" in r.stderr
+    # a config of one's own that points at their model with trust_remote_code: the code is named and refused, unrun
+    mine = tmp_path / "mine.json"; mine.write_text(RunPaths(d).config.read_text())
+    with pytest.raises(PreflightError, match="trust_remote_code: .*their-model is owned by nobody .* will not run its code"):
+        FineTuneSession(config=mine, runs_root=tmp_path / "mine")
+    assert not ran.exists() and s.status == State.cancelled and not (tmp_path / "mine").exists()
+
+
+# --- values that would train wrong, or fail only after launch --------------------------------------------------------
+
+@pytest.mark.processes
+def test_config_file_errors_name_the_key_and_its_line_before_anything_runs(demo, small_train, tmp_path):
+    "A key given twice, and lora.layers_to_transform peft would refuse after launch: refused by `ilab-nb run` with the line."
+    base = f"model: {demo.model_dir}\ndata: {small_train}\nnum_processes: 1\ndevice: cpu\n"
+    (tmp_path / "twice.yaml").write_text(base + "learning_rate: 1e-4\nmax_steps: 4\nlearning_rate: 3e-4\n")
+    r = ilab("run", tmp_path / "twice.yaml", "--runs-root", tmp_path / "runs", check=2)
+    assert "twice.yaml, line 7: 'learning_rate' is given twice (first on line 5); only one would be used" in r.stderr
+    (tmp_path / "layers.yaml").write_text(base + "lora:\n  r: 4\n  layers_to_transform: [0, 1]\n")
+    r = ilab("run", tmp_path / "layers.yaml", "--runs-root", tmp_path / "runs", check=2)
+    assert "lora: layers_to_transform needs target_modules as a list of layer names" in r.stderr and "(line 7)" in r.stderr
+    (tmp_path / "layers9.yaml").write_text(base + "lora:\n  r: 4\n  target_modules: [q_proj]\n  layers_to_transform: [9]\n")
+    r = ilab("run", tmp_path / "layers9.yaml", "--runs-root", tmp_path / "runs", check=2)
+    assert ("lora.layers_to_transform: LlamaForCausalLM has layers 0..3; [9] are not among them "
+            f"({tmp_path / 'layers9.yaml'}, line 8)") in r.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("case", ["lm_head tied", "targets nothing", "r=1e9", "too long", "no pair left", "beta=inf",
+                                  "moved model", "latin-1 txt", "txt beside jsonl"])
+def test_bad_values_are_refused_at_construction_with_the_field(case, demo, small_train, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(Path(demo.pref_train_file).read_text().splitlines(keepends=True)[:20]))
+    docs = tmp_path / "docs"; docs.mkdir(); (docs / "a.txt").write_bytes("Caf\xe9 au lait.\n".encode("latin-1"))
+    mixed = tmp_path / "mixed"; mixed.mkdir(); shutil.copy(small_train, mixed / "chat.jsonl"); (mixed / "notes.txt").write_text("x")
+    kw, exc, said = {
+        "lm_head tied": (dict(lora=dict(r=4, target_modules=["q_proj", "lm_head"])), PreflightError,
+                         "lora.target_modules adapts lm_head, whose weight is tied to the input embedding"),
+        "targets nothing": (dict(lora=dict(r=4, target_modules=["qkv"])), PreflightError,
+                            "lora.target_modules=['qkv'] matches no layer of LlamaForCausalLM; its linear layers are down_proj"),
+        "r=1e9": (dict(lora=dict(r=10**9)), PreflightError, "lora.r=1000000000 is more than any linear layer of LlamaForCausalLM"),
+        "too long": (dict(max_seq_len=24, long_sequence_policy="error"), PreflightError, "line 1: sample is"),
+        "no pair left": (dict(data=pairs, method="dpo", max_seq_len=20), PreflightError, "no pair left out of 20: 20 too long"),
+        "beta=inf": (dict(data=pairs, method="dpo", beta=float("inf")), ConfigError, "beta: Input should be a finite number"),
+        "moved model": (dict(model=tmp_path / "moved-away"), PreflightError, "moved-away' does not exist (a folder moved or deleted?)"),
+        "latin-1 txt": (dict(data=docs), DataError, "a.txt, line 1: not valid UTF-8 text (invalid continuation byte at byte 3)"),
+        "txt beside jsonl": (dict(data=mixed), DataError, "holds both data files (chat.jsonl, ...) and .txt documents (notes.txt, ...)"),
+    }[case]
+    runs = tmp_path / "runs"
+    with pytest.raises(exc) as e: FineTuneSession(kw.pop("model", demo.model_dir), kw.pop("data", small_train), runs_root=runs, **{**ONE, **kw})
+    assert said in str(e.value), str(e.value)
+    if exc is PreflightError and case != "moved model": assert e.value.field.split(".")[0] in ("lora", "max_seq_len")
+    assert not runs.exists()
+
+
+def test_the_disk_estimate_counts_every_checkpoint_kept_and_lora_ones_by_their_adapters(demo, small_train, tmp_path):
+    full = make_session(demo, small_train, tmp_path / "runs", **ONE, max_steps=10, save_steps=2).preflight
+    assert (full["checkpoints_written"], full["checkpoints_kept"]) == (5, 5) and full["checkpoint_bytes"] == 16 * full["params"]
+    kept = make_session(demo, small_train, tmp_path / "runs", **ONE, max_steps=10, save_steps=2, save_total_limit=1).preflight
+    assert kept["checkpoints_kept"] == 2                                           # the newest, and the one being written
+    lora = make_session(demo, small_train, tmp_path / "runs", **ONE, max_steps=10, save_steps=2, lora=dict(r=4)).preflight
+    assert lora["checkpoint_bytes"] == 16 * lora["model"]["trainable_params"] < full["checkpoint_bytes"] / 10
+
+
+@pytest.mark.processes
+def test_a_huge_learning_rate_fails_the_run_then_resume_starts_it_over_and_a_fork_may_keep_only_adapters(demo, small_train, runs_root):
+    """learning_rate=1e30 is a number, so the run starts; its second step is not finite and the run fails there, with
+    no checkpoint saved before it. resume() then starts it over from step 0 (with a sane rate), and completes. From its
+    checkpoint, a resume on 2 processes must say how it keeps the global batch, and a fork may change merge_lora."""
+    s = make_session(demo, small_train, runs_root, **{**ONE, "learning_rate": 1e30}, max_steps=3, lora=dict(r=4))
+    s.start()
+    assert s.wait(timeout=300) == State.failed
+    assert "at step 2: the update was not applied, and the run stops rather than train on it; no checkpoint was saved before it" in s.reason
+    s.resume(learning_rate=1e-3)                                     # ConfigError before: 'has no complete checkpoint'
+    assert s.wait(timeout=300) == State.completed, s.reason
+    train = s.metrics(kinds=("train",))
+    assert [(r["attempt"], r["step"]) for r in train] == [(2, 1), (2, 2), (2, 3)]        # the failed attempt's steps replaced
+    assert s.state["attempts"][0]["status"] == State.failed and s.state["resumed_from_step"] == 0
+    with pytest.raises(ConfigError, match="would change the global batch from 1 to 2 micro-batches per optimizer step"):
+        s.resume(max_steps=6, num_processes=2)
+    f = s.fork("3", max_steps=4, merge_lora=False)                   # the step as a command line gives it
+    assert f.wait(timeout=300) == State.completed, f.reason
+    final = RunPaths(f.run_dir).final
+    assert (final / "adapter" / "adapter_model.safetensors").exists() and not (final / "config.json").exists()
