@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_worker.ipynb #7da525ee
 from __future__ import annotations
-import argparse, dataclasses, errno, gc, json, math, os, random, re, resource, shutil, socket, sys, time, traceback, warnings
+import argparse, dataclasses, datetime, errno, gc, json, math, os, random, re, resource, shutil, socket, sys, time, traceback, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from .dpo import DPO
 
 # %% auto #0
 __all__ = ['SAFETENSORS_FILE_BYTES', 'RANK_RESERVE_BYTES', 'redirect_output', 'resolve_device', 'DistEnv',
-           'process_group_backend', 'check_world', 'check_precision', 'init_distributed', 'node_name',
+           'process_group_backend', 'check_world', 'check_precision', 'init_distributed', 'group_timeout', 'node_name',
            'machines_in_effect', 'training_method', 'load_data', 'plan_steps', 'transformer_blocks',
            'checkpointing_in_effect', 'enable_checkpointing', 'unwrap', 'local_param_count', 'tie_again', 'materialize',
            'checkpoint_dir', 'fill_from_files', 'check_filled', 'fill_from_rank0', 'run_mesh', 'fsdp_policies',
@@ -39,9 +39,9 @@ __all__ = ['SAFETENSORS_FILE_BYTES', 'RANK_RESERVE_BYTES', 'redirect_output', 'r
            'make_scheduler', 'chunked_loss_head', 'hidden_states_out', 'model_inputs', 'forward_with', 'all_reduce_sum',
            'nonfinite_in', 'train_step', 'evaluate', 'log_line', 'MetricsWriter', 'prompt_messages', 'reshard',
            'generate_samples', 'write_samples', 'save_hf', 'save_weights', 'save_checkpoint', 'prune_checkpoints',
-           'load_checkpoint', 'retarget_schedule', 'write_final', 'stop_requested', 'is_collective_error',
+           'load_checkpoint', 'retarget_schedule', 'write_final', 'seal_final', 'stop_requested', 'is_collective_error',
            'record_rank', 'data_seen_by_ranks', 'Attempt', 'resume_position', 'setup_attempt', 'params_per_rank',
-           'attempt_changes', 'NonFiniteError', 'run', 'quiet_progress_bars', 'parse_args', 'main']
+           'attempt_changes', 'NonFiniteError', 'leave_group', 'run', 'quiet_progress_bars', 'parse_args', 'main']
 
 # %% ../nbs/05_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -107,13 +107,14 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     from accelerate import PartialState
     device_type = resolve_device(cfg)
     pg_backend = process_group_backend(device_type, cfg.cpu_offload)
-    state = PartialState(cpu=device_type == "cpu", **({"backend": pg_backend} if device_type == "cuda" else {}))
+    timeout = datetime.timedelta(seconds=cfg.ddp_timeout)       # torch's own: 10 minutes under nccl, 30 under gloo
+    state = PartialState(cpu=device_type == "cpu", timeout=timeout, **({"backend": pg_backend} if device_type == "cuda" else {}))
     world, backend = state.num_processes, dist.get_backend() if dist.is_available() and dist.is_initialized() else None
     check_world(cfg, world, state.distributed_type)
     if cfg.strategy == "fsdp" and world == 1 and backend is None:   # FSDP on one device (to offload, say): a group of one
         backend = pg_backend
         if device_type == "cuda": torch.cuda.set_device(state.local_process_index)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if cfg.strategy in ("fsdp", "ddp") and world > 1 and backend is None:
         raise RuntimeError(f"strategy={cfg.strategy!r} needs a process group, but none was initialised.")
     check_precision(cfg, device_type)
@@ -121,6 +122,16 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     return DistEnv(rank=state.process_index, local_rank=state.local_process_index, world_size=world,
                    backend=backend, device=device, device_type=device_type,
                    distributed_type=str(state.distributed_type).split(".")[-1])
+
+# %% ../nbs/05_worker.ipynb #95f918dd
+def group_timeout() -> dict | None:
+    "`{backend: seconds}` a collective of the default process group waits, as its backends hold it; None without a group."
+    if not (dist.is_available() and dist.is_initialized()): return None
+    out = {}
+    for part in dist.get_backend_config().split(","):             # "cpu:gloo,cuda:gloo", "cuda:nccl,cpu:gloo"
+        dev, name = part.split(":")
+        out[name] = dist.group.WORLD._get_backend(torch.device(dev)).options._timeout.total_seconds()
+    return out
 
 # %% ../nbs/05_worker.ipynb #558e90cd
 def node_name() -> str:
@@ -146,8 +157,8 @@ def training_method(cfg: TrainConfig, kind: str) -> Method:
     D.check_method(cfg.method, kind)
     return next(m for m in (Method, TextSFT, DPO) if m.name == cfg.method and kind in m.kinds)(cfg)
 
-def load_data(cfg: TrainConfig, tokenizer, run_dir: Path, main_first, method: Method | None = None):
-    "Tokenized train and eval datasets (eval may be None) and their statistics, as the run's method builds them."
+def load_data(cfg: TrainConfig, tokenizer, run_dir: Path, method: Method | None = None):
+    "Tokenized train and eval datasets (eval may be None) and their statistics, as the run's method builds them; no collective."
     records = D.load_records(cfg.data)
     method = method or training_method(cfg, records[0]["kind"])
     if cfg.eval_data: train_r, eval_r = records, D.load_records(cfg.eval_data)
@@ -157,9 +168,8 @@ def load_data(cfg: TrainConfig, tokenizer, run_dir: Path, main_first, method: Me
     if eval_r and eval_r[0]["kind"] != records[0]["kind"]:
         raise D.DataError(f"eval_data holds {D.KIND_PLURALS[eval_r[0]['kind']]}, the training data {D.KIND_PLURALS[records[0]['kind']]}; "
                           "give both in one shape")
-    with main_first():
-        train, train_stats = method.build(train_r, tokenizer, cache_dir=cache / "train")
-        evals, eval_stats = method.build(eval_r, tokenizer, cache_dir=cache / "eval") if eval_r else (None, None)
+    train, train_stats = method.build(train_r, tokenizer, cache_dir=cache / "train")
+    evals, eval_stats = method.build(eval_r, tokenizer, cache_dir=cache / "eval") if eval_r else (None, None)
     if len(train) == 0: raise RuntimeError(f"No training sample is left after tokenization: {train_stats}")
     return train, evals, dict(train=train_stats, eval=eval_stats)
 
@@ -737,8 +747,8 @@ def retarget_schedule(optimizer, scheduler, cfg: TrainConfig) -> float:
     return scheduler._last_lr[0]
 
 # %% ../nbs/05_worker.ipynb #a45e0d2c
-def write_final(run_dir: Path, model, tokenizer, env, merge_lora: bool = True):
-    "The finished model in Hugging Face format in `final/` (LoRA: the adapters in `final/adapter/`, merged into `final/`)."
+def write_final(run_dir: Path, model, tokenizer, env) -> Path:
+    "Every rank: the finished model in Hugging Face format into `final/`'s temporary folder (LoRA: the adapters in its `adapter/`)."
     tmp, final = RunPaths(run_dir).final_tmp, RunPaths(run_dir).final
     if env.rank == 0:
         if tmp.exists(): shutil.rmtree(tmp)
@@ -747,12 +757,18 @@ def write_final(run_dir: Path, model, tokenizer, env, merge_lora: bool = True):
     adapted = L.is_adapted(unwrap(model))
     with writing(f"{final}/"):                              # a full disk is named as final/'s
         save_weights(model, tokenizer, tmp / "adapter" if adapted else tmp, env)
-        if env.rank == 0:
-            if adapted and merge_lora: L.merge_adapter(tmp / "adapter", tmp)     # in this one process, after training
-            if adapted: tokenizer.save_pretrained(tmp)
-            if final.exists(): shutil.rmtree(final)
-            os.replace(tmp, final)
+        if env.rank == 0 and adapted: tokenizer.save_pretrained(tmp)
     _barrier(env)
+    return tmp
+
+def seal_final(run_dir: Path, merge: bool = False) -> Path:
+    "Rank 0 alone: the adapters of `final/`'s temporary folder merged into their base (`merge`), then the folder renamed `final/`."
+    tmp, final = RunPaths(run_dir).final_tmp, RunPaths(run_dir).final
+    with writing(f"{final}/"):
+        if merge: L.merge_adapter(tmp / "adapter", tmp)              # in the base's dtype, in this one process
+        if final.exists(): shutil.rmtree(final)
+        os.replace(tmp, final)
+    return final
 
 # %% ../nbs/05_worker.ipynb #e7943de4
 def stop_requested(run_dir: Path, env) -> bool:
@@ -863,12 +879,11 @@ def resume_position(ckpt) -> dict | None:
 # %% ../nbs/05_worker.ipynb #a054c376
 def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume=None) -> Attempt:
     "Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if given."
-    from accelerate import PartialState
     tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     D.ensure_chat_template(tokenizer)
     records_kind = D.load_records(cfg.data)[0]["kind"]
     method = training_method(cfg, records_kind)
-    train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, run_dir, PartialState().main_process_first, method)
+    train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, run_dir, method)
     train_ds = train_ds.with_format(None)
     lengths, weights = method.lengths(train_ds, layout), method.weights(train_ds)
     position = resume_position(resume) if resume else None
@@ -1051,15 +1066,27 @@ def train_loop(self:Attempt) -> dict:
         if stopped: return dict(status=Event.stopped, step=step, last=last, eval_loss=eval_loss, seen=seen)
     return dict(status="trained", step=step, last=last, eval_loss=eval_loss, seen=seen)
 
+# %% ../nbs/05_worker.ipynb #7148d626
+def leave_group():
+    "Meet the other ranks a last time and tear the process group down: after this, no rank waits on another."
+    if dist.is_available() and dist.is_initialized(): dist.barrier(); dist.destroy_process_group()
+
 # %% ../nbs/05_worker.ipynb #183d4721
 @patch
 def finish(self:Attempt, end: dict) -> str:
-    "Evaluate, checkpoint and save the final model after the last step; returns `completed`."
+    "After the last step: evaluate, checkpoint, write `final/`, leave the process group; then rank 0 alone seals `final/`."
     total, epoch = len(self.steps), self.steps[-1]["epoch_float"]
     eval_loss = self.evaluate_now(total, epoch) if end["step"] == total else end["eval_loss"]
     self.checkpoint(total, epoch, end["last"], eval_loss)
-    write_final(self.run_dir, self.model, self.tokenizer, self.env, self.cfg.merge_lora)
+    write_final(self.run_dir, self.model, self.tokenizer, self.env)
     seen = {} if end["seen"] is None else dict(data_seen=data_seen_by_ranks(end["seen"], self.env))
+    merge = bool(self.cfg.merge_lora and L.is_adapted(unwrap(self.model)))
+    leave_group()                                         # the last collective: the other ranks are done
+    if self.env.rank == 0:
+        if merge:                                         # the training state goes before the whole base is read in
+            self.model = self.optimizer = self.scheduler = None; gc.collect()
+            if self.env.device_type == "cuda": torch.cuda.empty_cache()
+        seal_final(self.run_dir, merge)
     self.metrics.write("event", event=Event.completed, step=total, **seen)
     return Event.completed
 
@@ -1084,6 +1111,9 @@ def run(run_dir, resume: str | None = None, attempt: int = 1) -> str:
         require_torch()
         metrics = open_trackers(metrics, run_dir, cfg, rank)      # report_to: TensorBoard / MLflow get the same records
         env = init_distributed(cfg)
+        if t := group_timeout():
+            print(f"[ilab_nb.worker] rank {rank}: process group of {env.world_size}, collectives time out after "
+                  + ", ".join(f"{s:.0f} s ({b})" for b, s in t.items()), flush=True)
         env = dataclasses.replace(env, **machines_in_effect(cfg, env))
         if cfg.strategy == "single" and env.world_size != 1: raise RuntimeError("strategy='single' runs exactly one process.")
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
@@ -1123,8 +1153,7 @@ def main(argv=None):
     code = 0
     try:
         outcome = run(a.run_dir, resume=a.resume, attempt=a.attempt)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(); dist.destroy_process_group()     # every rank is done with collectives
+        leave_group()                 # a stopped run's ranks (a finished run's left in `finish`, before rank 0's merge)
         print(f"[ilab_nb.worker] rank {rank}: {outcome}", flush=True)
         record_rank(a.run_dir, rank, a.attempt, RankState.exited, outcome=outcome)
     except BaseException:

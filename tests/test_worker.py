@@ -190,3 +190,30 @@ def test_packed_layout_gives_the_same_loss_as_bucketed(tmp_path, demo, small_tra
     ep, eb = records(packed, "eval")[0], records(bucketed, "eval")[0]
     assert ep["step"] == eb["step"] == 0 and ep["eval_tokens"] == eb["eval_tokens"] > 0
     assert ep["eval_loss"] == pytest.approx(eb["eval_loss"], rel=1e-5)
+
+
+def test_lora_final_is_merged_by_rank0_after_the_group_is_gone_in_the_base_dtype(tmp_path, demo, small_train, monkeypatch):
+    """A one-process FSDP LoRA run in this process (a group of one, as on one GPU): the group holds the run's
+    `ddp_timeout` (read back from its backend as the group is destroyed); the adapters are merged only after that, when
+    no rank can be waiting in a collective; and final/ is in the base's dtype (a bf16 copy of the demo model: bf16 files,
+    the size of the base, not float32's twice)."""
+    from ilab_nb import lora as L
+    from safetensors import safe_open
+    base = tmp_path / "base-bf16"
+    AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.bfloat16).save_pretrained(base)
+    for f in demo.model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja": (base / f.name).write_bytes(f.read_bytes())
+    events, destroy, merge = [], dist.destroy_process_group, L.merge_adapter
+    def destroy_spy(*a, **kw): events.append(("destroy", worker.group_timeout())); return destroy(*a, **kw)
+    def merge_spy(*a, **kw): events.append(("merge", dist.is_initialized())); return merge(*a, **kw)
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_spy)
+    monkeypatch.setattr(L, "merge_adapter", merge_spy)
+    rd = make_run(tmp_path, demo, small_train, "lora1", model=str(base), num_processes=1, strategy="fsdp", max_steps=2,
+                  lora=dict(r=4, lora_alpha=8, lora_dropout=0.1), ddp_timeout=1234)
+    assert launch(rd, 1, in_process=True) == "completed"
+    assert events == [("destroy", {"gloo": 1234.0}), ("merge", False)], events
+    with safe_open(str(rd / "final" / "model.safetensors"), "pt") as f: dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}, dtypes
+    size = lambda d: (d / "model.safetensors").stat().st_size
+    assert abs(size(rd / "final") - size(base)) < 0.01 * size(base)
+    assert records(rd)[-1]["event"] == "completed" and (rd / "final" / "adapter" / "adapter_model.safetensors").exists()
