@@ -1,7 +1,8 @@
 """The CUDA paths, checked on a machine without a GPU where their logic can run here, and for real on CUDA (`-m cuda`,
 run by `tools/gpu_check.py`): torch's variable-length kernel picked by its signature, packed attention under autocast,
 with grouped-query heads and a sliding window, generation from a packed model, the GPU slots under a parent's
-`CUDA_VISIBLE_DEVICES`, the benchmark's FLOPs count, and the version floors."""
+`CUDA_VISIBLE_DEVICES`, the benchmark's FLOPs count, the version floors, LoRA's dropout under FSDP's bf16 policy with
+gradient checkpointing (one dtype and one mask in the forward and the recompute), and `ddp_timeout` in the nccl group."""
 import importlib.util, json, os, re, subprocess, sys
 from pathlib import Path
 
@@ -200,3 +201,72 @@ def test_rng_state_is_this_ranks_own_gpu_and_an_old_list_restores():
     a = torch.rand(3, device="cuda")
     _set_rng_state({**s, "cuda": [s["cuda"]] * (torch.cuda.device_count() + 3)}, env)      # more states than GPUs
     assert torch.equal(torch.rand(3, device="cuda"), a)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])])
+def test_lora_dropout_under_fsdp_bf16_gets_one_dtype_and_one_mask_in_the_recompute(demo, device):
+    """LoRA with lora_dropout > 0 and gradient checkpointing under FSDP's bf16 policy, set up as the worker does, on one
+    rank: every adapter's dropout gets a bf16 input in the forward and again in the backward's recompute, and draws the
+    same mask in both; the adapters' gradients equal those of the same step without checkpointing. (peft's own input
+    cast made the first adapter of each block float32 in the forward and bf16 in the recompute, and torch refused the
+    step: CheckpointError.)"""
+    import torch.distributed as dist
+    from ilab_nb.config import TrainConfig
+    from ilab_nb.worker import DistEnv, setup_model
+    cuda = device == "cuda"
+    if cuda: torch.cuda.set_device(0)
+    env = DistEnv(backend="nccl" if cuda else "gloo", device=torch.device("cuda", 0) if cuda else torch.device("cpu"), device_type=device)
+    dist.init_process_group(env.backend, store=dist.HashStore(), rank=0, world_size=1)
+    grads = {}
+    try:
+        for checkpointing in (True, False):
+            cfg = TrainConfig(model=str(demo.model_dir), data=["unused.jsonl"], device=device, num_processes=1, strategy="fsdp",
+                              precision="bf16", gradient_checkpointing=checkpointing, lora=dict(r=4, lora_alpha=8, lora_dropout=0.2))
+            model, _ = setup_model(cfg, env, "bucketed")
+            seen, phase = {}, ["forward"]
+            for n, m in model.named_modules():
+                if n.endswith("lora_dropout.default"):
+                    m.register_forward_hook(lambda mod, i, o, n=n: seen.setdefault(n, []).append((phase[0], i[0].dtype, ((o == 0) & (i[0] != 0)).cpu())))
+            ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+            torch.manual_seed(0)
+            logits = model(input_ids=ids, use_cache=False).logits
+            phase[0] = "recompute"
+            logits.float().mean().backward()
+            grads[checkpointing] = {n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+            want = [("forward", torch.bfloat16), ("recompute", torch.bfloat16)] if checkpointing else [("forward", torch.bfloat16)]
+            assert len(seen) == 4 * 7 and all([c[:2] for c in calls] == want for calls in seen.values()), \
+                {n: [c[:2] for c in calls] for n, calls in seen.items()}
+            if checkpointing: assert all(torch.equal(calls[0][2], calls[1][2]) and calls[0][2].any() for calls in seen.values())
+    finally:
+        dist.destroy_process_group()
+    assert grads[True].keys() == grads[False].keys() and any("lora_B" in n for n in grads[True])
+    for n, g in grads[True].items():
+        torch.testing.assert_close(g, grads[False][n], rtol=1e-2 if cuda else 0, atol=1e-6 if cuda else 0, msg=n)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_ddp_timeout_is_the_nccl_groups(monkeypatch, cpu_offload):
+    """The run's ddp_timeout reaches the CUDA process group, read back from each of its backends (nccl's own default is
+    10 minutes, gloo's 30): through accelerate's PartialState as under torchrun, and in FSDP's group of one."""
+    import socket
+    import torch.distributed as dist
+    from accelerate import PartialState
+    from ilab_nb.config import TrainConfig
+    from ilab_nb.worker import group_timeout, init_distributed
+    want = {"nccl": 1234.0, **({"gloo": 1234.0} if cpu_offload else {})}
+    cfg = TrainConfig(model="m", data=["d.jsonl"], device="cuda", num_processes=1, strategy="fsdp", cpu_offload=cpu_offload, ddp_timeout=1234)
+    PartialState._reset_state()
+    try:
+        init_distributed(cfg)                                     # one plain process: FSDP's group of one
+        assert group_timeout() == want
+        dist.destroy_process_group(); PartialState._reset_state()
+        with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(port)).items(): monkeypatch.setenv(k, v)
+        env = init_distributed(cfg)                               # as one rank of a launch: PartialState's group
+        assert env.distributed_type == "MULTI_GPU" and group_timeout() == want
+    finally:
+        if dist.is_initialized(): dist.destroy_process_group()
+        PartialState._reset_state()

@@ -7,12 +7,15 @@
 
 Stages:
   versions  the libraries and the GPU this runs on; every module ilab_nb needs imports
-  pytest    the CUDA tests (`pytest -m cuda tests/test_gpu_paths.py`: varlen kernel in bf16, generation from a packed model)
+  pytest    the CUDA tests (`pytest -m cuda tests/test_gpu_paths.py`: varlen kernel in bf16, generation from a packed model,
+            LoRA dropout under FSDP's bf16 policy with gradient checkpointing, ddp_timeout in the nccl group)
   runs      a short real run of each CUDA option through FineTuneSession, each with what its header must say: fsdp +
             packed bf16 with eval prompts, single with bf16 autocast, ddp with autocast (two GPUs or more),
-            cpu_offload, torch_compile, gradient checkpointing, LoRA adapters (bf16 base), DPO on preference pairs and
-            plain text (both packed), a CPU fsdp run on the GPU machine, and a resume from a
-            checkpoint (the trajectory after it against the uninterrupted run's)
+            cpu_offload, torch_compile, gradient checkpointing, LoRA adapters, LoRA with gradient checkpointing and
+            dropout, DPO on preference pairs, LoRA + DPO, plain text (packed), a CPU fsdp run on the GPU machine, and a
+            resume from a checkpoint (the trajectory after it against the uninterrupted run's). Every run with a process
+            group must have logged its timeout as ddp_timeout's; the LoRA runs train on a bf16 copy of the demo model,
+            and their final/ (merged after the group is gone) must be bf16
   bench     bench/bench_gpu.py (a ~1B Llama, FSDP2 bf16, packed vs bucketed): tokens/s, MFU, peak memory; and
             bench/bench_lora.py --cuda (LoRA against a full fine-tune: tokens/s, peak memory, checkpoint size)
 
@@ -20,7 +23,7 @@ In a dry run (no GPU needed) the CUDA tests are only collected, the first run tr
 others are built and preflighted without starting, and the bench runs `--tiny`: the code of every stage runs.
 Writes <out>/summary.md, <out>/summary.json, the runs under <out>/runs and the bench's table <out>/results_gpu.md.
 """
-import argparse, json, os, shutil, subprocess, sys, time, traceback
+import argparse, json, os, re, shutil, subprocess, sys, time, traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,11 +47,18 @@ RUNS = [
          expect=dict(torch_compile="per block"), timeout=300),
     dict(name="fsdp gradient checkpointing", fields=dict(strategy="fsdp", precision="bf16", gradient_checkpointing=True),
          expect=dict(gradient_checkpointing=True)),
-    dict(name="fsdp LoRA bf16", fields=dict(strategy="fsdp", precision="bf16", lora=dict(r=8, lora_alpha=16), save_steps=3),
+    dict(name="fsdp LoRA bf16", base="bf16", fields=dict(strategy="fsdp", precision="bf16", lora=dict(r=8, lora_alpha=16), save_steps=3),
          expect=dict(finetuning="lora", mixed_precision=lambda v: (v or {}).get("param_dtype") == "bfloat16",
-                     trainable_params=lambda v: isinstance(v, int) and v > 0)),
+                     trainable_params=lambda v: isinstance(v, int) and v > 0), final_dtype="BF16"),
+    dict(name="fsdp LoRA + gradient checkpointing + dropout bf16", base="bf16",
+         fields=dict(strategy="fsdp", precision="bf16", gradient_checkpointing=True, lora=dict(r=8, lora_alpha=16, lora_dropout=0.1)),
+         expect=dict(finetuning="lora", gradient_checkpointing=True, lora=lambda v: (v or {}).get("lora_dropout") == 0.1,
+                     mixed_precision=lambda v: (v or {}).get("param_dtype") == "bfloat16"), final_dtype="BF16"),
     dict(name="fsdp DPO bf16", data="pref_", fields=dict(strategy="fsdp", precision="bf16", batching="auto", method="dpo"),
          expect=dict(method="dpo", data_kind="preference", layout="packed", attn_implementation="ilab_packed")),
+    dict(name="fsdp LoRA + DPO bf16", data="pref_", base="bf16",
+         fields=dict(strategy="fsdp", precision="bf16", batching="auto", method="dpo", lora=dict(r=8, lora_alpha=16)),
+         expect=dict(method="dpo", finetuning="lora", data_kind="preference", layout="packed"), final_dtype="BF16"),
     dict(name="fsdp plain text bf16", data="text_", fields=dict(strategy="fsdp", precision="bf16", batching="auto"),
          expect=dict(method="sft", data_kind="text", layout="packed")),
     dict(name="fsdp on 2 CPU ranks on a GPU machine", cpu=True, fields=dict(strategy="fsdp", device="cpu", num_processes=2),
@@ -122,8 +132,36 @@ def check_header(head, expect) -> list:
     return bad
 
 
+def bf16_base(demo, out_dir):
+    "The demo model saved in bf16, as released models are (the LoRA runs' base: their final/ must come out bf16)."
+    import torch
+    from transformers import AutoModelForCausalLM
+    d = out_dir / "demo-bf16"
+    if not (d / "config.json").exists():
+        AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.bfloat16).save_pretrained(d)
+        for f in demo.model_dir.iterdir():
+            if f.name.startswith("tokenizer") or f.suffix == ".jinja": shutil.copy(f, d / f.name)
+    return d
+
+
+def group_timeouts(log: str) -> dict:
+    "`{backend: seconds}` of the process group, as rank 0 read them back from it and logged them (none without a group)."
+    line = next(iter(re.findall(r"collectives time out after (.*)", log)), "")
+    return {b: int(t) for t, b in re.findall(r"(\d+) s \((\w+)\)", line)}
+
+
+def final_dtypes(final) -> list:
+    "The dtypes of the tensors in final/'s safetensors files (from their headers)."
+    from safetensors import safe_open
+    out = set()
+    for f in Path(final).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h: out |= {h.get_slice(k).get_dtype() for k in h.keys()}
+    return sorted(out)
+
+
 def one_run(spec, a, demo, data, runs_root, n_gpus):
     from ilab_nb import FineTuneSession
+    from ilab_nb.config import TrainConfig
     if spec.get("gpus", 1) > n_gpus and not spec.get("cpu") and not a.dry_run:
         raise Skip(f"needs {spec['gpus']} GPUs, this machine has {n_gpus} (nccl puts one rank on each GPU)")
     fields = {**dict(device="cuda", num_processes=1, max_steps=6, logging_steps=1, learning_rate=3e-3, max_tokens_per_batch=2048,
@@ -133,7 +171,8 @@ def one_run(spec, a, demo, data, runs_root, n_gpus):
         fields.update(device="cpu", precision="fp32", cpu_offload=False, torch_compile=False, max_steps=2)
         if fields["strategy"] == "ddp": fields["num_processes"] = 2
     kind = spec.get("data", "")                                        # "" chat, "pref_" preference pairs, "text_" documents
-    s = FineTuneSession(model=str(demo.model_dir), data=str(data[f"{kind}train"]), eval_data=str(data[f"{kind}eval"]), runs_root=runs_root,
+    model = bf16_base(demo, Path(runs_root).parent) if spec.get("base") == "bf16" else demo.model_dir
+    s = FineTuneSession(model=str(model), data=str(data[f"{kind}train"]), eval_data=str(data[f"{kind}eval"]), runs_root=runs_root,
                         name=spec["name"].split(",")[0].split()[0], **fields)
     from ilab_nb.rundir import SCHEMA
     unknown = set(spec["expect"]) - set(SCHEMA["header"]["required"]) - set(SCHEMA["header"]["optional"])
@@ -154,6 +193,13 @@ def one_run(spec, a, demo, data, runs_root, n_gpus):
     if status != "completed":
         raise RuntimeError(f"the run ended {status}: {s.reason or ''} (logs: {s.run_dir / 'logs'})")
     bad = [] if cpu_form else check_header(head, spec["expect"])
+    if head.get("backend"):         # a process group: the run's ddp_timeout, as rank 0 read it back from each backend
+        want = fields.get("ddp_timeout", TrainConfig.model_fields["ddp_timeout"].default)
+        out["group_timeout"] = group_timeouts((s.run_dir / "logs" / "rank-0.log").read_text())
+        if not out["group_timeout"] or set(out["group_timeout"].values()) != {want}: bad.append(f"group_timeout={out['group_timeout']}")
+    if spec.get("final_dtype"):     # final/ in the base's dtype (a LoRA run's merge)
+        out["final_dtypes"] = final_dtypes(s.run_dir / "final")
+        if out["final_dtypes"] != [spec["final_dtype"]]: bad.append(f"final/ dtypes={out['final_dtypes']}")
     if spec.get("samples"):
         samples = s.metrics(kinds=("samples",))
         if not samples or len(samples[-1]["samples"]) != spec["samples"]: bad.append(f"samples={samples[-1:] or None}")
