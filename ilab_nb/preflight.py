@@ -255,8 +255,8 @@ def safetensors_problem(f) -> str | None:
     if 8 + n + end != size: return f"{f.name} is unreadable: it has {size} bytes, its header describes {8 + n + end} (cut short while written?)"
     return None
 
-def model_files_problem(d) -> str | None:
-    "Why the saved model (or adapter) folder `d` is incomplete or unreadable, or None when every weight file is whole."
+def model_files_problem(d, base_model: str | None = None) -> str | None:
+    "Why the saved model (or adapter) folder `d` (its adapters on `base_model`, if given) is incomplete or unreadable; None if whole."
     from ilab_nb.rundir import CKPT_MARKER
     d = Path(d)
     if d.parent.name == "checkpoints" and d.name.lstrip(".").removeprefix("tmp-").startswith("step-") and not (d / CKPT_MARKER).exists():
@@ -271,7 +271,7 @@ def model_files_problem(d) -> str | None:
     ac = d / "adapter" / "adapter_config.json" if (d / "adapter").is_dir() else d / "adapter_config.json"
     try: base = json.loads(ac.read_text()).get("base_model_name_or_path") if ac.exists() else None
     except (OSError, ValueError, AttributeError): base = None
-    if not (d / "config.json").exists() and base and os.path.isabs(base) and not os.path.exists(base):
+    if not (d / "config.json").exists() and not base_model and base and os.path.isabs(base) and not os.path.exists(base):
         return (f"{d} holds LoRA adapters of the base model {base}, which is no longer there (moved or deleted?); put it back, "
                 "or load them onto it where it is now: load_model(..., base_model=PATH)")
     return None

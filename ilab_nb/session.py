@@ -445,7 +445,7 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
 def _load(self:FineTuneSession, p: Path, **kwargs):
     from transformers import AutoTokenizer
     from ilab_nb.lora import load_trained
-    if (why := model_files_problem(p)) is not None: raise ValueError(why)   # not safetensors' own words, and before any load
+    if (why := model_files_problem(p, kwargs.get("base_model"))) is not None: raise ValueError(why)   # not safetensors' own words
     trc = bool(self.config and self.config.trust_remote_code)
     with no_hf_progress_bars():        # no tqdm widget in the output a saved notebook keeps (00_core)
         return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)

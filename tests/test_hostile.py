@@ -178,3 +178,21 @@ def test_a_huge_learning_rate_fails_the_run_then_resume_starts_it_over_and_a_for
     assert f.wait(timeout=300) == State.completed, f.reason
     final = RunPaths(f.run_dir).final
     assert (final / "adapter" / "adapter_model.safetensors").exists() and not (final / "config.json").exists()
+
+
+def test_adapters_whose_base_moved_say_so_and_load_onto_it_where_it_is(demo, tmp_path):
+    "A LoRA run's final/ holds only adapters (merge_lora=False) and its base folder moved: said, then loaded with base_model=."
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    base = tmp_path / "base"; shutil.copytree(demo.model_dir, base)
+    d = ended_run(tmp_path / "runs", "r-lora", status=State.completed)
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules=["q_proj"]))
+    pm.peft_config["default"].base_model_name_or_path = str(base)
+    pm.save_pretrained(RunPaths(d).final / "adapter"); AutoTokenizer.from_pretrained(base).save_pretrained(RunPaths(d).final)
+    base.rename(tmp_path / "moved")
+    s = FineTuneSession.attach("r-lora", runs_root=tmp_path / "runs")
+    with pytest.raises(ValueError, match=f"holds LoRA adapters of the base model {base}, which is no longer there .moved or "
+                                         "deleted..; put it back, or load them onto it where it is now: load_model.*base_model=PATH"):
+        s.load_model()
+    model, tok = s.load_model(base_model=str(tmp_path / "moved"))
+    assert hasattr(model, "peft_config") and tok.pad_token_id is not None
