@@ -315,6 +315,21 @@ def _may_act(self:FineTuneSession, doing: str, ck: dict, trust_owner: bool = Fal
     p = RunPaths(self.run_dir)
     ckpt = [Path(ck["path"]), *sorted(Path(ck["path"]).rglob("*"))] if ck.get("path") else []
     refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *ckpt], doing, trust_owner)
+    if why := self._reference_problem(ck): raise RuntimeError(why)
+
+@patch
+def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
+    "Why a DPO run cannot go on from checkpoint `ck`: the reference log-probabilities it computed before step 1 are gone or unreadable."
+    if not ck.get("path") or self.config is None or self.config.method != "dpo": return None
+    p = RunPaths(self.run_dir).reference_logps
+    if not p.exists(): why = "missing"
+    else:
+        import torch
+        try: torch.load(p, weights_only=True); why = None
+        except Exception as e: why = f"unreadable ({type(e).__name__}: cut short, or not what the run wrote)"
+    return why and (f"Run {self.run_id}: {p} is {why}. DPO goes on against the reference log-probabilities the run computed "
+                    "from its starting model before step 1, and a checkpoint's model is no longer that model, so they cannot "
+                    "be computed again from it: put the file back, or start a new run")
 
 # %% ../nbs/08_session.ipynb #60f78469
 @patch

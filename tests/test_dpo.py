@@ -147,6 +147,23 @@ def test_dpo_resume_reads_the_kept_reference_and_repeats_the_trajectory(dpo_run,
 
 
 @pytest.mark.processes
+def test_a_missing_or_cut_short_reference_is_refused_before_a_resume_or_fork(dpo_run):
+    "The kept reference log-probabilities deleted, then cut short: resume() and fork() refuse before anything is written."
+    from ilab_nb.runstore import RunStore
+    p, runs = RunPaths(dpo_run.run_dir).reference_logps, RunStore(dpo_run.run_dir.parent)
+    whole, n = p.read_bytes(), len(runs.list_runs())
+    try:
+        p.unlink()
+        with pytest.raises(RuntimeError, match="reference_logps.pt is missing. DPO goes on against the reference log-probabilities"):
+            dpo_run.resume(max_steps=8)
+        p.write_bytes(whole[:len(whole) // 2])
+        with pytest.raises(RuntimeError, match="reference_logps.pt is unreadable"):
+            dpo_run.fork(3)
+    finally: p.write_bytes(whole)
+    assert dpo_run.status == "completed" and len(runs.list_runs()) == n
+
+
+@pytest.mark.processes
 def test_continued_pretraining_on_plain_text_lowers_held_out_perplexity(demo, runs_root):
     "The shipped documents, packed into full rows with EOS between them, on one FSDP rank: held-out perplexity falls."
     s = FineTuneSession(model=str(demo.model_dir), data=str(demo.text_train_file), eval_data=str(demo.text_eval_file),
