@@ -108,7 +108,8 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     device_type = resolve_device(cfg)
     pg_backend = process_group_backend(device_type, cfg.cpu_offload)
     timeout = datetime.timedelta(seconds=cfg.ddp_timeout)       # torch's own: 10 minutes under nccl, 30 under gloo
-    state = PartialState(cpu=device_type == "cpu", timeout=timeout, **({"backend": pg_backend} if device_type == "cuda" else {}))
+    launched = int(os.environ.get("LOCAL_RANK", -1)) != -1      # torchrun's ranks (accelerate launch --multi_gpu)
+    state = PartialState(cpu=device_type == "cpu", timeout=timeout, **({"backend": pg_backend} if device_type == "cuda" and launched else {}))
     world, backend = state.num_processes, dist.get_backend() if dist.is_available() and dist.is_initialized() else None
     check_world(cfg, world, state.distributed_type)
     if cfg.strategy == "fsdp" and world == 1 and backend is None:   # FSDP on one device (to offload, say): a group of one
