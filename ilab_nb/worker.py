@@ -18,7 +18,8 @@ from .config import TrainConfig
 from .core import patch, require_torch, writing
 from .monitor import data_notes
 from .runstore import ends_mid_line, write_json_atomic
-from .rundir import CKPT_MARKER, SCHEMA_VERSION, TRAINER_STATE, Event, RankState, RunPaths, complete_checkpoints
+from .rundir import (CKPT_MARKER, SCHEMA_VERSION, TRAINER_STATE, Event, RankState, RunPaths, complete_checkpoints,
+                            no_follow, refuse_links)
 from .trackers import open_trackers
 from . import data as D
 from . import batching as B
@@ -48,7 +49,7 @@ def redirect_output(log_path):
     "Send this process's stdout and stderr (file descriptors 1 and 2) to `log_path`, appending."
     log_path = Path(log_path)
     log_path.parent.mkdir(exist_ok=True)     # never the run directory itself: a deleted run stays deleted
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = no_follow(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)      # never through a link (00_rundir)
     sys.stdout.flush(); sys.stderr.flush()
     os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
@@ -565,7 +566,7 @@ class MetricsWriter:
     def __init__(self, path, run_id: str, attempt: int, enabled: bool = True, log=None):
         self.path, self.log, self.run_id, self.attempt = path, log, run_id, attempt
         torn = enabled and ends_mid_line(path)        # the last writer was killed mid-line: start on a line of our own
-        self.f = open(path, "a", encoding="utf-8") if enabled else None
+        self.f = open(path, "a", encoding="utf-8", opener=no_follow) if enabled else None
         if torn: self.f.write("\n")
     def write(self, kind: str, **fields):
         if self.f is None: return
@@ -927,7 +928,8 @@ def write_header(self:Attempt):
                        precision=cfg.precision, layout=self.layout, attn_implementation=unwrap(model).config._attn_implementation,
                        total_steps=len(self.steps), num_train_samples=len(self.train_ds),
                        num_eval_samples=len(self.eval_ds) if self.eval_ds is not None else 0,
-                       resumed_from_step=self.start if self.resumed else None, params_total=sum(p.numel() for p in model.parameters()),
+                       resumed_from_step=self.start if self.resumed else (0 if self.metrics.attempt > 1 else None),   # > 1: over
+                       params_total=sum(p.numel() for p in model.parameters()),
                        params_per_rank=params_per_rank(model, env), num_machines=env.num_machines, nodes=list(env.nodes),
                        gradient_checkpointing=checkpointing_in_effect(model),
                        plan=B.plan_stats(plan, self.lengths, self.layout, self.real, self.method.rows(self.layout)), data_stats=self.data_stats, versions=_versions(),
@@ -1148,6 +1150,7 @@ def main(argv=None):
     "One rank: its own log first, then the run; the process exits 0, or 1 with the traceback in the log."
     a = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    refuse_links(a.run_dir, "train in it")      # one made since the launch's own check: nothing is written through it
     redirect_output(RunPaths(a.run_dir).rank_log(rank))
     quiet_progress_bars()
     print(f"[ilab_nb.worker] rank {rank} pid {os.getpid()} attempt {a.attempt} run_dir {a.run_dir}", flush=True)

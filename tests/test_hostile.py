@@ -172,6 +172,7 @@ def test_a_huge_learning_rate_fails_the_run_then_resume_starts_it_over_and_a_for
     train = s.metrics(kinds=("train",))
     assert [(r["attempt"], r["step"]) for r in train] == [(2, 1), (2, 2), (2, 3)]        # the failed attempt's steps replaced
     assert s.state["attempts"][0]["status"] == State.failed and s.state["resumed_from_step"] == 0
+    assert [h["resumed_from_step"] for h in s.metrics(kinds=("header",))] == [None, 0]    # attempt 2 started over
     with pytest.raises(ConfigError, match="would change the global batch from 1 to 2 micro-batches per optimizer step"):
         s.resume(max_steps=6, num_processes=2)
     f = s.fork("3", max_steps=4, merge_lora=False)                   # the step as a command line gives it
