@@ -154,7 +154,7 @@ def test_disk_full_during_a_checkpoint_then_while_writing_the_final_model(demo, 
     # Issue 20, item 5: the disk fills during a checkpoint save of a 2-rank FSDP run (torch's CheckpointException on
     # both ranks) and stays full: the run ends `failed`, saying so, within a minute, with the disk still full.
     root = tmpfs_runs_root
-    s = make(demo, small_train, root, max_steps=LONG, save_steps=2).start()
+    s = make(demo, small_train, root, max_steps=LONG, save_steps=2, save_total_limit=3).start()   # the preflight's estimate fits
     ck = Path(wait_until(lambda: s.checkpoints, 2 * START_UP, what="a complete checkpoint")[0]["path"])
     before = files_of(ck)
     sup = ProcessRef.from_dict(s.state["supervisor"])
