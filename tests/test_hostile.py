@@ -107,14 +107,15 @@ def test_root_does_not_resume_another_users_run_nor_run_its_code(demo, tmp_path)
 
 @pytest.mark.processes
 def test_config_file_errors_name_the_key_and_its_line_before_anything_runs(demo, small_train, tmp_path):
-    "A key given twice, and lora.layers_to_transform peft would refuse after launch: refused by `ilab-nb run` with the line."
+    """A key given twice, lora.layers_to_transform without a list of targets (peft refused it after launch), and one
+    naming a layer the model lacks (known only from the model): refused with the line, the last by `ilab-nb run`."""
     base = f"model: {demo.model_dir}\ndata: {small_train}\nnum_processes: 1\ndevice: cpu\n"
     (tmp_path / "twice.yaml").write_text(base + "learning_rate: 1e-4\nmax_steps: 4\nlearning_rate: 3e-4\n")
-    r = ilab("run", tmp_path / "twice.yaml", "--runs-root", tmp_path / "runs", check=2)
-    assert "twice.yaml, line 7: 'learning_rate' is given twice (first on line 5); only one would be used" in r.stderr
+    with pytest.raises(ConfigError, match="twice.yaml, line 7: 'learning_rate' is given twice \\(first on line 5\\); only one would be used"):
+        FineTuneSession(config=tmp_path / "twice.yaml", runs_root=tmp_path / "runs")
     (tmp_path / "layers.yaml").write_text(base + "lora:\n  r: 4\n  layers_to_transform: [0, 1]\n")
-    r = ilab("run", tmp_path / "layers.yaml", "--runs-root", tmp_path / "runs", check=2)
-    assert "lora: layers_to_transform needs target_modules as a list of layer names" in r.stderr and "(line 7)" in r.stderr
+    with pytest.raises(ConfigError, match="lora: layers_to_transform needs target_modules as a list of layer names.*\\(line 7\\)"):
+        FineTuneSession(config=tmp_path / "layers.yaml", runs_root=tmp_path / "runs")
     (tmp_path / "layers9.yaml").write_text(base + "lora:\n  r: 4\n  target_modules: [q_proj]\n  layers_to_transform: [9]\n")
     r = ilab("run", tmp_path / "layers9.yaml", "--runs-root", tmp_path / "runs", check=2)
     assert ("lora.layers_to_transform: LlamaForCausalLM has layers 0..3; [9] are not among them "

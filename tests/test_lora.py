@@ -125,17 +125,14 @@ def test_adapters_gathered_from_fsdp_shards_equal_a_ddp_replica(lora_run, tmp_pa
 
 def test_final_and_a_checkpoint_exported_as_gguf(lora_run, demo):
     """The LoRA run's model in llama.cpp's format: `final/` (merged) through the session, the step-3 checkpoint (its
-    adapters only, merged onto their base for the export) through `ilab-nb export`. Transformers' GGUF reader gives the
+    adapters only, merged onto their base for the export) too. Transformers' GGUF reader gives the
     logits of the merged model and of the base with the step-3 adapters (1e-5)."""
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
-    from conftest import ilab, cli_env
     s, paths = lora_run, RunPaths(lora_run.run_dir)
     final = s.export(dtype="f32", progress=False)
     assert final == paths.root / "export" / f"{s.run_id}-final-f32.gguf" and final.modelfile.exists()
-    r = ilab("export", s.run_id, "--runs-root", paths.root.parent, "--checkpoint", "3", "--dtype", "f32", check=0,
-             env=cli_env(OMP_NUM_THREADS="1"))
-    ck = Path(r.stdout.splitlines()[0])
+    ck = s.export(dtype="f32", checkpoint=3, progress=False)             # (ilab-nb export's own: tests/test_export.py)
     assert ck == paths.root / "export" / f"{s.run_id}-step-00000003-f32.gguf" and ck.with_suffix(".Modelfile").exists()
     assert sorted(p.name for p in (paths.root / "export").iterdir()) == sorted(
         [final.name, final.modelfile.name, ck.name, ck.with_suffix(".Modelfile").name])        # no merged folder left
