@@ -84,6 +84,11 @@ def _yaml_duplicate(node, prefix: str = "") -> tuple | None:
 
 class _DuplicateKey(ValueError): pass
 
+def _json_duplicate(text: str, key: str) -> tuple:
+    "`(key, first line, second line)` of a key a JSON text gives twice."
+    at = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(key)}"\s*:', text)] + [None, None]
+    return key, at[0], at[1]
+
 def _json_object(pairs) -> dict:
     "A JSON object's pairs as a dict (`object_pairs_hook`), refusing a key given twice."
     keys = [k for k, _ in pairs]
@@ -123,9 +128,7 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
         try: d, dup = json.loads(text, object_pairs_hook=_json_object), None
         except json.JSONDecodeError as e:
             raise _file_error(path, f"{path}, line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}") from None
-        except _DuplicateKey as e:
-            at = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(str(e))}"\s*:', text)] + [None, None]
-            dup = (str(e), at[0], at[1])
+        except _DuplicateKey as e: dup = _json_duplicate(text, str(e))
         lines = _json_key_lines(text)
     else:
         raise _file_error(path, f"{path}: unknown config file type '{p.suffix}'; use .yaml, .yml or .json")

@@ -255,6 +255,7 @@ def safetensors_problem(f) -> str | None:
     if 8 + n + end != size: return f"{f.name} is unreadable: it has {size} bytes, its header describes {8 + n + end} (cut short while written?)"
     return None
 
+# %% ../nbs/07_preflight.ipynb #c280c73c
 def model_files_problem(d, base_model: str | None = None) -> str | None:
     "Why the saved model (or adapter) folder `d` (its adapters on `base_model`, if given) is incomplete or unreadable; None if whole."
     from ilab_nb.rundir import CKPT_MARKER

@@ -317,6 +317,7 @@ def _may_act(self:FineTuneSession, doing: str, ck: dict, trust_owner: bool = Fal
     refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *ckpt], doing, trust_owner)
     if why := self._reference_problem(ck): raise RuntimeError(why)
 
+# %% ../nbs/08_session.ipynb #733b5346
 @patch
 def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
     "Why a DPO run cannot go on from checkpoint `ck`: the reference log-probabilities it computed before step 1 are gone or unreadable."
