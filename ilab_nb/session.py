@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_session.ipynb #992396e1
 from __future__ import annotations
-import errno, json, math, os, socket, shutil, stat, sys, time
+import json, math, os, socket, shutil, stat, sys, time
 from pathlib import Path
 
 import psutil
@@ -310,7 +310,7 @@ def _resume_point(self:FineTuneSession, st: dict, changes: dict) -> dict:
 # %% ../nbs/08_session.ipynb #1ae24adc
 @patch
 def _may_act(self:FineTuneSession, doing: str, ck: dict, trust_owner: bool = False):
-    "Refuse to `doing` a run whose directory holds a symbolic link, or that another user owns (or anyone may write): 00_rundir."
+    "Refuse to `doing` a run whose directory holds a symbolic link or another user's files (00_rundir), or a DPO run without its reference."
     refuse_links(self.run_dir, doing)
     p = RunPaths(self.run_dir)
     ckpt = [Path(ck["path"]), *sorted(Path(ck["path"]).rglob("*"))] if ck.get("path") else []
