@@ -60,15 +60,19 @@ def test_run_id_with_a_trailing_newline_is_refused(demo, small_train, runs_root)
 @pytest.mark.processes
 def test_stop_on_the_default_path_says_how_long_it_waited(runs_root, monkeypatch):
     # A run whose supervisor (a live process of ours, tagged with the run) never answers the stop request.
+    # It is a child of a shell, not of this process: stop() reaps what it kills (psutil.wait_procs), and a child of ours
+    # reaped there would leave Popen.wait nothing but ECHILD (returncode 0). The shell reports how its child ended.
     store = RunStore(runs_root); rid = "deaf"; d = store.create_run(rid)
-    deaf = subprocess.Popen(["sleep", "120"], env={**os.environ, RUN_ENV: str(d)})
+    shell = subprocess.Popen(["sh", "-c", f'{RUN_ENV}="$0" sleep 120 & echo $!; wait $!; echo $?', str(d)],
+                             stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != RUN_ENV})
+    deaf = int(shell.stdout.readline())
     import time
-    store.write_state(rid, status="running", supervisor=ProcessRef.of(deaf.pid).to_dict(), heartbeat_at=time.time())
+    store.write_state(rid, status="running", supervisor=ProcessRef.of(deaf).to_dict(), heartbeat_at=time.time())
     monkeypatch.setattr(session_mod, "TERM_GRACE_S", -28)    # the default wait: grace 0 + (-28) + 30 = 2 s
     s = FineTuneSession.attach(rid, runs_root=runs_root)
     assert s.stop(grace_s=0) == "cancelled"                  # timeout=None: the default path
     assert "nothing had ended 2 s after the request" in s.reason and "None" not in s.reason, s.reason
-    assert deaf.wait(timeout=10) == -signal.SIGKILL
+    assert shell.communicate(timeout=10)[0].strip() == str(128 + signal.SIGKILL)     # the shell's $? for a child killed by SIGKILL
 
 
 @pytest.mark.processes
