@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_launcher.ipynb #df878a86
 from __future__ import annotations
-import argparse, errno, json, os, re, shlex, shutil, signal, socket, subprocess, sys, time
+import errno, json, os, re, shlex, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 
 import psutil
@@ -22,7 +22,7 @@ __all__ = ['ACCELERATE_CONFIG', 'OOM_ADVICE', 'STOP_GRACE_S', 'TERM_GRACE_S', 'R
            'accelerate_command', 'launches_directly', 'launch_command', 'launch_env', 'write_accelerate_config',
            'describe_exit', 'torchrun_failures', 'torchrun_root_cause', 'rank_records', 'cause_of', 'failing_rank',
            'memory_cgroup', 'kernel_oom_kill', 'sigkill_cause', 'classify_exit', 'Supervisor', 'disk_full_reason',
-           'spawn_supervisor', 'main']
+           'spawn_supervisor']
 
 # %% ../nbs/06_launcher.ipynb #2f274475
 def locks_dir(path=None) -> Path:
@@ -540,38 +540,18 @@ def _free_space(self:Supervisor) -> bool:
     if freed: _log(f"the disk is full: freed {', '.join(freed)} to write the final state")
     return bool(freed)
 
-# %% ../nbs/06_launcher.ipynb #2457538c
+# %% ../nbs/06_launcher.ipynb #1ab55f47
 @patch
-def _start_evaluation(self:Supervisor) -> dict:
-    "`{evaluation: id}` of the evaluation of `eval_tasks` queued now, or `{eval_error: why}`; `{}` without `eval_tasks`."
-    cfg = read_json(RunPaths(self.run_dir).config_for(self.attempt), {}) or {}
-    if not cfg.get("eval_tasks"): return {}
-    try:
-        from ilab_nb.session import FineTuneSession
-        from ilab_nb.evaluation import start_evaluation
-        return {"evaluation": start_evaluation(FineTuneSession.attach(self.run_id, self.store.root), cfg["eval_tasks"]).eval_id}
-    except Exception as e:
-        _log(f"the evaluation of eval_tasks was not started: {type(e).__name__}: {e}")
-        return {"eval_error": f"{type(e).__name__}: {e}"}
-
-# %% ../nbs/06_launcher.ipynb #694d6667
-@patch
-def _write_report(self:Supervisor, status, fields: dict):
-    "The run's `report.html` as it ends, showing the final state about to be written (never fails the caller)."
-    if not self.run_dir.exists() or read_json(RunPaths(self.run_dir).config, {}).get("kind") == "eval": return   # an evaluation's: its run's
-    try:
-        from ilab_nb.record import write_report
-        st = {**self.store.read_state(self.run_id), **self.pending, **fields, "status": status}
-        write_report(self.run_dir, state=st)
-    except Exception as e: _log(f"report.html not written: {type(e).__name__}: {e}")
+def _ending(self:Supervisor, status, fields: dict) -> dict:
+    "What the run leaves as it ends, before its final state: the state fields naming it. Here nothing (19_supervisor: its report, its evaluation)."
+    return {}
 
 # %% ../nbs/06_launcher.ipynb #29d132ba
 @patch
 def _finish(self:Supervisor, status, **kw):
     "Write the final state (freeing the reserve when the disk is full), retrying while this supervisor lives; then the event."
     base, st = kw.get("reason"), {}
-    if status == State.completed: kw.update(self._start_evaluation())
-    self._write_report(status, kw)
+    kw.update(self._ending(status, kw))
     while self.run_dir.exists():       # a deleted run directory gets nothing written (nor re-created)
         if status == State.failed and (what := self._nospace_what()): kw["reason"] = disk_full_reason(base, what, self.run_id)
         left = {k: v for k, v in self.pending.items() if k != "status"}
@@ -767,7 +747,7 @@ def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, 
     "Start the detached supervisor of one attempt of the run in `run_dir`; returns its `ProcessRef`."
     run_dir = Path(run_dir).absolute()
     refuse_links(run_dir, "start its processes")         # its shell appends to supervisor.log, its ranks write everywhere (00_rundir)
-    args = [sys.executable, "-m", "ilab_nb.launcher", "supervise", str(run_dir), "--attempt", str(attempt),
+    args = [sys.executable, "-m", "ilab_nb.supervisor", str(run_dir), "--attempt", str(attempt),
             "--locks", str(locks_dir(locks))]
     if resume: args += ["--resume", str(resume)]
     if not queue: args += ["--no-queue"]
@@ -784,41 +764,15 @@ def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, 
         raise RuntimeError(f"The supervisor of run {run_dir.name} exited at once; see {log}:\n" + "\n".join(tail_lines(log, 20))) from None
 
 # %% ../nbs/06_launcher.ipynb #1b555a56
-def main(argv=None):
-    "`python -m ilab_nb.launcher supervise <run_dir> [--attempt N] [--resume CKPT] [--no-queue] [--grace S] [--locks DIR]`"
-    ap = argparse.ArgumentParser(prog="python -m ilab_nb.launcher")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("supervise", help="supervise one attempt of a run (started detached by FineTuneSession.start)")
-    s.add_argument("run_dir"); s.add_argument("--attempt", type=int, default=1); s.add_argument("--resume")
-    s.add_argument("--no-queue", action="store_true"); s.add_argument("--grace", type=float)
-    s.add_argument("--locks"); s.add_argument("--worker-module", default="ilab_nb.worker")
-    a = ap.parse_args(argv)
-    sup = Supervisor(a.run_dir, a.attempt, a.resume, queue=not a.no_queue, grace_s=a.grace, locks=a.locks,
-                     worker_module=a.worker_module)
-    try: return sup.run()
+@patch
+def supervise(self:Supervisor) -> int:
+    "`run()`; a supervisor that crashes still ends its run's processes and finalizes it, saying so. The exit code."
+    try: return self.run()
     except Exception as e:
         import traceback; traceback.print_exc()
-        if sup.proc is not None and sup.proc.poll() is None: sup._signal_group(signal.SIGKILL)
-        kill_run_processes(sup.run_dir)
-        sup._finish(State.failed, reason=f"Run {sup.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",
-                    log_tail=tail_lines(RunPaths(sup.run_dir).supervisor_log, 20),
-                    log_file=str(RunPaths(sup.run_dir).supervisor_log.relative_to(sup.run_dir)))
+        if self.proc is not None and self.proc.poll() is None: self._signal_group(signal.SIGKILL)
+        kill_run_processes(self.run_dir)
+        self._finish(State.failed, reason=f"Run {self.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",
+                     log_tail=tail_lines(RunPaths(self.run_dir).supervisor_log, 20),
+                     log_file=str(RunPaths(self.run_dir).supervisor_log.relative_to(self.run_dir)))
         return 1
-    finally: _sweep_report(sup.run_dir)
-
-def _sweep_report(run_dir):
-    "When the run is its sweep's last to end, the sweep's `sweep-report.html` (14_sweep; never fails the caller)."
-    if RunPaths(run_dir).sweep_spec is None: return       # not a sweep's run: nothing to import or to wait for
-    try:
-        from ilab_nb.sweep import report_if_last
-        if (p := report_if_last(run_dir)) is not None: _log(f"sweep report: {p}")
-    except Exception as e: _log(f"sweep-report.html not written: {type(e).__name__}: {e}")
-
-def _exit(code: int):
-    """Leave at once once the run's state is final: no interpreter teardown (of the record's matplotlib, say) between the
-    final state and the supervisor's end, so whoever sees the run ended sees none of its processes left."""
-    try: sys.stdout.flush(); sys.stderr.flush()
-    except OSError: pass
-    os._exit(code)
-
-if __name__ == "__main__" and "IPython" not in sys.modules: _exit(main())   # not when the notebook itself runs
