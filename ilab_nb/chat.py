@@ -213,7 +213,7 @@ def record_bundle(self:ChatBox) -> dict:
 
 @patch
 def _ipython_display_(self:ChatBox):
-    from ilab_nb.dashboard import show_live
+    from ilab_nb.live import show_live
     self.live = show_live(getattr(self, "key", None) or f"chat-{id(self)}", self, self.record_bundle, ends_with_run=False)
 
 @patch

@@ -4,8 +4,7 @@
 
 # %% auto #0
 __all__ = ['STATUS_COLOURS', 'run_curves', 'smooth_ema', 'LRFormatter', 'nice_ceiling', 'LossPlot', 'round_limits',
-           'format_number', 'render_text', 'latest_samples', 'samples_html', 'Refresher', 'in_kernel', 'Dashboard',
-           'LiveDisplay', 'show_live', 'finalize_displays', 'LossComparison', 'compare']
+           'format_number', 'render_text', 'latest_samples', 'samples_html', 'Dashboard', 'LossComparison', 'compare']
 
 # %% ../nbs/09_dashboard.ipynb #2a5ba047
 import html
@@ -22,6 +21,7 @@ from matplotlib.ticker import Formatter, MaxNLocator
 from tqdm import tqdm
 
 from .core import patch
+from .live import Refresher, in_kernel, note_html, show_live
 from .monitor import RunMonitor, data_notes
 from .trackers import tracker_notes
 from .rundir import ACTIVE, TERMINAL, RunPaths, State, read_json, standing_records, status_of
@@ -337,10 +337,6 @@ def samples_html(latest: dict, previous: dict | None = None) -> str:
     return (f"<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since the previous "
             f"evaluation{cost})</span><table style='border-collapse:collapse;width:100%'>{head}{''.join(rows)}</table></div>")
 
-# %% ../nbs/09_dashboard.ipynb #30e1fe11
-def _note(text: str, colour: str) -> str:
-    return f'<span style="font-size:12px;color:{colour}">{html.escape(text)}</span>'
-
 # %% ../nbs/09_dashboard.ipynb #6a7ebac7
 def _pre(lines) -> str:
     body = html.escape("\n".join(lines)) if lines else "(no log lines yet)"
@@ -362,60 +358,6 @@ def _failure_html(state: dict) -> str:
              f'background:#fff;padding:6px;border-radius:4px">{html.escape(chr(10).join(tail))}</pre>') if tail else ""
     return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
             f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
-
-# %% ../nbs/09_dashboard.ipynb #7f2f7f34
-class Refresher:
-    "Calls `update()` every `refresh_s` s in a daemon thread until `done()` or `close()`; failures go to `report(html)`."
-    def __init__(self, update, done, report, refresh_s: float = 1.0, name: str = "ilab-refresh"):
-        self.update, self.done, self.report, self.refresh_s, self.name = update, done, report, refresh_s, name
-        self._closing, self._thread, self.ends = threading.Event(), None, []      # ends: called once done
-
-    @property
-    def running(self) -> bool:
-        "Whether the thread is alive."
-        return bool(self._thread and self._thread.is_alive())
-
-# %% ../nbs/09_dashboard.ipynb #5d236e9b
-@patch
-def _loop(self:Refresher):
-    while not self._closing.wait(self.refresh_s):
-        try:
-            self.update()
-        except Exception as e:  # keep the thread alive; say what went wrong in the widget, not in a cell
-            self.report(_note(f"refresh failed: {type(e).__name__}: {e}", "#d93025"))
-        if self.done():
-            for end in self.ends:
-                try: end()
-                except Exception as e: self.report(_note(f"ending failed: {type(e).__name__}: {e}", "#d93025"))
-            break
-
-# %% ../nbs/09_dashboard.ipynb #8f44d8df
-@patch
-def start(self:Refresher) -> Refresher:
-    "Start the thread (no-op while it runs, and after `close()`)."
-    if not self._closing.is_set() and not self.running:
-        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-        self._thread.start()
-    return self
-
-# %% ../nbs/09_dashboard.ipynb #634fcbdc
-@patch
-def close(self:Refresher, timeout: float = 10):
-    "End the thread and wait for it (up to `timeout` s); a closed refresher does not start again."
-    self._closing.set()
-    t = self._thread
-    if t is not None and t is not threading.current_thread():
-        t.join(timeout=timeout)
-
-# %% ../nbs/09_dashboard.ipynb #0b5f13a0
-def in_kernel() -> bool:
-    "Whether this code runs in a Jupyter kernel (where a dashboard's thread starts by itself)."
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
 
 # %% ../nbs/09_dashboard.ipynb #865961af
 class Dashboard(W.VBox):
@@ -489,7 +431,7 @@ def status(self:Dashboard) -> str:
         try:
             return str(self.status_fn())
         except Exception as e:  # the badge says so; the state file is the fallback
-            self._set(self.message, _note(f"status_fn failed ({type(e).__name__}: {e}); showing state.json instead", "#b06000"))
+            self._set(self.message, note_html(f"status_fn failed ({type(e).__name__}: {e}); showing state.json instead", "#b06000"))
     return status_of(self.monitor.state())
 
 # %% ../nbs/09_dashboard.ipynb #0c36d539
@@ -716,7 +658,7 @@ def _call(self:Dashboard, fn, what, button, label):
             self.update()
             self.start()
     except Exception as e:
-        self._set(self.message, _note(f"{what} failed: {type(e).__name__}: {e}", "#d93025"))
+        self._set(self.message, note_html(f"{what} failed: {type(e).__name__}: {e}", "#d93025"))
     finally:
         button.disabled, button.description = False, label
 
@@ -725,7 +667,7 @@ def _call(self:Dashboard, fn, what, button, label):
 def _click_stop(self:Dashboard, _=None):
     self.stop_button.disabled = True
     self.stop_button.description = "Stopping…"
-    self._set(self.message, _note("Stop requested: the run checkpoints and ends at the next step.", "#5f6368"))
+    self._set(self.message, note_html("Stop requested: the run checkpoints and ends at the next step.", "#5f6368"))
     threading.Thread(target=self._call, args=(self.on_stop, "stop", self.stop_button, "Stop"), daemon=True).start()
 
 # %% ../nbs/09_dashboard.ipynb #428c44d8
@@ -733,7 +675,7 @@ def _click_stop(self:Dashboard, _=None):
 def _click_resume(self:Dashboard, _=None):
     self.resume_button.disabled = True
     self.resume_button.description = "Resuming…"
-    self._set(self.message, _note("Resuming from the latest complete checkpoint…", "#5f6368"))
+    self._set(self.message, note_html("Resuming from the latest complete checkpoint…", "#5f6368"))
     threading.Thread(target=self._call, args=(self.on_resume, "resume", self.resume_button, "Resume"), daemon=True).start()
 
 # %% ../nbs/09_dashboard.ipynb #47bcf148
@@ -755,89 +697,11 @@ def _repr_mimebundle_(self:Dashboard, **kwargs):
     data["text/plain"] = self.text()
     return data
 
-# %% ../nbs/09_dashboard.ipynb #5ae12e02
-_LIVE: dict = {}                 # key (a run id, a sweep id) -> the live displays of this kernel showing it
-_LIVE_LOCK = threading.Lock()
-
-class LiveDisplay:
-    "A widget shown with a display handle; `finalize()` replaces its output with `static()`, a bundle with no widget view."
-    def __init__(self, key: str, widget, static, ends_with_run: bool = True):
-        self.key, self.widget, self.static, self.ends_with_run = key, widget, static, ends_with_run
-        self.handle, self.parent, self.final, self._lock = None, None, None, threading.Lock()
-
-# %% ../nbs/09_dashboard.ipynb #d8ace66a
-def _display_pub():
-    "The kernel's display publisher (None outside IPython)."
-    try: from IPython import get_ipython
-    except ImportError: return None
-    ip = get_ipython()
-    return getattr(ip, "display_pub", None) if ip is not None else None
-
-@patch
-def show(self:LiveDisplay) -> LiveDisplay:
-    "Display the widget with a display id, remembering the cell that shows it (its static bundle if it has ended already)."
-    from IPython.display import display
-    refresher = getattr(self.widget, "refresher", None)
-    if refresher is not None and refresher.done():            # nothing live to show: the record, straight away
-        self.final = self.static(); display(self.final, raw=True); return self
-    self.parent = dict(getattr(_display_pub(), "parent_header", None) or {})
-    self.handle = display(self.widget._repr_mimebundle_(), raw=True, display_id=True)
-    with _LIVE_LOCK: _LIVE.setdefault(self.key, []).append(self)
-    if refresher is not None:
-        refresher.ends.append(self.finalize)
-        if refresher.done(): self.finalize()        # it ended between the check above and now
-    return self
-
-# %% ../nbs/09_dashboard.ipynb #be530328
-def _update(display_id: str, data: dict, parent: dict | None):
-    "Replace the data of display `display_id`, under the current parent and (where the kernel can) under `parent` too."
-    from IPython.display import update_display
-    update_display(data, raw=True, display_id=display_id)
-    pub = _display_pub()
-    if parent and hasattr(pub, "set_thread_parent"):            # ipykernel >= 6.29: this thread's parent, for one send
-        token = pub.set_thread_parent(parent)
-        try: update_display(data, raw=True, display_id=display_id)
-        finally: pub.reset_thread_parent(token)
-
-@patch
-def finalize(self:LiveDisplay) -> dict:
-    "Replace the output with the static bundle (once; later calls return it); the widget stops refreshing."
-    with self._lock:
-        if self.final is not None: return self.final
-        if (update := getattr(self.widget, "update", None)): update()        # the widget's state, as final as the record
-        self.final = self.static()
-    if self.handle is not None: _update(self.handle.display_id, self.final, self.parent)
-    with _LIVE_LOCK:
-        if self in _LIVE.get(self.key, []): _LIVE[self.key].remove(self)
-    if (refresher := getattr(self.widget, "refresher", None)) is not None: refresher.close()
-    return self.final
-
-# %% ../nbs/09_dashboard.ipynb #cd9c3daf
-def show_live(key: str, widget, static, ends_with_run: bool = True) -> LiveDisplay:
-    "Show `widget` live under `key`; it becomes `static()` when its refresher ends or `finalize_displays(key)` is called."
-    return LiveDisplay(key, widget, static, ends_with_run).show()
-
-def finalize_displays(key: str, run_views_only: bool = False) -> int:
-    "Finalise the live displays of `key` in this kernel (`run_views_only`: those that end with the run); how many."
-    with _LIVE_LOCK: live = [d for d in _LIVE.get(key, []) if d.ends_with_run or not run_views_only]
-    for d in live: d.finalize()
-    return len(live)
-
 # %% ../nbs/09_dashboard.ipynb #8864ceff
 @patch
 def _ipython_display_(self:Dashboard):
     from ilab_nb.record import Record
     show_live(self.monitor.run_id, self, lambda: Record(self.monitor.run_dir)._repr_mimebundle_())
-
-# %% ../nbs/09_dashboard.ipynb #210c5c3e
-def _finalize_all():
-    with _LIVE_LOCK: keys = list(_LIVE)
-    for k in keys:
-        try: finalize_displays(k)
-        except Exception: pass
-
-import atexit
-atexit.register(_finalize_all)
 
 # %% ../nbs/09_dashboard.ipynb #6c25a410
 def _as_monitor(run):

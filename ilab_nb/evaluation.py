@@ -330,8 +330,8 @@ def wait(self:Evaluation, timeout=None, poll_s: float = 0.5) -> str:
         if timeout is not None and time.time() - t0 > timeout:
             raise TimeoutError(f"Evaluation {self.eval_id} is still {st} after {timeout} s.")
         time.sleep(poll_s)
-    from ilab_nb.session import end_views
-    end_views(self.eval_id); end_views(self.spec.get("run_id") or "")     # its view, and its run's dashboard that followed it
+    from ilab_nb.live import finalize_displays
+    for key in (self.eval_id, self.spec.get("run_id") or ""): finalize_displays(key, run_views_only=True)   # its view, its run's dashboard
     return st
 
 @patch
@@ -406,7 +406,7 @@ class EvaluationView:
     "A live view of an evaluation: its progress refreshed every `refresh_s` s until it ends."
     def __init__(self, ev: Evaluation, refresh_s: float = 2.0):
         import ipywidgets as W
-        from ilab_nb.dashboard import Refresher
+        from ilab_nb.live import Refresher
         self.ev, self.html = ev, W.HTML(ev.progress_html())
         self.refresher = Refresher(self.update, lambda: self.ev.status in TERMINAL, lambda h: None, refresh_s,
                                    name=f"ilab-eval-{ev.eval_id}")
@@ -415,7 +415,7 @@ class EvaluationView:
 
 @patch
 def _ipython_display_(self:Evaluation):
-    from ilab_nb.dashboard import show_live
+    from ilab_nb.live import show_live
     view = EvaluationView(self); view.refresher.start()
     show_live(self.eval_id, view, self.record_bundle)
 

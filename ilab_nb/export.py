@@ -549,7 +549,7 @@ def export_target(run_dir, run_id: str, source, dtype: str, path=None) -> Path:
 class ExportProgress:
     "A GGUF export's progress: an HTML output updated in place in a notebook, else tqdm's bar on stderr."
     def __init__(self, name: str, notebook: bool | None = None):
-        from ilab_nb.dashboard import in_kernel
+        from ilab_nb.live import in_kernel
         self.name, self.notebook, self.bar, self.handle, self._t = name, in_kernel() if notebook is None else notebook, None, None, 0.0
 
     def html(self, body: str) -> str:

@@ -13,6 +13,7 @@ from .config import TrainConfig, ConfigError, InMemoryData, config_line, load_co
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
                               kill_run_processes, run_processes)
 from .core import no_hf_progress_bars, patch, require_torch
+from .live import finalize_displays
 from .monitor import RunMonitor
 from .rundir import (CKPT_MARKER, TRAINER_STATE, Event, RunDirLinkError, RunPaths, State, read_json, refuse_foreign,
                             refuse_links, status_of)
@@ -20,7 +21,7 @@ from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_
 from .preflight import PreflightError, preflight, model_files_problem
 
 # %% auto #0
-__all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError', 'end_views']
+__all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError']
 
 # %% ../nbs/08_session.ipynb #a826efa4
 class FineTuneSession:
@@ -178,11 +179,6 @@ def progress(self:FineTuneSession) -> dict:
     self.monitor.poll(); return self.monitor.progress()
 
 # %% ../nbs/08_session.ipynb #ce0da64f
-def end_views(key: str, run_views_only: bool = True) -> int:
-    "Finalise the live views of `key` (a run id, a sweep id) in this kernel; how many (none if no dashboard was imported)."
-    d = sys.modules.get("ilab_nb.dashboard")
-    return d.finalize_displays(key, run_views_only) if d is not None else 0
-
 @patch
 def _evaluating(self:FineTuneSession, st: dict) -> bool:
     "Whether the evaluation this run's completion queued (`eval_tasks`) is still going."
@@ -208,7 +204,7 @@ def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
                     bar.set_postfix_str(f"{status} loss={pr['loss']:.4f}" if pr["loss"] is not None else status, refresh=False)
                     bar.refresh()
             if status in TERMINAL:
-                if not self._evaluating(st): end_views(self.run_id)    # else the dashboard follows the evaluation to its end
+                if not self._evaluating(st): finalize_displays(self.run_id, run_views_only=True)    # else the dashboard follows the evaluation to its end
                 return status
             if status == State.created: raise RuntimeError(f"Run {self.run_id} has no state in {self.run_dir}: it was not started "
                                                    "(call start()), or its directory was deleted.")
@@ -515,13 +511,13 @@ def _ipython_display_(self:FineTuneSession):
     from IPython.display import display
     try: d = self.dashboard()
     except ImportError: print(repr(self)); return
-    display(d)                        # live with a display handle, then the record (09_dashboard's LiveDisplay)
+    display(d)                        # live with a display handle, then the record (04f_live's LiveDisplay)
 
 # %% ../nbs/08_session.ipynb #8d0dda21
 @patch
 def snapshot(self:FineTuneSession):
     "Replace this run's live views in this kernel by their static record now; returns the record."
-    end_views(self.run_id, run_views_only=False)
+    finalize_displays(self.run_id)
     return self.record()
 
 @patch

@@ -12,8 +12,9 @@ import ipywidgets as W
 from .config import ConfigError, TrainConfig, with_changes
 from .runstore import RunStore, TERMINAL, new_run_id, validate_run_id, write_json_atomic, read_json
 from .monitor import RunMonitor
-from .session import FineTuneSession, end_views
+from .session import FineTuneSession
 from .core import patch
+from .live import Refresher, finalize_displays, in_kernel, show_live
 from .rundir import RunPaths, SWEEPS_DIR
 
 # %% auto #0
@@ -220,7 +221,7 @@ def wait(self:Sweep, timeout=None, poll_s: float = 1.0) -> list:
     t0 = time.time()
     while True:
         st = [s.status for s in self.sessions]
-        if all(_ended(x) for x in st): end_views(self.sweep_id); return st
+        if all(_ended(x) for x in st): finalize_displays(self.sweep_id, run_views_only=True); return st
         if timeout is not None and time.time() - t0 > timeout:
             raise TimeoutError(f"Sweep {self.sweep_id}: {sum(not _ended(x) for x in st)} run(s) still going after {timeout} s.")
         time.sleep(poll_s)
@@ -267,7 +268,6 @@ def sweep_table_html(sweep: Sweep) -> str:
 class SweepDashboard(W.VBox):
     "Live view of a sweep: the per-run table and the overlaid loss curves."
     def __init__(self, sweep: Sweep, refresh_s: float = 2.0, autostart: bool | None = None):
-        from ilab_nb.dashboard import Refresher, in_kernel
         super().__init__(layout=W.Layout(width="100%", max_width="940px"))
         self.add_class("ilab-sweep")
         self.sweep, self.refresh_s, self._n, self.going = sweep, refresh_s, None, True
@@ -353,7 +353,6 @@ def report_if_last(run_dir) -> Path | None:
 # %% ../nbs/14_sweep.ipynb #63552ff7
 @patch
 def _ipython_display_(self:SweepDashboard):
-    from ilab_nb.dashboard import show_live
     show_live(self.sweep.sweep_id, self, self.sweep.record_bundle)
 
 @patch
