@@ -21,6 +21,7 @@ from matplotlib.ticker import Formatter, MaxNLocator
 from tqdm import tqdm
 
 from .core import patch
+from .evaluations import Evaluation, evaluations_of, latest_scores
 from .live import Refresher, in_kernel, note_html, show_live
 from .monitor import RunMonitor, data_notes
 from .trackers import tracker_notes
@@ -363,11 +364,11 @@ def _failure_html(state: dict) -> str:
 class Dashboard(W.VBox):
     "Live ipywidgets view of one run, fed by a `RunMonitor`; Stop / Resume call `on_stop` / `on_resume`."
 
-    def __init__(self, monitor, on_stop=None, on_resume=None, status_fn=None, refresh_s: float = 1.0,
+    def __init__(self, monitor, on_stop=None, on_resume=None, status_fn=None, record=None, refresh_s: float = 1.0,
                  smooth: float = 0.6, log_lines: int = 20, autostart: bool | None = None):
         super().__init__(layout=W.Layout(width="100%", max_width="940px", padding="6px 4px"))
         self.add_class("ilab-dashboard")
-        self.monitor, self.on_stop, self.on_resume, self.status_fn = monitor, on_stop, on_resume, status_fn
+        self.monitor, self.on_stop, self.on_resume, self.status_fn, self.record = monitor, on_stop, on_resume, status_fn, record
         self.refresh_s, self.log_lines = refresh_s, log_lines
         self.refresher = Refresher(self.update, self.ended, lambda h: self._set(self.message, h),
                                    refresh_s, name=f"ilab-dashboard-{monitor.run_id}")
@@ -604,7 +605,6 @@ def _evaluation(self:Dashboard):
     "The evaluation the run's completion queued (`evaluation` in its state), or None."
     eid = self.monitor.state().get("evaluation")
     if not eid: return None
-    from ilab_nb.evaluation import Evaluation
     return Evaluation(RunPaths(self.monitor.run_dir).evals / eid)
 
 @patch
@@ -615,7 +615,6 @@ def ended(self:Dashboard) -> bool:
 
 @patch
 def _show_evaluations(self:Dashboard) -> bool:
-    from ilab_nb.evaluation import evaluations_of
     evs = evaluations_of(self.monitor.run_dir)
     if not evs: return False
     if getattr(self, "eval_view", None) is None:
@@ -700,8 +699,9 @@ def _repr_mimebundle_(self:Dashboard, **kwargs):
 # %% ../nbs/09_dashboard.ipynb #8864ceff
 @patch
 def _ipython_display_(self:Dashboard):
-    from ilab_nb.record import Record
-    show_live(self.monitor.run_id, self, lambda: Record(self.monitor.run_dir)._repr_mimebundle_())
+    if self.record is not None: show_live(self.monitor.run_id, self, self.record); return
+    from IPython.display import display
+    display(self._repr_mimebundle_(), raw=True)
 
 # %% ../nbs/09_dashboard.ipynb #6c25a410
 def _as_monitor(run):
@@ -769,8 +769,7 @@ def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
             "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed, **_scores(m.run_dir)}
 
 def _scores(run_dir) -> dict:
-    "The run's newest evaluation's scores (18_evaluation's `latest_scores`): what `compare()` sets beside the curves."
-    from ilab_nb.evaluation import latest_scores
+    "The run's newest evaluation's scores (18a_evaluations' `latest_scores`): what `compare()` sets beside the curves."
     return latest_scores(run_dir)
 
 # %% ../nbs/09_dashboard.ipynb #fabd5029

@@ -10,12 +10,12 @@ from pathlib import Path
 from .core import patch
 from .rundir import Event, RunPaths, State, TERMINAL, read_json, status_of
 from .runstore import RunStore, new_run_id, write_json_atomic
+from .evaluations import Evaluation
 
 # %% auto #0
 __all__ = ['OWN_TASKS', 'HELDOUT_METRICS', 'heldout_records', 'turn_end', 'heldout_docs', 'write_heldout_task', 'preference_docs',
            'write_preference_task', 'EvalError', 'check_tasks', 'write_own_tasks', 'eval_spec', 'load_for_eval',
-           'evaluate_task', 'task_scores', 'run_evaluation', 'main', 'start_evaluation', 'Evaluation', 'EvaluationView',
-           'evaluations_of', 'latest_scores']
+           'evaluate_task', 'task_scores', 'run_evaluation', 'main', 'start_evaluation']
 
 # %% ../nbs/18_evaluation.ipynb #88966d24
 OWN_TASKS = {"heldout": "chat", "heldout_preference": "preference"}     # task -> the kind of records it is made from
@@ -298,137 +298,3 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
     ref = spawn_supervisor(d, 1, queue=queue, worker_module="ilab_nb.evaluation")
     store.write_state(eid, supervisor=ref.to_dict())
     return Evaluation(d)
-
-# %% ../nbs/18_evaluation.ipynb #be84b2eb
-class Evaluation:
-    "An evaluation of a run: `status`, `wait()`, `stop()`, `records`, `results()`; displayed, its progress then its table."
-    def __init__(self, eval_dir):
-        self.dir = Path(eval_dir); self.eval_id = self.dir.name; self.store = RunStore(self.dir.parent)
-    def __repr__(self): return f"Evaluation({self.eval_id!r}, status={self.status!r}, tasks={self.spec.get('tasks')})"
-    @property
-    def spec(self) -> dict: return read_json(RunPaths(self.dir).config, {}) or {}
-    @property
-    def state(self) -> dict: return self.store.refresh(self.eval_id)
-    @property
-    def status(self) -> str: return status_of(self.state)
-    @property
-    def reason(self): return self.state.get("reason")
-
-@patch(as_prop=True)
-def records(self:Evaluation) -> list:
-    "The evaluation's `task` records, in order."
-    p = RunPaths(self.dir).metrics
-    lines = p.read_text(encoding="utf-8").splitlines() if p.exists() else []
-    return [r for r in map(json.loads, filter(str.strip, lines)) if r.get("kind") == "task"]
-
-# %% ../nbs/18_evaluation.ipynb #8591c89f
-@patch
-def wait(self:Evaluation, timeout=None, poll_s: float = 0.5) -> str:
-    "Block until the evaluation ends; returns its status."
-    t0 = time.time()
-    while (st := self.status) not in TERMINAL:
-        if timeout is not None and time.time() - t0 > timeout:
-            raise TimeoutError(f"Evaluation {self.eval_id} is still {st} after {timeout} s.")
-        time.sleep(poll_s)
-    from ilab_nb.live import finalize_displays
-    for key in (self.eval_id, self.spec.get("run_id") or ""): finalize_displays(key, run_views_only=True)   # its view, its run's dashboard
-    return st
-
-@patch
-def stop(self:Evaluation, wait: bool = True, timeout=None) -> str:
-    "Ask the evaluation to stop before its next task (killed after the grace period); with `wait`, until it has ended."
-    if self.status in TERMINAL: return self.status
-    stop = RunPaths(self.dir).stop; stop.parent.mkdir(exist_ok=True)
-    if not stop.exists(): write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}"})
-    return self.wait(timeout) if wait else self.status
-
-# %% ../nbs/18_evaluation.ipynb #b5086b16
-@patch
-def results(self:Evaluation):
-    "pandas: one row per task and metric: `task`, `metric`, `base`, `tuned`, `delta` (tuned - base), `stderr` (tuned's)."
-    import pandas as pd
-    got = {}
-    for r in self.records:
-        if r.get("status") != "done": continue
-        for metric, (v, err) in r["scores"].items(): got.setdefault((r["task"], metric), {})[r["model"]] = (v, err)
-    rows = [dict(task=t, metric=m, base=by.get("base", (math.nan,))[0], tuned=by.get("tuned", (math.nan,))[0],
-                 stderr=(by.get("tuned") or (None, None))[1]) for (t, m), by in got.items()]
-    rows += [dict(task="heldout_preference", metric=m, base=0.0, tuned=v, stderr=None) for m, v in self.preference_rewards().items()]
-    df = pd.DataFrame(rows, columns=["task", "metric", "base", "tuned", "delta", "stderr"])
-    df["delta"] = df["tuned"] - df["base"]
-    return df
-
-# %% ../nbs/18_evaluation.ipynb #5235010e
-def _choice_logps(samples_file: Path) -> dict:
-    "`{doc_id: (logp chosen, logp rejected)}` from an lm-eval samples file of `heldout_preference`."
-    out = {}
-    for line in samples_file.read_text(encoding="utf-8").splitlines():
-        s = json.loads(line); out[s["doc_id"]] = tuple(float(r[0]) for r in s["filtered_resps"][:2])
-    return out
-
-@patch
-def preference_rewards(self:Evaluation) -> dict:
-    "`{'rewards/accuracies', 'rewards/margins'}` of the trained model against the base on `heldout_preference` ({} if not both)."
-    files = {m: sorted((self.dir / m).glob("samples_heldout_preference_*.jsonl")) for m in ("base", "tuned")}
-    if not (files["base"] and files["tuned"]): return {}
-    base, tuned = _choice_logps(files["base"][-1]), _choice_logps(files["tuned"][-1])
-    margins = [(tuned[i][0] - base[i][0]) - (tuned[i][1] - base[i][1]) for i in tuned if i in base]
-    return {"rewards/accuracies": sum(m > 0 for m in margins) / len(margins), "rewards/margins": sum(margins) / len(margins)} if margins else {}
-
-# %% ../nbs/18_evaluation.ipynb #ee99c7d3
-@patch
-def progress_html(self:Evaluation) -> str:
-    "The evaluation as HTML: its status, and each model x task with its scores (or that it runs, or waits)."
-    import html as H
-    spec, done = self.spec, {(r["model"], r["task"]): r for r in self.records}
-    rows = []
-    for m in spec.get("models", []):
-        for t in spec.get("tasks", []):
-            r = done.get((m["label"], t))
-            what = ("waiting" if r is None else "running…" if r["status"] != "done" else
-                    ", ".join(f"{k} {v[0]:.3f}" for k, v in r["scores"].items()))
-            rows.append(f"<tr><td>{H.escape(m['label'])}</td><td>{H.escape(t)}</td><td>{H.escape(what)}</td></tr>")
-    st = self.status
-    why = f" — {H.escape(str(self.reason))}" if st in (State.failed, State.cancelled) and self.reason else ""
-    return (f"<div class='ilab-eval' style='font-size:13px'><b>Evaluation {H.escape(self.eval_id)}</b> of run "
-            f"{H.escape(str(spec.get('run_id')))}: {H.escape(str(st))}{why}<table style='border-spacing:12px 2px'>"
-            "<tr><th>model</th><th>task</th><th>scores</th></tr>" + "".join(rows) + "</table></div>")
-
-@patch
-def record_bundle(self:Evaluation) -> dict:
-    "The evaluation's record: its table as HTML (and text), no widget view."
-    df = self.results()
-    table = df.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="—") if len(df) else ""
-    return {"text/html": self.progress_html() + table, "text/plain": repr(self) + ("\n" + df.to_string(index=False) if len(df) else "")}
-
-# %% ../nbs/18_evaluation.ipynb #47bb9df3
-class EvaluationView:
-    "A live view of an evaluation: its progress refreshed every `refresh_s` s until it ends."
-    def __init__(self, ev: Evaluation, refresh_s: float = 2.0):
-        import ipywidgets as W
-        from ilab_nb.live import Refresher
-        self.ev, self.html = ev, W.HTML(ev.progress_html())
-        self.refresher = Refresher(self.update, lambda: self.ev.status in TERMINAL, lambda h: None, refresh_s,
-                                   name=f"ilab-eval-{ev.eval_id}")
-    def update(self): self.html.value = self.ev.progress_html()
-    def _repr_mimebundle_(self, **kw): return self.html._repr_mimebundle_(**kw)
-
-@patch
-def _ipython_display_(self:Evaluation):
-    from ilab_nb.live import show_live
-    view = EvaluationView(self); view.refresher.start()
-    show_live(self.eval_id, view, self.record_bundle)
-
-# %% ../nbs/18_evaluation.ipynb #f0df31b6
-def evaluations_of(run_dir) -> list[Evaluation]:
-    "The evaluations in `run_dir`'s `eval/`, oldest first."
-    d = RunPaths(run_dir).evals
-    return [Evaluation(p) for p in sorted(d.iterdir()) if (p / "config.json").exists()] if d.is_dir() else []
-
-# %% ../nbs/18_evaluation.ipynb #c649ed5e
-def latest_scores(run_dir) -> dict:
-    "`{'task/metric': value}` of the trained model in the run's newest completed evaluation ({} without one)."
-    done = [e for e in evaluations_of(run_dir) if e.status == State.completed]
-    if not done: return {}
-    df = done[-1].results()
-    return {f"{r.task}/{r.metric}": r.tuned for r in df.itertuples()}

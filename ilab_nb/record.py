@@ -11,6 +11,7 @@ from .core import patch
 from .monitor import RunMonitor
 from .rundir import RunPaths, State, status_of
 from . import dashboard as D
+from .evaluations import evaluations_of
 
 # %% auto #0
 __all__ = ['summary_rows', 'loss_png', 'evaluations_html', 'record_html', 'record_text', 'record_bundle', 'Record', 'report_page',
@@ -62,7 +63,6 @@ def _attach_html(monitor, when: float) -> str:
 # %% ../nbs/09a_record.ipynb #e840e38b
 def evaluations_html(run_dir) -> str:
     "The run's evaluations as HTML: each one's progress and results table ('' without any)."
-    from ilab_nb.evaluation import evaluations_of
     return "".join(f'<div style="margin-top:6px">{ev.record_bundle()["text/html"]}</div>' for ev in evaluations_of(run_dir))
 
 # %% ../nbs/09a_record.ipynb #37db8be3

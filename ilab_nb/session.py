@@ -183,7 +183,7 @@ def progress(self:FineTuneSession) -> dict:
 def _evaluating(self:FineTuneSession, st: dict) -> bool:
     "Whether the evaluation this run's completion queued (`eval_tasks`) is still going."
     if not st.get("evaluation"): return False
-    from ilab_nb.evaluation import Evaluation
+    from ilab_nb.evaluations import Evaluation
     return Evaluation(RunPaths(self.run_dir).evals / st["evaluation"]).status not in TERMINAL
 
 @patch
@@ -497,7 +497,7 @@ def dashboard(self:FineTuneSession, **kwargs):
     "The live ipywidgets dashboard of this run."
     from ilab_nb.dashboard import Dashboard
     return Dashboard(RunMonitor(self.run_dir), on_stop=lambda: self.stop(wait=False), on_resume=self.resume,
-                     status_fn=lambda: self.status, **kwargs)
+                     status_fn=lambda: self.status, record=lambda: self.record()._repr_mimebundle_(), **kwargs)
 
 # %% ../nbs/08_session.ipynb #393e2663
 @patch
@@ -535,8 +535,8 @@ def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, li
 
 @patch(as_prop=True)
 def evaluations(self:FineTuneSession) -> list:
-    "The run's evaluations (`ilab_nb.evaluation.Evaluation`), oldest first."
-    from ilab_nb.evaluation import evaluations_of
+    "The run's evaluations (`ilab_nb.evaluations.Evaluation`), oldest first."
+    from ilab_nb.evaluations import evaluations_of
     return evaluations_of(self.run_dir)
 
 # %% ../nbs/08_session.ipynb #00cea0ac

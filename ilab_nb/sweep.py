@@ -208,7 +208,7 @@ def list_sweeps(cls:Sweep, runs_root=None) -> list:
 def results(self:Sweep):
     "A pandas DataFrame, one row per run: run id, the varied fields, status, final/best losses, tokens/s, evaluation scores."
     import pandas as pd
-    from ilab_nb.evaluation import latest_scores
+    from ilab_nb.evaluations import latest_scores
     rows = []
     for s, r in zip(self.sessions, self.spec["runs"]):
         rows.append(dict(run_id=s.run_id, **r["values"], status=s.status, **run_summary(s.monitor), **latest_scores(s.run_dir)))

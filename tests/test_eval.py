@@ -10,7 +10,8 @@ import pytest
 
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import answer_prompts, read_chat_jsonl
-from ilab_nb.evaluation import EvalError, Evaluation, check_tasks, evaluate_task, run_evaluation, write_own_tasks
+from ilab_nb.evaluation import EvalError, check_tasks, evaluate_task, run_evaluation, write_own_tasks
+from ilab_nb.evaluations import Evaluation
 from ilab_nb.rundir import RunPaths, State
 from ilab_nb.runstore import RunStore, write_json_atomic
 
