@@ -348,6 +348,9 @@ def _machine_problems(c) -> list:
                   "which takes it from the allocation)"))
     if c.slurm is not None and c.backend != "slurm":
         p.append(("slurm", "SLURM options are given but backend is 'local'; set backend='slurm' or drop slurm"))
+    if c.backend == "slurm" and c.eval_tasks:
+        p.append(("eval_tasks", "runs on this machine's device queue when a local run completes, and a SLURM run's job ends "
+                  "without it; evaluate the completed run with FineTuneSession.evaluate(tasks) or `ilab-nb eval RUN --tasks ...`"))
     if c.slurm is not None and c.slurm.nodes is not None and c.slurm.nodes != m:
         p.append(("slurm", f"slurm.nodes={c.slurm.nodes} but num_machines={m}: one SLURM node is one machine; "
                   f"set num_machines={c.slurm.nodes}"))

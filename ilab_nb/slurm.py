@@ -374,8 +374,16 @@ def _finish(store, run_id, status, why, job_id=None, job_state=None, events=(), 
     if why: fields["reason"] = why
     try: st = store.write_state(run_id, status=status, job_state=job_state, pending_reason=None, **fields)
     except StateError: return store.read_state(run_id)
+    _write_report(store.run_dir(run_id), st)
     store.append_event(run_id, status, job_id=job_id, by=f"observer pid {os.getpid()}", **({"reason": why} if why else {}))
     return st
+
+def _write_report(run_dir, state: dict):
+    "The run's `report.html` (09a_record) showing its final `state` (never fails the caller)."
+    try:
+        from ilab_nb.record import write_report
+        write_report(run_dir, state=state)
+    except Exception as e: print(f"report.html of {run_dir} not written: {type(e).__name__}: {e}", file=sys.stderr)
 
 # %% ../nbs/13_slurm.ipynb #8bc3f2c7
 def _scancel_after_grace(store, run_id, st: dict, job, attempt, stop: dict) -> dict:

@@ -111,6 +111,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     victim.send_signal(signal.SIGKILL)
     assert b.wait(timeout=240) == "failed"
     assert f"rank 1 on node {node} was killed by signal SIGKILL" in b.reason, b.reason
+    assert f"rank 1 on node {node} was killed by signal SIGKILL" in RunPaths(b.run_dir).report.read_text()   # its observer's report
 
     # A runs from its checkpoint; once it has saved another, `scontrol requeue` of its job (as a preemption does):
     # SLURM starts the job again, and it resumes from the latest complete checkpoint as attempt 3.
@@ -124,6 +125,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     subprocess.run(["scontrol", "update", f"JobId={a.state['job_id']}", "StartTime=now"], check=True)
     # A finishes; the model loads; a new process sees every step.
     assert a.wait(timeout=400) == "completed", a.reason
+    assert ">completed</span>" in RunPaths(a.run_dir).report.read_text() and RunPaths(a.run_dir).loss_png.exists()
     model, tok = a.load_model()
     assert model.num_parameters() == head["params_total"]
     a.monitor.poll(); headers = [r for r in a.monitor.records if r.get("kind") == "header"]
