@@ -97,7 +97,8 @@ def _json_object(pairs) -> dict:
 
 # %% ../nbs/00_config.ipynb #6aff9ad1
 def _json_key_lines(text: str) -> dict[str, int]:
-    "1-based line of the first occurrence of each `\"key\":` (a good guess for flat JSON configs)."
+    "1-based line of each key of a JSON object, nested ones as `key.inner` (else of the first `\"key\":` of each name)."
+    if lines := _yaml_key_lines(text.replace("\t", " ")): return lines
     out = {}
     for m in re.finditer(r'"((?:[^"\\]|\\.)*)"\s*:', text):
         out.setdefault(m.group(1), text.count("\n", 0, m.start()) + 1)
