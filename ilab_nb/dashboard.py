@@ -667,7 +667,8 @@ def _click_stop(self:Dashboard, _=None):
     self.stop_button.disabled = True
     self.stop_button.description = "Stopping…"
     self._set(self.message, note_html("Stop requested: the run checkpoints and ends at the next step.", "#5f6368"))
-    threading.Thread(target=self._call, args=(self.on_stop, "stop", self.stop_button, "Stop"), daemon=True).start()
+    self.click = threading.Thread(target=self._call, args=(self.on_stop, "stop", self.stop_button, "Stop"), daemon=True)
+    self.click.start()            # kept: whoever needs the click done (a check, say) joins it
 
 # %% ../nbs/09_dashboard.ipynb #428c44d8
 @patch
@@ -675,7 +676,8 @@ def _click_resume(self:Dashboard, _=None):
     self.resume_button.disabled = True
     self.resume_button.description = "Resuming…"
     self._set(self.message, note_html("Resuming from the latest complete checkpoint…", "#5f6368"))
-    threading.Thread(target=self._call, args=(self.on_resume, "resume", self.resume_button, "Resume"), daemon=True).start()
+    self.click = threading.Thread(target=self._call, args=(self.on_resume, "resume", self.resume_button, "Resume"), daemon=True)
+    self.click.start()
 
 # %% ../nbs/09_dashboard.ipynb #47bcf148
 @patch
