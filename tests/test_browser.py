@@ -179,6 +179,16 @@ def record_state(page) -> dict:
     }""")
 
 
+def settled_record(page, timeout_ms=60_000) -> dict:
+    "`record_state` once the record is on the page and its plot has decoded (after 10 s more, as it is: the checks say what is missing)."
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    page.wait_for_selector(".ilab-record", timeout=timeout_ms)
+    with contextlib.suppress(PlaywrightTimeout):
+        page.wait_for_function("() => { const i = document.querySelector('.ilab-record img');"
+                               " return !!i && i.complete && i.naturalWidth > 0; }", timeout=10_000)
+    return record_state(page)
+
+
 def shut_down_kernels(lab):
     "Shut down every kernel of this JupyterLab through its REST API, as the Kernel menu's Shut Down does."
     with urllib.request.urlopen(f"{lab.url}/api/kernels?token={lab.token}", timeout=10) as r: kernels = json.load(r)
@@ -277,8 +287,7 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
                 shot(page, "3-log-open")
                 page.click(".ilab-stop")
                 # the run ends cancelled, and the cell's output becomes the run's record: static HTML, no widget
-                page.wait_for_selector(".ilab-record", timeout=120_000)
-                rec = record_state(page)
+                rec = settled_record(page, timeout_ms=120_000)
                 page.locator(".ilab-record").first.screenshot(path=str(ARTIFACTS / "browser-4-record.png"))
                 assert rec["badge"] == "cancelled" and rec["img"] > 0 and not rec["widgets"], rec
                 assert step_of(dict(text=rec["text"])) >= step_of(later), rec
@@ -290,9 +299,7 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
                 assert "ilab-record" in nb_file.read_text() and WIDGET_VIEW not in nb_file.read_text()
                 shut_down_kernels(lab)
                 page.reload()
-                page.wait_for_selector(".ilab-record", timeout=60_000)
-                time.sleep(1)                                              # the image decoded, anything else rendered
-                again = record_state(page)
+                again = settled_record(page)
                 page.screenshot(path=str(ARTIFACTS / "browser-5-reopened-page.png"))
                 shots.append("browser-5-reopened-page.png")
                 assert again["badge"] == "cancelled" and again["img"] > 0 and not again["errors"] and not again["widgets"], again
@@ -309,7 +316,7 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
         with chromium_page() as page:
             page.context.set_offline(True)
             page.goto((s.run_dir / "report.html").as_uri())
-            rep = record_state(page)
+            rep = settled_record(page)
             page.screenshot(path=str(ARTIFACTS / "browser-6-report.png"), full_page=True)
             assert rep["badge"] == "cancelled" and rep["img"] > 0, rep
         print(f"\n[measured] browser test {time.monotonic() - t0:.1f} s; screenshots: {shots}")
