@@ -6,19 +6,45 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-fast setup sync-check nbtest pytest browser-deps slurm-deps llama-deps clean-venv gpu-wheels gpu-check
+.PHONY: demo test test-fast setup lock lock-check test-latest sync-check nbtest pytest browser-deps slurm-deps llama-deps clean-venv gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
+# The test environment is locked: every package at the version in requirements/test.lock (compiled by `make lock` from
+# setup.py's ranges and requirements/test.in), installed under it as pip constraints, so a fresh clone today and in a
+# month gets the environment that passed. LOCKED=0 installs the newest versions inside the ranges (`make test-latest`).
+# torch follows TORCH_SPEC (the lock's by default); a torch the venv already sees is kept and left out of the constraints.
+LOCK := requirements/test.lock
+LOCKED ?= 1
+PIP_SPEC ?= pip==26.3
+CONSTRAINTS := $(VENV)/constraints.txt
+
 # A torch importable by $(PY) (a user's CUDA build, say) is reused through --system-site-packages.
-$(VENV)/.installed: settings.ini setup.py
+$(VENV)/.installed: settings.ini setup.py $(wildcard $(LOCK))
 	@if [ ! -x $(BIN)/python ]; then \
 	  if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m venv --system-site-packages $(VENV); \
 	  else $(PY) -m venv $(VENV); fi; fi
-	$(BIN)/python -m pip install -q --upgrade pip
-	@$(BIN)/python -c "import torch" 2>/dev/null && echo "torch present: keeping it" || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q "$(PIP_SPEC)"
+	@if [ "$(LOCKED)" = 1 ]; then grep -v '^torch==' $(LOCK) > $(CONSTRAINTS); else : > $(CONSTRAINTS); fi
+	@$(BIN)/python -c "import torch" 2>/dev/null && echo "torch present: keeping it" || \
+	  $(BIN)/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	@touch $@
+
+# Compiles the lock anew from the newest versions inside setup.py's ranges: run on purpose, then `make test`, commit.
+lock: setup
+	$(BIN)/pip-compile -q --extra dev --strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links \
+	  --annotation-style line -o $(LOCK) setup.py requirements/test.in
+	@echo "$(LOCK): $$(grep -c '==' $(LOCK)) pins; now: make test, and commit it if it passes"
+
+# The environment equals the lock (pip's tools and the project aside; llama.cpp's binding may be missing: its tests skip).
+lock-check: setup
+	@if [ "$(LOCKED)" = 1 ]; then $(BIN)/python tools/lock_check.py $(LOCK) --may-lack llama-cpp-python diskcache; fi
+
+# The suite against the newest releases inside setup.py's ranges, in a venv of its own: how an upstream change is found
+# by someone who asked, not by CI (not part of `make test`).
+test-latest:
+	$(MAKE) VENV=.venv-latest LOCKED=0 test
 
 demo: setup
 	$(BIN)/ilab-nb demo
@@ -52,12 +78,12 @@ slurm-deps:
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 llama-deps: setup
 	@$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
-	  timeout 1800 $(BIN)/python -m pip install -q "$(LLAMA_CPP_SPEC)" || echo "llama-cpp-python could not be built: the llama.cpp checks will skip"
+	  timeout 1800 $(BIN)/python -m pip install -q -c $(CONSTRAINTS) "$(LLAMA_CPP_SPEC)" || echo "llama-cpp-python could not be built: the llama.cpp checks will skip"
 
 # On both cores: two pytest-xdist workers; the tests sharing a run, a JupyterLab or the SLURM cluster stay on one
 # (tests/conftest.py's SHARED_BY). TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 2
-pytest: setup browser-deps slurm-deps llama-deps
+pytest: setup browser-deps slurm-deps llama-deps lock-check
 	$(BIN)/python -m pytest tests -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 test: sync-check nbtest pytest

@@ -146,6 +146,34 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+# --- comparisons with a tolerance -----------------------------------------------------------------------------------
+
+def within(what: str, diff: float, tol: float, seen: str):
+    """Asserts a measured difference is within its tolerance, and says both. `seen` is where the tolerance comes from:
+    the difference measured when it was set, so a tolerance sits at least twice above it (`SEEN_MARGIN`). With
+    ILAB_MEASURED=<file> set, each comparison appends {what, diff, tol} to it: the audit's figures for a whole run
+    (`ILAB_MEASURED=/tmp/m.jsonl make pytest`)."""
+    import json
+    diff = float(diff)
+    print(f"[measured] {what}: {diff:.3g} (tolerance {tol:.3g}; set from {seen})")
+    if os.environ.get("ILAB_MEASURED"):
+        with open(os.environ["ILAB_MEASURED"], "a") as f: f.write(json.dumps(dict(what=what, diff=diff, tol=tol)) + "\n")
+    assert diff <= tol, f"{what}: {diff:.3g} > tolerance {tol:.3g} (set from {seen})"
+
+
+def max_abs_diff(a, b) -> float:
+    "The largest absolute difference of two tensors (or arrays) of one shape."
+    import torch
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def rel_diff(got: float, want: float) -> float:
+    "|got - want| / |want|."
+    return abs(got - want) / abs(want)
+
+
 def make_session(demo, data, runs_root, **kw):
     "A FineTuneSession of the demo model on `data` with FIELDS (overridden by `kw`), not started."
     from ilab_nb.session import FineTuneSession
