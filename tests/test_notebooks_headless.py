@@ -1,4 +1,4 @@
-"""The tutorial (nbs/12_tutorial.ipynb) executed headless with nbclient, storing widget state, as a user's
+"""The tutorial (nbs/01_tutorial.ipynb) executed headless with nbclient, storing widget state, as a user's
 kernel would run it: real runs, the live dashboards, stop, resume, compare, load_model, chat, a sweep. Its numbers of
 steps and of processes (1 here, 2 for a reader) and its training data come from the environment (ILAB_NB_TUTORIAL_*):
 this test proves that every cell runs and the widgets are live, not that the model learns (the suite's `demo_run`,
@@ -10,7 +10,7 @@ to the new total, over a schedule recomputed for it. Its sweep is the suite's re
 so that its two runs go through the device queue one after the other.
 
 nbdev_test skips the tutorial's training cells (`#| notest`); this test runs all of them. The executed
-notebook is written to artifacts/12_tutorial.executed.ipynb (git-ignored) for inspection."""
+notebook is written to artifacts/01_tutorial.executed.ipynb (git-ignored) for inspection."""
 import base64
 import os
 import time
@@ -56,7 +56,7 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     monkeypatch.setenv("ILAB_NB_TUTORIAL_DATA", str(data))
     for k, v in TUTORIAL.items(): monkeypatch.setenv(f"ILAB_NB_TUTORIAL_{k.upper()}", str(v))
     monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "1")      # one CPU slot: the sweep's two one-process runs queue for it
-    nb = nbformat.read(ROOT / "nbs" / "12_tutorial.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "nbs" / "01_tutorial.ipynb", as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True,
                             resources={"metadata": {"path": str(ROOT / "nbs")}})
     t0 = time.perf_counter()
@@ -64,7 +64,7 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
         client.execute()
     finally:
         (ROOT / "artifacts").mkdir(exist_ok=True)
-        nbformat.write(nb, ROOT / "artifacts" / "12_tutorial.executed.ipynb")
+        nbformat.write(nb, ROOT / "artifacts" / "01_tutorial.executed.ipynb")
     print(f"\n[measured] tutorial executed in {time.perf_counter() - t0:.1f} s")
 
     # the dashboards' progress bars: the resumed run, the second run and the attached one end complete (value == max)

@@ -1,7 +1,7 @@
 """Authoring aid (dev only): edit a notebook as a py:percent text file and write it back as a clean .ipynb.
 
-    python tools/nbedit.py to-py nbs/00_config.ipynb /tmp/00_config.py   # notebook -> editable text
-    python tools/nbedit.py to-nb /tmp/00_config.py nbs/00_config.ipynb   # text -> notebook (no outputs)
+    python tools/nbedit.py to-py nbs/12_config.ipynb /tmp/12_config.py   # notebook -> editable text
+    python tools/nbedit.py to-nb /tmp/12_config.py nbs/12_config.ipynb   # text -> notebook (no outputs)
 
 The notebook stays the source of truth; the text file is a scratch copy. Uses jupytext (pip install jupytext).
 """
