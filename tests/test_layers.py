@@ -1,6 +1,6 @@
 """The notebooks' numbers show the layers: a module's notebook never imports a module whose notebook is numbered
 above it (so there is no import circle either), and each module's docstring is its notebook's whole one-line
-description. Reads files only: no process, no import of the package."""
+description. The tutorial keeps the outputs of a real run. Reads files only: no process, no import of the package."""
 import ast
 import json
 import re
@@ -82,3 +82,16 @@ def test_module_docstrings_are_whole_descriptions():
         text = (LIB / f"{module}.py").read_text()
         doc = ast.get_docstring(ast.parse(text)) or re.search(r'^"""(.*)"""$', text, re.M).group(1)
         assert doc == desc, (module, doc, desc)
+
+
+def test_the_tutorial_is_stored_with_its_outputs():
+    "Stored by tools/store_tutorial_outputs.py from a real run; test_notebooks_headless checks they are current."
+    nb = json.loads((NBS / "01_tutorial.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    outs = [o for c in code for o in c["outputs"]]
+    assert sum(bool(c["outputs"]) for c in code) >= len(code) - 2, "the tutorial's cells were saved without outputs"
+    assert not [o for o in outs if o["output_type"] == "error"]
+    assert not [o for o in outs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]  # records, not widgets
+    html = "".join("".join(o.get("data", {}).get("text/html", "")) for o in outs)
+    assert html.count('class="ilab-record"') >= 3 and "ilab-sweep-record" in html and "ilab-chat-record" in html
+    assert "widgets" not in nb["metadata"]
