@@ -95,3 +95,21 @@ def test_the_tutorial_is_stored_with_its_outputs():
     html = "".join("".join(o.get("data", {}).get("text/html", "")) for o in outs)
     assert html.count('class="ilab-record"') >= 3 and "ilab-sweep-record" in html and "ilab-chat-record" in html
     assert "widgets" not in nb["metadata"]
+
+
+def test_output_shape_sees_a_lost_record_not_new_numbers():
+    import importlib.util
+    import nbformat
+    spec = importlib.util.spec_from_file_location("store", ROOT / "tools" / "store_tutorial_outputs.py")
+    store = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(store)
+    nb = nbformat.read(NBS / "01_tutorial.ipynb", as_version=4)
+    shape = store.output_shape(nb)
+    for c in nb.cells:                                   # other numbers, other run ids: the same shape
+        for o in c.get("outputs", []):
+            if o["output_type"] == "stream": o.text = o.text.replace("1", "7")
+    assert store.output_shape(nb) == shape
+    cell = next(c for c in nb.cells if c.cell_type == "code" and any("ilab-sweep-record" in o.get("data", {}).get("text/html", "")
+                                                                    for o in c.outputs))
+    cell.outputs = []                                    # the sweep's record lost: stale
+    assert store.output_shape(nb) != shape
