@@ -85,7 +85,7 @@ def test_module_docstrings_are_whole_descriptions():
 
 
 def test_the_tutorial_is_stored_with_its_outputs():
-    "Stored by tools/store_tutorial_outputs.py from a real run; test_notebooks_headless checks they are current."
+    "Stored by tools/store_outputs.py from a real run; test_notebooks_headless checks they are current."
     nb = json.loads((NBS / "01_tutorial.ipynb").read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     outs = [o for c in code for o in c["outputs"]]
@@ -100,7 +100,7 @@ def test_the_tutorial_is_stored_with_its_outputs():
 def test_output_shape_sees_a_lost_record_not_new_numbers():
     import importlib.util
     import nbformat
-    spec = importlib.util.spec_from_file_location("store", ROOT / "tools" / "store_tutorial_outputs.py")
+    spec = importlib.util.spec_from_file_location("store", ROOT / "tools" / "store_outputs.py")
     store = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(store)
     nb = nbformat.read(NBS / "01_tutorial.ipynb", as_version=4)
