@@ -35,3 +35,10 @@ def test_the_rendering_leaves_out_nbdev_directives(tmp_path):
     (tmp_path / "settings.ini").write_text("[DEFAULT]\nnbs_path = nbs\nreadme_nb = index.ipynb\n")
     text = make_readme.render(tmp_path)
     assert "# t" in text and "1 + 1" in text and "secret" not in text and "#|" not in text
+
+
+def test_read_next_names_every_notebook_and_explanation():
+    text = (ROOT / "README.md").read_text()
+    missing = [p.stem for p in (ROOT / "nbs").glob("[0-9]*.ipynb") if p.stem not in text]
+    missing += [p.name for p in (ROOT / "nbs" / "explanations").glob("*.md") if f"`{p.name}`" not in text]
+    assert not missing, f"README's 'Read next' (nbs/index.ipynb) does not name {missing}"
