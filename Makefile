@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-fast setup lock lock-check test-latest sync-check nbtest pytest browser-deps slurm-deps llama-deps clean-venv gpu-wheels gpu-check
+.PHONY: demo test test-fast readme setup lock lock-check test-latest sync-check nbtest pytest browser-deps slurm-deps llama-deps clean-venv gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
@@ -54,6 +54,10 @@ sync-check: setup
 	$(BIN)/nbdev_export
 	@git diff --quiet -- ilab_nb && [ -z "$$(git status --porcelain -- ilab_nb)" ] || \
 	  { echo "ilab_nb/ is out of step with nbs/: run nbdev_export and commit both"; git status --short -- ilab_nb; exit 1; }
+
+# README.md is rendered from nbs/index.ipynb (tests/test_readme.py checks that it is current).
+readme: setup
+	$(BIN)/python tools/make_readme.py
 
 nbtest: setup
 	$(BIN)/nbdev_test --n_workers 2

@@ -11,7 +11,7 @@ requirements = cfg.get('requirements', '').split()
 dev_requirements = cfg.get('dev_requirements', '').split()
 # torch is a requirement, but the set-up installs it only when absent (see Makefile), so a user's own
 # CUDA build is kept if it meets the floor: 2.9, for torch.distributed.checkpoint's HuggingFaceStorageWriter with
-# save_distributed/enable_consolidation (ilab_nb.core.TORCH_FLOOR; packed rows on CUDA want 2.11, see README).
+# save_distributed/enable_consolidation (ilab_nb.core.TORCH_FLOOR; packed rows on CUDA want 2.11, see nbs/explanations/sizes_and_memory.md).
 requirements = ['torch>=2.9'] + requirements
 
 setuptools.setup(

@@ -5,7 +5,7 @@
 
 The preflight builds every sample as the ranks will (the chat template, tokenization, the length policy, the batch
 plan), so that a data set that leaves nothing, or a sample too long under `long_sequence_policy='error'`, is refused
-before launch (nbs/07_preflight.ipynb, `check_data`). That work is new to the preflight; this measures it on the
+before launch (nbs/60_preflight.ipynb, `check_data`). That work is new to the preflight; this measures it on the
 demo's data (2,400 training and 466 held-out conversations) and on two larger sets made of the same conversations
 repeated: 19,200 (checked whole) and 96,000 (over `PREFLIGHT_ROWS`: checked on an even sample of 20,000).
 

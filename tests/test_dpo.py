@@ -182,7 +182,7 @@ def test_dpo_resume_reads_the_kept_reference_and_repeats_the_trajectory(dpo_run,
     assert _records(rd, "header")[0]["resumed_from_step"] == 3
     # the kept reference was read, not recomputed (from the trained policy it would differ)
     assert torch.equal(torch.load(RunPaths(rd).reference_logps)["train"], torch.load(src.reference_logps)["train"])
-    # (a resumed attempt without the kept file refuses to go on: nbs/04d_dpo.ipynb checks DPO.prepare on it)
+    # (a resumed attempt without the kept file refuses to go on: nbs/24_dpo.ipynb checks DPO.prepare on it)
 
 
 @pytest.mark.processes

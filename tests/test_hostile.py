@@ -1,7 +1,7 @@
 """Hostile and bad input, one case at a time, through what a user calls (the session, the command line, real files and
 processes): a run directory cannot reach outside itself, another user's run is not acted on unless its owner is
-trusted, and no bad value trains. The parser-level forms of the same rules are checked in the notebooks (00_config,
-00_rundir, 01_data, 07_preflight, 08_session)."""
+trusted, and no bad value trains. The parser-level forms of the same rules are checked in the notebooks (12_config,
+11_rundir, 20_data, 60_preflight, 61_session)."""
 import json, os, shutil
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""The tutorial (nbs/12_tutorial.ipynb) executed headless with nbclient, storing widget state, as a user's
+"""The tutorial (nbs/01_tutorial.ipynb) executed headless with nbclient, storing widget state, as a user's
 kernel would run it: real runs, the live dashboards, stop, resume, compare, load_model, chat, a sweep. Its numbers of
 steps and of processes (1 here, 2 for a reader) and its training data come from the environment (ILAB_NB_TUTORIAL_*):
 this test proves that every cell runs and the widgets are live, not that the model learns (the suite's `demo_run`,
@@ -10,8 +10,13 @@ to the new total, over a schedule recomputed for it. Its sweep is the suite's re
 so that its two runs go through the device queue one after the other.
 
 nbdev_test skips the tutorial's training cells (`#| notest`); this test runs all of them. The executed
-notebook is written to artifacts/12_tutorial.executed.ipynb (git-ignored) for inspection."""
+notebook is written to artifacts/01_tutorial.executed.ipynb (git-ignored) for inspection.
+
+The tutorial is stored with the outputs of a run at its own size (tools/store_outputs.py): this run's outputs
+must have the same shape, cell by cell (what kinds of output, which records; not the numbers, which vary by machine
+and size), so the stored ones cannot silently go stale."""
 import base64
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -26,6 +31,9 @@ from ilab_nb.sweep import Sweep
 from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("store_outputs", ROOT / "tools" / "store_outputs.py")
+store_outputs = importlib.util.module_from_spec(_spec)     # output_shape: what a stored output must match
+_spec.loader.exec_module(store_outputs)
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # The tutorial's own numbers are 160 steps (resumed for 20 more), 20, 30 and 10; a short first run still leaves 12
@@ -56,7 +64,7 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
     monkeypatch.setenv("ILAB_NB_TUTORIAL_DATA", str(data))
     for k, v in TUTORIAL.items(): monkeypatch.setenv(f"ILAB_NB_TUTORIAL_{k.upper()}", str(v))
     monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "1")      # one CPU slot: the sweep's two one-process runs queue for it
-    nb = nbformat.read(ROOT / "nbs" / "12_tutorial.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "nbs" / "01_tutorial.ipynb", as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True,
                             resources={"metadata": {"path": str(ROOT / "nbs")}})
     t0 = time.perf_counter()
@@ -64,8 +72,15 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
         client.execute()
     finally:
         (ROOT / "artifacts").mkdir(exist_ok=True)
-        nbformat.write(nb, ROOT / "artifacts" / "12_tutorial.executed.ipynb")
+        nbformat.write(nb, ROOT / "artifacts" / "01_tutorial.executed.ipynb")
     print(f"\n[measured] tutorial executed in {time.perf_counter() - t0:.1f} s")
+
+    # the outputs stored in the tutorial have the shape of this run's: rerun tools/store_outputs.py if not
+    stored = nbformat.read(ROOT / "nbs" / "01_tutorial.ipynb", as_version=4)
+    fresh_shape, stored_shape = store_outputs.output_shape(nb), store_outputs.output_shape(stored)
+    stale = [(i, s, f) for i, (s, f) in enumerate(zip(stored_shape, fresh_shape)) if s != f]
+    assert len(stored_shape) == len(fresh_shape) and not stale, \
+        f"the tutorial's stored outputs are stale (code cell, stored, fresh): {stale[:3]}; run tools/store_outputs.py"
 
     # the dashboards' progress bars: the resumed run, the second run and the attached one end complete (value == max)
     steps = {TOTAL, TUTORIAL["second_run_steps"]}
@@ -152,3 +167,13 @@ def test_tutorial_executes_headless_with_live_widgets(demo, runs_root, tmp_path,
         assert (s / "report.html").exists() and (s / "loss.png").exists(), s
     wait_until(lambda: (sw.dir / "sweep-report.html").exists(), 30, what="the sweep's report")
     assert "ilab-sweep-record" in (sw.dir / "sweep-report.html").read_text()
+
+
+@pytest.mark.parametrize("name", [n for n in store_outputs.STORED if n != "01_tutorial"])   # the tutorial: above
+def test_stored_example_outputs_are_current(name, tmp_path):
+    "A notebook kept with its key examples' outputs (a record): a fresh headless run gives outputs of the same shape."
+    stored = nbformat.read(ROOT / "nbs" / f"{name}.ipynb", as_version=4)
+    assert any(c.get("outputs") for c in stored.cells if c.cell_type == "code"), f"{name} was saved without its outputs"
+    fresh = store_outputs.execute(nbformat.read(ROOT / "nbs" / f"{name}.ipynb", as_version=4), tmp_path, timeout=300)
+    assert store_outputs.output_shape(fresh) == store_outputs.output_shape(stored), \
+        f"{name}'s stored outputs are stale: run tools/store_outputs.py {name}"

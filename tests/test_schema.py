@@ -16,7 +16,7 @@ def problems_in(run_dir) -> list:
     for i, line in enumerate(p.metrics.read_text().splitlines(), 1):
         rec = json.loads(line); kind = rec.get("kind"); kinds.add(kind)
         if kind not in SCHEMA or SCHEMA[kind]["file"] != "metrics.jsonl":
-            out.append(f"metrics.jsonl:{i}: kind {kind!r} is not in ilab_nb.rundir.SCHEMA: add it there (nbs/00_rundir.ipynb)")
+            out.append(f"metrics.jsonl:{i}: kind {kind!r} is not in ilab_nb.rundir.SCHEMA: add it there (nbs/11_rundir.ipynb)")
         else: out += [f"metrics.jsonl:{i}: {m}" for m in schema_problems(rec, kind)]
     for i, line in enumerate(p.events.read_text().splitlines(), 1):
         out += [f"events.jsonl:{i}: {m}" for m in schema_problems(json.loads(line), "lifecycle")]
@@ -44,7 +44,7 @@ def test_an_unknown_field_is_a_failure_saying_where_to_add_it(tmp_path):
     run.state.write_text(json.dumps(dict(status="queued", attempt=1, run_id="r", created_at=0.0, updated_at=0.0)))
     found, _ = problems_in(run.root)
     assert len(found) == 2 and found[0].startswith("metrics.jsonl:1: eval record has field 'eval_ppl'"), found
-    assert all("nbs/00_rundir.ipynb" in m for m in found) and found[1].startswith("metrics.jsonl:2: kind 'activations'")
+    assert all("nbs/11_rundir.ipynb" in m for m in found) and found[1].startswith("metrics.jsonl:2: kind 'activations'")
 
 
 @pytest.mark.processes

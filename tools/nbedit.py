@@ -1,7 +1,9 @@
 """Authoring aid (dev only): edit a notebook as a py:percent text file and write it back as a clean .ipynb.
 
-    python tools/nbedit.py to-py nbs/00_config.ipynb /tmp/00_config.py   # notebook -> editable text
-    python tools/nbedit.py to-nb /tmp/00_config.py nbs/00_config.ipynb   # text -> notebook (no outputs)
+    python tools/nbedit.py to-py nbs/12_config.ipynb /tmp/12_config.py   # notebook -> editable text
+    python tools/nbedit.py to-nb /tmp/12_config.py nbs/12_config.ipynb   # text -> notebook
+
+A code cell whose source is unchanged keeps its stored outputs (the tutorial's); an edited or new one has none.
 
 The notebook stays the source of truth; the text file is a scratch copy. Uses jupytext (pip install jupytext).
 """
@@ -15,9 +17,10 @@ def to_nb(py_path, nb_path):
     try: old = nbformat.read(nb_path, as_version=4).cells   # keep cell ids (and so the library's diffs) stable
     except FileNotFoundError: old = []
     by_source = {c.source: c.get('id') for c in old}
+    outputs = {c.source: (c.outputs, c.execution_count) for c in old if c.cell_type == 'code'}
     for i, c in enumerate(nb.cells):
         c.metadata = {}
-        if c.cell_type == 'code': c.outputs, c.execution_count = [], None
+        if c.cell_type == 'code': c.outputs, c.execution_count = outputs.get(c.source, ([], None))
         keep = by_source.get(c.source) or (old[i].get('id') if i < len(old) and len(old) == len(nb.cells) else None)
         if keep: c['id'] = keep
     nbformat.validator.normalize(nb)
