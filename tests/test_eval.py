@@ -15,7 +15,7 @@ from ilab_nb.evaluations import Evaluation
 from ilab_nb.rundir import RunPaths, State
 from ilab_nb.runstore import RunStore, write_json_atomic
 
-from conftest import FIELDS, runs_env
+from conftest import FIELDS, runs_env, within
 
 BIN = Path(sys.executable).parent
 DEMO_LIMIT = 40          # conversations: the demo_run's --eval-limit (tests/conftest.py)
@@ -34,7 +34,8 @@ def test_heldout_on_the_demo_run_matches_the_demos_own_measure_and_lm_evals_cli(
     df = ev.results().set_index("metric")
     base, tuned = df.loc["exact_match", "base"], df.loc["exact_match", "tuned"]
     print(f"\n[measured] heldout on {n} questions: base {base:.1%}, tuned {tuned:.1%}; the demo's own: {before}% -> {after}%")
-    assert base <= 0.02 and tuned >= 0.8 and abs(100 * tuned - after) <= 2, (base, tuned, before, after)
+    assert base <= 0.02 and tuned >= 0.8, (base, tuned, before, after)
+    within("lm-eval's exact_match on the tuned model vs the demo's own accuracy (points)", abs(100 * tuned - after), 2, "0.03: the printed accuracy's rounding")
     assert df.loc["normalised_match", "tuned"] >= tuned
     # lm-eval's own files: results and samples, for each model
     for label in ("base", "tuned"):

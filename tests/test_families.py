@@ -15,7 +15,7 @@ from ilab_nb.demo import FAMILIES, family_model
 from ilab_nb.lora import load_adapted
 from ilab_nb.rundir import RunPaths, State
 
-from conftest import REPO, kill_processes_under, runs_env
+from conftest import REPO, kill_processes_under, runs_env, within, max_abs_diff
 
 pytestmark = pytest.mark.processes
 
@@ -95,7 +95,8 @@ def test_family_trains_full_and_lora(families, family):
         got = _logits(final, ids)
         assert torch.isfinite(got).all() and (got - base).abs().max() > 1e-4      # trained: not the base any more
     adapted = _logits(load_adapted(RunPaths(lora.run_dir).final / "adapter", base_model=str(base_dir)), ids)
-    assert (adapted - _logits(RunPaths(lora.run_dir).final, ids)).abs().max() < 1e-4    # merged = base + adapters
+    within(f"{family}: LoRA final/ (merged) logits vs peft's adapters on the base",               # merged = base + adapters
+           max_abs_diff(adapted, _logits(RunPaths(lora.run_dir).final, ids)), 1e-4, "5.1e-7 over 12 families")
 
 
 def test_moe_lora_on_two_ranks_then_a_fork_on_one_goes_on_the_same_trajectory(demo, small_train, runs_root, tmp_path):

@@ -13,7 +13,7 @@ from ilab_nb import FineTuneSession
 from ilab_nb.launcher import accelerate_command, write_accelerate_config
 from ilab_nb.rundir import RunPaths
 
-from conftest import runs_env
+from conftest import runs_env, within, max_abs_diff
 
 pytestmark = pytest.mark.processes
 
@@ -79,7 +79,7 @@ def test_fsdp_lora_trains_adapters_only_and_merges_after(lora_run, demo):
     adapted = PeftModel.from_pretrained(base, paths.final / "adapter").eval()
     ids = torch.randint(6, 200, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(): lm, la = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
-    torch.testing.assert_close(lm, la, atol=1e-4, rtol=1e-4)
+    within("LoRA final/ (merged) logits vs peft's PeftModel on the base", max_abs_diff(lm, la), 1e-4, "4.8e-7")
     with torch.no_grad(): lb = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)(input_ids=ids).logits
     assert (la - lb).abs().max() > 1e-3                                       # the adapters trained
     model, tok = s.load_model(checkpoint=3)                                   # a checkpoint: the adapters on their base
@@ -143,8 +143,8 @@ def test_final_and_a_checkpoint_exported_as_gguf(lora_run, demo):
         want_final = AutoModelForCausalLM.from_pretrained(paths.final, dtype=torch.float32).eval()(input_ids=ids).logits
         want_ck = PeftModel.from_pretrained(base(), paths.checkpoint(3)).eval()(input_ids=ids).logits
         got_final, got_ck = read(final)(input_ids=ids).logits, read(ck)(input_ids=ids).logits
-    torch.testing.assert_close(got_final, want_final, atol=1e-5, rtol=0)
-    torch.testing.assert_close(got_ck, want_ck, atol=1e-5, rtol=0)
+    within("transformers' GGUF reader: the LoRA final/ f32 file's logits", max_abs_diff(got_final, want_final), 1e-5, "0.0")
+    within("transformers' GGUF reader: the LoRA step-3 f32 file's logits vs peft", max_abs_diff(got_ck, want_ck), 1e-5, "9.5e-7")
     assert (want_ck - want_final).abs().max() > 1e-3                          # two different models were exported
 
 
@@ -161,4 +161,4 @@ def test_final_gguf_read_by_llama_cpp(lora_run):
     llm = llama_cpp.Llama(str(f), logits_all=True, n_ctx=64, n_threads=1, verbose=False, type_k=0, type_v=0)
     try: llm.eval(ids[0].tolist()); got = torch.tensor(llm.scores[:ids.shape[1]])
     finally: llm.close()
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    within("llama.cpp: the LoRA final/ f32 file's logits vs transformers", max_abs_diff(got, want), 1e-4, "7.2e-7")
