@@ -195,9 +195,9 @@ def send(self:ChatBox, text: str | None = None):
 
 # %% ../nbs/16_chat.ipynb #2e5bac03
 @patch(cls_method=True)
-def from_session(cls:ChatBox, session, checkpoint=None, **kwargs) -> ChatBox:
-    "A chat box over `session`'s final model or `checkpoint` (step, 'latest' or path)."
-    model, tokenizer = session.load_model(checkpoint)
+def from_session(cls:ChatBox, session, checkpoint=None, trust_owner: bool = False, **kwargs) -> ChatBox:
+    "A chat box over `session`'s final model or `checkpoint` (step, 'latest' or path); `trust_owner`: as `load_model`'s."
+    model, tokenizer = session.load_model(checkpoint, trust_owner=trust_owner)
     box = cls(model, tokenizer, title=f"{session.run_id} · {session.model_path(checkpoint).name}", **kwargs)
     box.key = session.run_id                 # `snapshot()` of the session ends it too
     return box

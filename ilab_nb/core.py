@@ -26,7 +26,7 @@ def patch(f=None, *, as_prop: bool = False, cls_method: bool = False):
     if f is None: return functools.partial(patch, as_prop=as_prop, cls_method=cls_method)
     first = next(iter(inspect.signature(f).parameters.values()))
     cls = first.annotation
-    if isinstance(cls, str): cls = typing.get_type_hints(f, globalns=f.__globals__).get(first.name)
+    if isinstance(cls, str): cls = typing.get_type_hints(f, globalns=inspect.unwrap(f).__globals__).get(first.name)
     if cls is inspect.Parameter.empty: cls = None
     if not isinstance(cls, type): raise TypeError(f"@patch needs `{first.name}` annotated with a class in {f.__name__}")
     return patch_to(cls, as_prop=as_prop, cls_method=cls_method)(f)

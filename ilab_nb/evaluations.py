@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .core import patch
 from .live import Refresher, finalize_displays, show_live
-from .rundir import RunPaths, State, TERMINAL, read_json, status_of
+from .rundir import Action, RunPaths, State, TERMINAL, gated, read_json, status_of
 from .runstore import RunStore, write_json_atomic
 
 # %% auto #0
@@ -24,7 +24,9 @@ class Evaluation:
     @property
     def spec(self) -> dict: return read_json(RunPaths(self.dir).config, {}) or {}
     @property
-    def state(self) -> dict: return self.store.refresh(self.eval_id)
+    def state(self) -> dict:
+        if not self.dir.is_dir(): return dict(status=State.failed, reason="run directory removed")   # nothing will end it otherwise
+        return self.store.refresh(self.eval_id)
     @property
     def status(self) -> str: return status_of(self.state)
     @property
@@ -33,9 +35,8 @@ class Evaluation:
 @patch(as_prop=True)
 def records(self:Evaluation) -> list:
     "The evaluation's `task` records, in order."
-    p = RunPaths(self.dir).metrics
-    lines = p.read_text(encoding="utf-8").splitlines() if p.exists() else []
-    return [r for r in map(json.loads, filter(str.strip, lines)) if r.get("kind") == "task"]
+    from ilab_nb.monitor import MetricsReader
+    return [r for r in MetricsReader(RunPaths(self.dir).metrics).read_new() if r.get("kind") == "task"]   # read by schema (00_rundir)
 
 # %% ../nbs/18a_evaluations.ipynb #8591c89f
 @patch
@@ -50,7 +51,8 @@ def wait(self:Evaluation, timeout=None, poll_s: float = 0.5) -> str:
     return st
 
 @patch
-def stop(self:Evaluation, wait: bool = True, timeout=None) -> str:
+@gated(Action.write, doing="stop it", where=lambda self: self.dir, unless=lambda self: self.status in TERMINAL)
+def stop(self:Evaluation, wait: bool = True, timeout=None, *, trust_owner: bool = False) -> str:
     "Ask the evaluation to stop before its next task (killed after the grace period); with `wait`, until it has ended."
     if self.status in TERMINAL: return self.status
     stop = RunPaths(self.dir).stop; stop.parent.mkdir(exist_ok=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .core import patch
 from .monitor import RunMonitor
-from .rundir import RunPaths, State, status_of
+from .rundir import RunPaths, State, status_of, write_file
 from . import dashboard as D
 from .evaluations import evaluations_of
 
@@ -109,10 +109,7 @@ class Record:
     def __repr__(self): return record_text(RunMonitor(self.run_dir))
 
 # %% ../nbs/09a_record.ipynb #b5eb54a6
-def _write_atomic(path: Path, data: bytes):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try: tmp.write_bytes(data); os.replace(tmp, path)
-    finally: tmp.unlink(missing_ok=True)
+def _write_atomic(path: Path, data: bytes): write_file(path, data)    # never through a link (00_rundir)
 
 def report_page(title: str, body: str) -> str:
     "A self-contained HTML page around `body` (no stylesheet, script or network)."

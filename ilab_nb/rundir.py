@@ -13,9 +13,9 @@ from pathlib import Path
 from .core import patch
 
 # %% auto #0
-__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'SWEEPS_DIR', 'APPENDED', 'ENTRY_POINTS',
-           'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of', 'Event',
-           'RankState', 'RunPaths', 'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links', 'OwnerError',
+__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'SWEEPS_DIR', 'OWN_LINKS', 'APPENDED',
+           'ENTRY_POINTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of',
+           'Event', 'RankState', 'RunPaths', 'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links', 'OwnerError',
            'owner_problem', 'refuse_foreign', 'Action', 'hard_links_in', 'RunGoneError', 'gate', 'gated', 'write_file',
            'open_append', 'read_json', 'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records',
            'schema_problems', 'record_problem', 'schema_markdown']
@@ -221,12 +221,19 @@ def no_follow(path, flags):
         raise RunDirLinkError(f"{path} is a symbolic link (to {os.readlink(path)}); ilab_nb does not follow "
                               "links in a run directory: remove it") from None
 
+OWN_LINKS = ("wandb",)   # folders whose tool links its own files (W&B: latest-run, debug.log): links that stay inside are theirs
+
+def _own_link(root, p: Path) -> bool:
+    top = Path(root) / p.relative_to(root).parts[0]
+    return (top.name in OWN_LINKS and not top.is_symlink()
+            and Path(os.path.realpath(p)).is_relative_to(os.path.realpath(top)))
+
 def links_in(root) -> list:
-    "Every symbolic link under `root` (not `root` itself), without following any."
+    "Every symbolic link under `root` (not `root` itself), without following any; a tool's own links inside its folder (`OWN_LINKS`) aside."
     out = []
     for d, dirs, files in os.walk(root, followlinks=False):
         out += [Path(d, n) for n in dirs + files if os.path.islink(os.path.join(d, n))]
-    return sorted(out)
+    return sorted(p for p in out if not _own_link(root, p))
 
 def refuse_links(root, doing: str):
     "`RunDirLinkError` naming the links under `root` (the first three and a count) before `doing`; None without any."
@@ -301,15 +308,16 @@ def gate(run_dir, action: Action, doing: str, trust_owner: bool = False, also=()
 # %% ../nbs/00_rundir.ipynb #6f47c5d0
 ENTRY_POINTS = {}   # "Class.method" -> the kinds of action it declared
 
-def gated(*actions: Action, doing: str, where=lambda self: self.run_dir):
-    "Decorator: `gate` the run directory `where(self)` for each of `actions` before the method runs."
+def gated(*actions: Action, doing: str, where=lambda self: self.run_dir, unless=None):
+    "Decorator: `gate` the run directory `where(self)` for each of `actions` before the method runs (not when `unless(self)`: nothing to do)."
     def deco(f):
         import functools, inspect
         sig = inspect.signature(f)
         @functools.wraps(f)
         def inner(self, *args, **kw):
             b = sig.bind(self, *args, **kw); b.apply_defaults()
-            for a in actions: gate(where(self), a, doing, b.arguments.get("trust_owner", False))
+            if unless is None or not unless(self):
+                for a in actions: gate(where(self), a, doing, b.arguments.get("trust_owner", False))
             return f(self, *args, **kw)
         inner.__gate__ = tuple(Action(a) for a in actions)
         first = next(iter(sig.parameters.values())).annotation
