@@ -196,6 +196,8 @@ def run_demo(path=None, runs_root=None, eval_limit=None, out=None, **overrides) 
     return 0
 
 # %% ../nbs/10_cli.ipynb #379a986e
+_TRUST = "act on files another user owns (or anyone may write): their config and model code would run as you"
+
 def _command(sub, name, help, run_arg=True):
     "A subcommand with `--runs-root` (and the run id, for a command on one run)."
     c = sub.add_parser(name, help=help, description=help)
@@ -206,8 +208,6 @@ def _command(sub, name, help, run_arg=True):
     return c
 
 # %% ../nbs/10_cli.ipynb #36331b35
-_TRUST = "act on files another user owns (or anyone may write): their config and model code would run as you"
-
 def _add_run(sub):
     c = _command(sub, "run", "start a fine-tuning run from a config file (in the background unless --foreground)", run_arg=False)
     c.add_argument("config", metavar="CONFIG", help="YAML or JSON config file")

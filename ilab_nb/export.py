@@ -562,7 +562,8 @@ class ExportProgress:
         self.name, self.notebook, self.bar, self.handle, self._t = name, in_kernel() if notebook is None else notebook, None, None, 0.0
 
     def html(self, body: str) -> str:
-        return f'<div class="ilab-export"><b>GGUF export</b> <code>{self.name}</code>: {body}</div>'
+        from ilab_nb.core import html_of
+        return html_of('<div class="ilab-export"><b>GGUF export</b> <code>{}</code>: {}</div>', self.name, body)
 
     def update(self, i: int, n: int):
         if not self.notebook:
@@ -573,7 +574,8 @@ class ExportProgress:
         from IPython.display import HTML, display
         if i < n and time.monotonic() - self._t < 0.2: return
         self._t = time.monotonic()
-        body = HTML(self.html(f'<progress value="{i}" max="{n}" style="width:240px"></progress> tensor {i} / {n}'))
+        from ilab_nb.core import html_of
+        body = HTML(self.html(html_of('<progress value="{i}" max="{n}" style="width:240px"></progress> tensor {i} / {n}', i=i, n=n)))
         if self.handle is None: self.handle = display(body, display_id=True)
         else: self.handle.update(body)
 
@@ -582,7 +584,7 @@ class ExportProgress:
         if not self.notebook: return
         import html
         from IPython.display import HTML, display
-        body = HTML(self.html(html.escape(text)))
+        body = HTML(self.html(text))
         if self.handle is None: display(body)
         else: self.handle.update(body)
 
@@ -604,7 +606,7 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
         t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True); t.start()   # no pipe left full
         for line in p.stdout:
             if alive is not None and not alive():
-                p.kill(); p.wait()
+                p.kill(); p.wait(); out.with_name(f".{out.name}.tmp-{p.pid}").unlink(missing_ok=True)   # its file half-written
                 if view: view.done("failed: run directory removed")
                 raise RunGoneError(f"export of {model_dir}: run directory removed while it was exported; the export was ended")
             if m := re.fullmatch(r"tensor (\d+)/(\d+)\n?", line):

@@ -295,14 +295,14 @@ def gate(run_dir, action: Action, doing: str, trust_owner: bool = False, also=()
     folder it loads): links and owners for code and writes, nothing for reads. Returns the run's paths."""
     p = RunPaths(run_dir)
     if Action(action) == Action.read: return p
-    if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed; there is nothing to {doing}")
+    if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed (or never created); there is nothing to {doing}")
     if os.path.islink(p.root): raise RunDirLinkError(f"{p.root} is a symbolic link; ilab_nb will not {doing} through it")
+    extra = [q for a in also if a for q in (Path(a), *(sorted(Path(a).rglob("*")) if Path(a).is_dir() else []))]
+    refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *extra], doing, trust_owner)
     refuse_links(p.root, doing)
     if hard := hard_links_in(p.root):
         raise RunDirLinkError(f"{hard[0]} has {os.lstat(hard[0]).st_nlink} names (a hard link, {len(hard)} in all); a run "
                               f"appends to it, which would change the other name too, so ilab_nb will not {doing}: remove it")
-    extra = [q for a in also if a for q in (Path(a), *(sorted(Path(a).rglob("*")) if Path(a).is_dir() else []))]
-    refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *extra], doing, trust_owner)
     return p
 
 # %% ../nbs/00_rundir.ipynb #6f47c5d0

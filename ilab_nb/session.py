@@ -184,6 +184,11 @@ def progress(self:FineTuneSession) -> dict:
 
 # %% ../nbs/08_session.ipynb #ce0da64f
 @patch
+def _unstarted(self:FineTuneSession) -> bool:
+    "Made here and not started (attached sessions were started: without their directory, it was removed)."
+    return self.preflight is not None and not self.store.exists(self.run_id)
+
+@patch
 def _evaluating(self:FineTuneSession, st: dict) -> bool:
     "Whether the evaluation this run's completion queued (`eval_tasks`) is still going."
     if not st.get("evaluation"): return False
@@ -252,7 +257,7 @@ def checkpoints(self:FineTuneSession) -> list:
 
 # %% ../nbs/08_session.ipynb #dc376abb
 @patch
-@gated(Action.write, doing="stop it", unless=lambda self: self.state.get("status", State.completed) in TERMINAL)
+@gated(Action.write, doing="stop it", unless=lambda self: self._unstarted() or self.state.get("status") in TERMINAL)
 def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None, *, trust_owner: bool = False) -> str:
     "Ask the run to stop (graceful, then forced after `grace_s`); with `wait`, block until it has ended. Returns the status."
     st = self.state
@@ -336,7 +341,7 @@ def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
 
 # %% ../nbs/08_session.ipynb #60f78469
 @patch
-@gated(Action.code, doing="resume it")
+@gated(Action.code, doing="resume it", unless=lambda self: self._unstarted())    # not started: said below
 def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> FineTuneSession:
     """Continue the run from its latest complete checkpoint (none: from the start) as a new attempt; returns at once.
     `changes`: settings that change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...:
