@@ -326,7 +326,8 @@ def _cmd_watch(a) -> int:
 
 # %% ../nbs/10_cli.ipynb #43ade4b8
 def _cmd_stop(a) -> int:
-    s = _attached(a); print(f"{s.run_id}: {s.stop(wait=not a.no_wait, grace_s=a.grace, trust_owner=a.trust_owner)}"); return 0
+    s = _attached(a); status = s.stop(wait=not a.no_wait, grace_s=a.grace, trust_owner=getattr(a, "trust_owner", False))
+    print(f"{s.run_id}: {status}"); return 0
 
 # %% ../nbs/10_cli.ipynb #972d7410
 def _cmd_resume(a) -> int:
@@ -350,17 +351,17 @@ def _checkpoint_arg(c):
 
 def _cmd_chat(a) -> int:
     from ilab_nb.chat import terminal_chat
-    model, tok = _attached(a).load_model(_checkpoint_arg(a.checkpoint), trust_owner=a.trust_owner)
+    model, tok = _attached(a).load_model(_checkpoint_arg(a.checkpoint), trust_owner=getattr(a, "trust_owner", False))
     return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
 
 # %% ../nbs/10_cli.ipynb #9693df75
 def _cmd_report(a) -> int:
-    print(_attached(a).report(trust_owner=a.trust_owner).path); return 0
+    print(_attached(a).report(trust_owner=getattr(a, "trust_owner", False)).path); return 0
 
 
 def _cmd_export(a) -> int:
-    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile, base_model=a.base_model,
-                            overwrite=a.overwrite, trust_owner=a.trust_owner)
+    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile, base_model=getattr(a, "base_model", None),
+                            overwrite=getattr(a, "overwrite", False), trust_owner=getattr(a, "trust_owner", False))
     print(f)
     if f.modelfile: print(f"Ollama: ollama create {Path(f).stem.lower()} -f {f.modelfile}")
     return 0
@@ -368,7 +369,7 @@ def _cmd_export(a) -> int:
 
 def _cmd_eval(a) -> int:
     ev = _attached(a).evaluate([t.strip() for t in a.tasks.split(",") if t.strip()], checkpoint=a.checkpoint,
-                               base=not a.no_base, limit=a.limit, base_model=a.base_model, trust_owner=a.trust_owner)
+                               base=not a.no_base, limit=a.limit, base_model=getattr(a, "base_model", None), trust_owner=getattr(a, "trust_owner", False))
     print(f"{ev.eval_id} queued ({ev.dir})", flush=True)
     if not a.foreground: return 0
     status = ev.wait(); print(f"{ev.eval_id}: {status}" + (f": {ev.reason}" if ev.reason else ""))
