@@ -16,7 +16,7 @@ from .evaluations import Evaluation
 __all__ = ['OWN_TASKS', 'HELDOUT_METRICS', 'heldout_records', 'turn_end', 'heldout_docs', 'write_heldout_task', 'preference_docs',
            'write_preference_task', 'EvalError', 'check_tasks', 'write_own_tasks', 'eval_spec', 'load_for_eval',
            'evaluate_task', 'task_scores', 'run_evaluation', 'main', 'check_limit', 'check_model', 'hold_checkpoint',
-           'start_evaluation']
+           'check_heldout_unchanged', 'start_evaluation']
 
 # %% ../nbs/18_evaluation.ipynb #88966d24
 OWN_TASKS = {"heldout": "chat", "heldout_preference": "preference"}     # task -> the kind of records it is made from
@@ -305,6 +305,17 @@ def hold_checkpoint(tuned: Path, eval_dir: Path) -> Path:
     with held(tuned, eval_dir) as h: os.replace(h, eval_dir / "model")
     return eval_dir / "model"
 
+def check_heldout_unchanged(session, cfg, tasks):
+    "Refuse the run's own tasks when the files its held-out records come from changed after the run started."
+    if not any(t in OWN_TASKS for t in tasks): return
+    since = (session.state or {}).get("created_at")
+    srcs = [Path(q) for q in (cfg.eval_data or cfg.data or []) if isinstance(q, (str, os.PathLike))]
+    files = [f for q in srcs for f in ([q] if q.is_file() else sorted(q.rglob("*")) if q.is_dir() else []) if f.is_file()]
+    if since and (late := [f for f in files if f.stat().st_mtime > since and not f.is_relative_to(session.run_dir)]):
+        raise EvalError(f"evaluate: {late[0]} changed after run {session.run_id} started (modified "
+                        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(late[0].stat().st_mtime))}), so its records may "
+                        "not be what the run held out; put the file back as it was, or evaluate lm-eval tasks only")
+
 def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None,
                      batch_size: int = 16, queue: bool = True, base_model=None):
     "Queue an evaluation of `session`'s run (its trained model, and its starting one with `base`); returns it, started."
@@ -322,6 +333,7 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
                         "or say where it is now: evaluate(..., base_model=PATH)")
     held = heldout_records(cfg)
     tasks = check_tasks(tasks, held)
+    check_heldout_unchanged(session, cfg, tasks)
     store = RunStore(RunPaths(session.run_dir).evals); eid = new_run_id("eval")
     d = store.create_run(eid)
     spec = eval_spec(session, tasks, checkpoint, base, limit, batch_size, base_model, hold_checkpoint(tuned, Path(d)))

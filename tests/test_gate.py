@@ -342,3 +342,18 @@ def test_a_run_whose_every_step_was_skipped_fails_instead_of_completing(demo, sm
     assert s.wait(timeout=300) == State.failed
     assert "every step of this attempt (1..2) was skipped as not finite (skip_nonfinite_steps): no update was applied" in s.reason, s.reason
     assert not RunPaths(s.run_dir).final.exists()
+
+
+def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
+    "The run's eval_data file modified after the run started: the 'heldout' task is refused before anything is queued."
+    root = tmp_path / "runs"; d = built_run(root, demo)
+    held = tmp_path / "held.jsonl"; held.write_text("".join(Path(demo.eval_file).read_text().splitlines(keepends=True)[:4]))
+    p = RunPaths(d); cfg = TrainConfig.read_json(p.config)
+    cfg.model_copy(update=dict(eval_data=[str(held)])).to_json(p.config)
+    created = RunStore(root).read_state("r")["created_at"]
+    os.utime(held, (created - 60, created - 60))                       # as it was when the run started
+    s = FineTuneSession.attach("r", runs_root=root)
+    with open(held, "a") as f: f.write(Path(demo.eval_file).read_text().splitlines(keepends=True)[5])
+    with pytest.raises(ValueError, match="held.jsonl changed after run r started .* may not be what the run held out"):
+        s.evaluate(["heldout"])
+    assert not p.evals.exists() or not list(p.evals.iterdir())
