@@ -180,5 +180,5 @@ def log_tail(self:RunMonitor, n=50, rank=None) -> list:
 def data_notes(header: dict | None) -> list[str]:
     "Lines saying which samples were dropped or truncated, from a metrics header's `data_stats`."
     stats = (header or {}).get("data_stats") or {}
-    return [f"{label} data: {s['note']}" for key, label in (("train", "training"), ("eval", "eval"))
+    return [f"{label}: {s['note']}" for key, label in (("train", "training data"), ("eval", "eval data"), ("template", "chat template"))
             if isinstance(s := stats.get(key), dict) and s.get("note")]

@@ -882,10 +882,12 @@ def resume_position(ckpt) -> dict | None:
 def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume=None) -> Attempt:
     "Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if given."
     tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    D.ensure_chat_template(tokenizer)
     records_kind = D.load_records(cfg.data)[0]["kind"]
+    no_template = D.template_note(tokenizer, records_kind)
+    D.ensure_chat_template(tokenizer)
     method = training_method(cfg, records_kind)
     train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, run_dir, method)
+    if no_template: data_stats = {**data_stats, "template": {"note": no_template}}     # in the header: the dashboard says it
     train_ds = train_ds.with_format(None)
     lengths, weights = method.lengths(train_ds, layout), method.weights(train_ds)
     position = resume_position(resume) if resume else None

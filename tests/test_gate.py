@@ -328,7 +328,7 @@ def test_export_and_evaluate_ask_before_launch(demo, tmp_path):
 
 
 @pytest.mark.processes
-def test_a_run_whose_every_step_was_skipped_fails_instead_of_completing(demo, small_train, runs_root, monkeypatch):
+def test_a_run_whose_every_step_was_skipped_fails_instead_of_completing(demo, small_train, runs_root, monkeypatch, tmp_path):
     "skip_nonfinite_steps=True and every step not finite (tests/nan_worker.py, NAN_EVERY_STEP): failed, no final/ of the untouched model."
     from functools import partial
     import ilab_nb.session as session_mod
@@ -336,12 +336,27 @@ def test_a_run_whose_every_step_was_skipped_fails_instead_of_completing(demo, sm
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("NAN_EVERY_STEP", "1")
     monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="nan_worker"))
-    s = FineTuneSession(model=str(demo.model_dir), data=str(small_train), **{**FIELDS, "num_processes": 1}, max_steps=2,
-                        skip_nonfinite_steps=True)
+    model = _without_template(demo, tmp_path / "no-template")         # and a tokenizer with no chat template: said, not filled in silently
+    s = FineTuneSession(model=str(model), data=str(small_train), **{**FIELDS, "num_processes": 1}, max_steps=2,
+                        skip_nonfinite_steps=True, runs_root=runs_root)
+    said = "the tokenizer has no chat template: ilab_nb's default (ChatML) formats the conversations"
+    assert s.preflight["data"]["chat_template"].startswith(said)
     s.start()
     assert s.wait(timeout=300) == State.failed
     assert "every step of this attempt (1..2) was skipped as not finite (skip_nonfinite_steps): no update was applied" in s.reason, s.reason
     assert not RunPaths(s.run_dir).final.exists()
+    from ilab_nb.monitor import data_notes
+    header = s.metrics(kinds=("header",))[-1]
+    assert any(n.startswith("chat template: " + said) for n in data_notes(header)), header
+
+
+def _without_template(demo, out: Path) -> Path:
+    "The demo model with its tokenizer's chat template taken out."
+    shutil.copytree(demo.model_dir, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((out / "tokenizer_config.json").read_text()); tc.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(tc))
+    return out
 
 
 def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
