@@ -20,8 +20,8 @@ __all__ = ['log', 'ARCHITECTURES', 'DTYPES', 'ROPE_TYPES', 'LLAMA3_PATTERN', 'QW
            'llama3_rope_factors', 'PlannedTensor', 'plan_tensors', 'pre_tokenizer_name', 'vocab_tokens',
            'end_of_turn_token', 'adds_special_tokens', 'plain_jinja_template', 'hf_tokenizer', 'tokenizer_vocab',
            'add_tokenizer', 'GGUFFile', 'write_streaming', 'export_gguf', 'ChatParts', 'TemplateError', 'chat_parts',
-           'checked_chat_parts', 'go_template', 'write_modelfile', 'peak_rss_mb', 'model_folder', 'main',
-           'export_target', 'ExportProgress', 'run_export', 'export_checks', 'held', 'export_run']
+           'checked_chat_parts', 'go_template', 'write_modelfile', 'modelfile_drift', 'peak_rss_mb', 'model_folder',
+           'main', 'export_target', 'ExportProgress', 'run_export', 'export_checks', 'held', 'export_run']
 
 # %% ../nbs/17_export.ipynb #3bda2ba2
 def _gguf():
@@ -486,6 +486,19 @@ def write_modelfile(gguf_path, model_dir) -> Path:
     from ilab_nb.rundir import write_file
     return write_file(gguf_path.with_suffix(".Modelfile"), "\n".join(lines) + "\n")     # never through a link (00_rundir)
 
+# %% ../nbs/17_export.ipynb #c536b6df
+def modelfile_drift(model_dir) -> str | None:
+    "How the Modelfile written for `model_dir` renders a conversation with spaced text differently from its chat template, or None."
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    msgs = [{"role": "user", "content": "  Hi there?\n"}, {"role": "assistant", "content": " Hello. "}]
+    try: got, want = chat_parts(tok).render(msgs), tok.apply_chat_template(msgs, tokenize=False)
+    except TemplateError: return None
+    if got == want: return None
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return (f"the Modelfile's template renders messages as written, the model's chat template changes them (trims?): at "
+            f"character {i} it gives {want[i:i + 24]!r}, the Modelfile {got[i:i + 24]!r}; check the Modelfile's TEMPLATE")
+
 # %% ../nbs/17_export.ipynb #61d49d0c
 def peak_rss_mb() -> float:
     "This process's own peak resident memory in MiB: `VmHWM` (Linux), else `getrusage`'s maximum."
@@ -515,7 +528,7 @@ def model_folder(path, work_dir, base_model=None):
         yield tmp
     finally: shutil.rmtree(tmp, ignore_errors=True)
 
-# %% ../nbs/17_export.ipynb #640c5dba
+# %% ../nbs/17_export.ipynb #de80c70d
 def main(argv: list[str] | None = None) -> int:
     "The `python -m ilab_nb.export` command line."
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.export", description="Write a Hugging Face model folder (or a LoRA "
@@ -537,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.modelfile:
             try: modelfile = str(write_modelfile(f, src))
             except TemplateError as e: print(f"warning: {e}", file=sys.stderr)
+            if modelfile and (drift := modelfile_drift(src)): print(f"warning: write_modelfile: {drift}", file=sys.stderr)
     print(json.dumps(dict(path=str(f.absolute()), dtype=f.dtype, bytes=f.stat().st_size, tensors=f.tensors, fallbacks=f.fallbacks,
                           peak_rss_mb=peak_rss_mb(), seconds=round(time.time() - t0, 2), modelfile=modelfile)), flush=True)
     return 0

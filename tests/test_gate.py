@@ -372,3 +372,16 @@ def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
     with pytest.raises(ValueError, match="held.jsonl changed after run r started .* may not be what the run held out"):
         s.evaluate(["heldout"])
     assert not p.evals.exists() or not list(p.evals.iterdir())
+
+
+@pytest.mark.processes
+def test_a_modelfile_that_would_render_differently_from_the_models_template_is_warned(demo, tmp_path, caplog):
+    "A chat template that trims each message: the Modelfile's template writes them as they are, so the export warns, saying where."
+    from ilab_nb.export import run_export
+    model = tmp_path / "trims"; shutil.copytree(demo.model_dir, model)
+    t = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(t.replace("{{ m['content'] }}", "{{ m['content'] | trim }}"))
+    with caplog.at_level("WARNING", logger="ilab_nb.export"):
+        f = run_export(model, tmp_path / "out" / "m.gguf", "f32", progress=False)
+    assert f.modelfile is not None
+    assert "the model's chat template changes them (trims?): at character" in caplog.text, caplog.text
