@@ -171,7 +171,7 @@ def log_tail(self:RunMonitor, n=50, rank=None) -> list:
     if p.is_symlink():
         raise RunDirLinkError(f"{p} is a symbolic link (to {os.readlink(p)}); ilab_nb does not follow links in a run directory: remove it")
     world = self.state().get("num_processes")
-    if isinstance(rank, int) and world and not 0 <= rank < world:
+    if isinstance(rank, int) and world and not 0 <= rank < world and not p.exists():   # an earlier attempt's rank: its log stands
         raise ValueError(f"run {self.run_id} has {world} rank(s), 0..{world - 1}: there is no rank {rank} "
                          "(rank='supervisor' for the supervisor's log)")
     return tail_lines(p, n)

@@ -385,3 +385,13 @@ def test_a_modelfile_that_would_render_differently_from_the_models_template_is_w
         f = run_export(model, tmp_path / "out" / "m.gguf", "f32", progress=False)
     assert f.modelfile is not None
     assert "the model's chat template changes them (trims?): at character" in caplog.text, caplog.text
+
+
+@pytest.mark.processes
+def test_logs_rank_takes_a_number_and_an_earlier_attempts_rank(demo, tmp_path):
+    "`--rank abc` is said as what to give; `--rank 1` of a run resumed on 1 process prints the log its first attempt's rank 1 left."
+    root = tmp_path / "runs"; d = built_run(root, demo)
+    RunPaths(d).rank_log(1).write_text("rank one's line\n")
+    r = ilab("logs", "r", "--rank", "abc", "--runs-root", root, check=2)
+    assert "--rank 'abc': give a rank number (0, 1, ...) or 'supervisor'" in r.stderr
+    assert "rank one's line" in ilab("logs", "r", "--rank", "1", "--runs-root", root, check=0).stdout
