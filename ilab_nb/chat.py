@@ -9,7 +9,7 @@ import html, re, sys, threading, time
 import ipywidgets as W
 import torch
 
-from .core import patch
+from .core import html_join, html_of, patch
 
 # %% auto #0
 __all__ = ['ContextFull', 'model_positions', 'fit_new_tokens', 'stream_reply', 'Chat', 'transcript_html', 'ChatBox',
@@ -110,8 +110,8 @@ _BUBBLE = {"user": "background:#e8f0fe;margin-left:60px", "assistant": "backgrou
 def transcript_html(messages: list[dict], pending: str | None = None) -> str:
     "The conversation as HTML bubbles (`pending`: the answer being streamed)."
     msgs = list(messages) + ([{"role": "assistant", "content": pending + " ▌"}] if pending is not None else [])
-    return "".join(f"<div class='ilab-chat-{m['role']}' style='{_BUBBLE.get(m['role'], '')};padding:6px 10px;border-radius:8px;"
-                   f"margin:4px 0;white-space:pre-wrap'>{html.escape(m['content'])}</div>" for m in msgs)
+    return html_join(html_of("<div class='ilab-chat-{r}' style='{b};padding:6px 10px;border-radius:8px;margin:4px 0;"
+                             "white-space:pre-wrap'>{c}</div>", r=m["role"], b=_BUBBLE.get(m["role"], ""), c=m["content"]) for m in msgs)
 
 # %% ../nbs/42_chat.ipynb #7834509c
 def _buttons() -> tuple:
@@ -133,7 +133,7 @@ class ChatBox(W.VBox):
         self.add_class("ilab-chat")
         self.chat = Chat(model, tokenizer, system, max_new_tokens, temperature)
         self.busy, self.error = threading.Event(), None
-        self.title = W.HTML(f"<b>{html.escape(title)}</b>" if title else "")
+        self.title = W.HTML(html_of("<b>{}</b>", title) if title else "")
         self.transcript = W.HTML(layout=W.Layout(max_height="420px", overflow="auto")).add_class("ilab-chat-transcript")
         self.input = W.Text(placeholder="Ask the model…", continuous_update=False,
                             layout=W.Layout(flex="1 1 auto")).add_class("ilab-chat-input")
@@ -195,9 +195,9 @@ def send(self:ChatBox, text: str | None = None):
 
 # %% ../nbs/42_chat.ipynb #2e5bac03
 @patch(cls_method=True)
-def from_session(cls:ChatBox, session, checkpoint=None, **kwargs) -> ChatBox:
-    "A chat box over `session`'s final model or `checkpoint` (step, 'latest' or path)."
-    model, tokenizer = session.load_model(checkpoint)
+def from_session(cls:ChatBox, session, checkpoint=None, trust_owner: bool = False, **kwargs) -> ChatBox:
+    "A chat box over `session`'s final model or `checkpoint` (step, 'latest' or path); `trust_owner`: as `load_model`'s."
+    model, tokenizer = session.load_model(checkpoint, trust_owner=trust_owner)
     box = cls(model, tokenizer, title=f"{session.run_id} · {session.model_path(checkpoint).name}", **kwargs)
     box.key = session.run_id                 # `snapshot()` of the session ends it too
     return box
@@ -206,9 +206,10 @@ def from_session(cls:ChatBox, session, checkpoint=None, **kwargs) -> ChatBox:
 @patch
 def record_bundle(self:ChatBox) -> dict:
     "The conversation as a MIME bundle with no widget view: HTML bubbles under the title, and text."
-    body = transcript_html(self.chat.messages) or "<i>(no message yet)</i>"
+    body = transcript_html(self.chat.messages) or html_of("<i>(no message yet)</i>")
     text = "\n".join(f"{m['role']}> {m['content']}" for m in self.chat.messages)
-    return {"text/html": f"<div class='ilab-chat-record' style='max-width:800px'>{self.title.value}{body}</div>",
+    from markupsafe import Markup
+    return {"text/html": html_of("<div class='ilab-chat-record' style='max-width:800px'>{}{}</div>", Markup(self.title.value), body),   # the title: made by html_of
             "text/plain": (self.title.value and html.unescape(re.sub("<[^>]+>", "", self.title.value)) + "\n") + text}
 
 @patch

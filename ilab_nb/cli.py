@@ -57,7 +57,8 @@ def format_runs(runs) -> str:
         rows.append((r["run_id"], status, str(r.get("attempt") or "-"), step, loss, _fmt_time(r.get("created_at")),
                      _lineage_cell(r)))
     w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in rows)
+    notes = [f"{r['run_id']}: {r['note']}" for r in runs if r.get("note")]     # records skipped, said once per run
+    return "\n".join(["  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in rows] + notes)
 
 # %% ../nbs/63_cli.ipynb #09eb3ea0
 def _step_line(pr: dict, running: bool) -> str:
@@ -195,16 +196,18 @@ def run_demo(path=None, runs_root=None, eval_limit=None, out=None, **overrides) 
     return 0
 
 # %% ../nbs/63_cli.ipynb #379a986e
+_TRUST = "act on files another user owns (or anyone may write): their config and model code would run as you"
+
 def _command(sub, name, help, run_arg=True):
     "A subcommand with `--runs-root` (and the run id, for a command on one run)."
     c = sub.add_parser(name, help=help, description=help)
-    if run_arg: c.add_argument("run", metavar="RUN", help="run id (see: ilab-nb ls)")
+    if run_arg:
+        c.add_argument("run", metavar="RUN", help="run id (see: ilab-nb ls)")
+        c.add_argument("--trust-owner", action="store_true", help=_TRUST)
     c.add_argument("--runs-root", help="runs root (default: $ILAB_NB_RUNS or ~/.cache/ilab_nb/runs)")
     return c
 
 # %% ../nbs/63_cli.ipynb #36331b35
-_TRUST = "act on files another user owns (or anyone may write): their config and model code would run as you"
-
 def _add_run(sub):
     c = _command(sub, "run", "start a fine-tuning run from a config file (in the background unless --foreground)", run_arg=False)
     c.add_argument("config", metavar="CONFIG", help="YAML or JSON config file")
@@ -231,13 +234,13 @@ def _add_control(sub):
     c = _command(sub, "resume", "continue a run from its latest complete checkpoint (with --set: changed settings)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
                    help="a setting to change as the run goes on (max_steps, learning_rate, num_processes, ...); repeatable")
-    c.add_argument("--foreground", action="store_true"); c.add_argument("--trust-owner", action="store_true", help=_TRUST)
+    c.add_argument("--foreground", action="store_true")
     c = _command(sub, "fork", "start a new run from a run's complete checkpoint (weights, optimizer, schedule, data position)")
     c.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
                    help="a setting of the new run that differs (learning_rate, max_steps, ...); repeatable")
     c.add_argument("--run-id"); c.add_argument("--name", help="a name to put in the generated run id")
-    c.add_argument("--foreground", action="store_true"); c.add_argument("--trust-owner", action="store_true", help=_TRUST)
+    c.add_argument("--foreground", action="store_true")
 
 # %% ../nbs/63_cli.ipynb #31a35f47
 def _add_demo_chat(sub):
@@ -257,6 +260,7 @@ def _add_outputs(sub):
     c.add_argument("--tasks", required=True, help="comma-separated: lm-eval task names, or the run's own heldout / heldout_preference")
     c.add_argument("--checkpoint", type=int, help="a checkpoint's step (default: the final model)")
     c.add_argument("--no-base", action="store_true", help="do not evaluate the starting model")
+    c.add_argument("--base-model", help="the run's starting model where it is now (it moved since training)")
     c.add_argument("--limit", type=int, help="at most this many documents per task")
     c.add_argument("--foreground", action="store_true", help="wait for it and print the results table")
     c = _command(sub, "export", "write a run's model as a GGUF file for llama.cpp and Ollama, with an Ollama Modelfile beside it")
@@ -265,6 +269,8 @@ def _add_outputs(sub):
     c.add_argument("--checkpoint", help="a checkpoint step, 'latest', or a model directory (default: the final model)")
     c.add_argument("--out", help="the file, or a folder for it (default: the run's export/)")
     c.add_argument("--no-modelfile", action="store_true", help="do not write the Ollama Modelfile")
+    c.add_argument("--base-model", help="the adapters' base model where it is now (it moved since training)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing file at --out that is not a GGUF file")
 
 # %% ../nbs/63_cli.ipynb #ceb077cb
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +313,8 @@ def _cmd_status(a) -> int:
 
 # %% ../nbs/63_cli.ipynb #085a1070
 def _cmd_logs(a) -> int:
+    if a.rank not in (None, "supervisor") and not a.rank.isdigit():
+        raise ValueError(f"--rank {a.rank!r}: give a rank number (0, 1, ...) or 'supervisor'")
     s, rank = _attached(a), None if a.rank is None else (a.rank if a.rank == "supervisor" else int(a.rank))
     if a.follow: follow_log(s, a.n, rank)
     else: print(s.logs(a.n, rank))
@@ -318,7 +326,8 @@ def _cmd_watch(a) -> int:
 
 # %% ../nbs/63_cli.ipynb #43ade4b8
 def _cmd_stop(a) -> int:
-    s = _attached(a); print(f"{s.run_id}: {s.stop(wait=not a.no_wait, grace_s=a.grace)}"); return 0
+    s = _attached(a); status = s.stop(wait=not a.no_wait, grace_s=a.grace, trust_owner=getattr(a, "trust_owner", False))
+    print(f"{s.run_id}: {status}"); return 0
 
 # %% ../nbs/63_cli.ipynb #972d7410
 def _cmd_resume(a) -> int:
@@ -342,16 +351,17 @@ def _checkpoint_arg(c):
 
 def _cmd_chat(a) -> int:
     from ilab_nb.chat import terminal_chat
-    model, tok = _attached(a).load_model(_checkpoint_arg(a.checkpoint))
+    model, tok = _attached(a).load_model(_checkpoint_arg(a.checkpoint), trust_owner=getattr(a, "trust_owner", False))
     return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
 
 # %% ../nbs/63_cli.ipynb #9693df75
 def _cmd_report(a) -> int:
-    print(_attached(a).report().path); return 0
+    print(_attached(a).report(trust_owner=getattr(a, "trust_owner", False)).path); return 0
 
 
 def _cmd_export(a) -> int:
-    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile)
+    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile, base_model=getattr(a, "base_model", None),
+                            overwrite=getattr(a, "overwrite", False), trust_owner=getattr(a, "trust_owner", False))
     print(f)
     if f.modelfile: print(f"Ollama: ollama create {Path(f).stem.lower()} -f {f.modelfile}")
     return 0
@@ -359,7 +369,7 @@ def _cmd_export(a) -> int:
 
 def _cmd_eval(a) -> int:
     ev = _attached(a).evaluate([t.strip() for t in a.tasks.split(",") if t.strip()], checkpoint=a.checkpoint,
-                               base=not a.no_base, limit=a.limit)
+                               base=not a.no_base, limit=a.limit, base_model=getattr(a, "base_model", None), trust_owner=getattr(a, "trust_owner", False))
     print(f"{ev.eval_id} queued ({ev.dir})", flush=True)
     if not a.foreground: return 0
     status = ev.wait(); print(f"{ev.eval_id}: {status}" + (f": {ev.reason}" if ev.reason else ""))

@@ -8,8 +8,8 @@ import errno, functools, gc, importlib.metadata, inspect, os, re, typing
 from contextlib import contextmanager
 
 # %% auto #0
-__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'require_torch', 'no_space', 'writing', 'gc_paused', 'no_hf_progress_bars',
-           'size_text', 'count_text']
+__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'html_of', 'html_join', 'require_torch', 'no_space', 'writing', 'gc_paused',
+           'no_hf_progress_bars', 'size_text', 'count_text']
 
 # %% ../nbs/10_core.ipynb #5960fd12
 def patch_to(cls, as_prop: bool = False, cls_method: bool = False):
@@ -26,10 +26,21 @@ def patch(f=None, *, as_prop: bool = False, cls_method: bool = False):
     if f is None: return functools.partial(patch, as_prop=as_prop, cls_method=cls_method)
     first = next(iter(inspect.signature(f).parameters.values()))
     cls = first.annotation
-    if isinstance(cls, str): cls = typing.get_type_hints(f, globalns=f.__globals__).get(first.name)
+    if isinstance(cls, str): cls = typing.get_type_hints(f, globalns=inspect.unwrap(f).__globals__).get(first.name)
     if cls is inspect.Parameter.empty: cls = None
     if not isinstance(cls, type): raise TypeError(f"@patch needs `{first.name}` annotated with a class in {f.__name__}")
     return patch_to(cls, as_prop=as_prop, cls_method=cls_method)(f)
+
+# %% ../nbs/10_core.ipynb #f9e2c50e
+def html_of(template: str, *args, **values):
+    "HTML from `template` (`str.format` syntax) with every value escaped unless it is HTML made by `html_of`."
+    from markupsafe import Markup
+    return Markup(template).format(*args, **values)
+
+def html_join(parts, sep: str = ""):
+    "The HTML pieces `parts` joined by `sep` (an HTML template too); a plain string among them is escaped."
+    from markupsafe import Markup
+    return Markup(sep).join(parts)
 
 # %% ../nbs/10_core.ipynb #f15ba855
 TORCH_FLOOR = (2, 9)

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import Formatter, MaxNLocator
 from tqdm import tqdm
 
-from .core import patch
+from .core import html_join, html_of, patch
 from .evaluations import Evaluation, evaluations_of, latest_scores
 from .live import Refresher, in_kernel, note_html, show_live
 from .monitor import RunMonitor, data_notes
@@ -322,43 +322,43 @@ def latest_samples(records) -> tuple:
 _TD = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap'"
 
 def _sample_row(prompt: str, answer: str, before: str | None, previous: bool) -> str:
-    b, e = ("<b>", "</b>") if previous and answer != before else ("", "")
-    return (f"<tr><td {_TD}>{html.escape(prompt)}</td><td {_TD}>{b}{html.escape(answer)}{e}</td>"
-            + (f"<td {_TD} style='color:#5f6368'>{html.escape(before or '')}</td>" if previous else "") + "</tr>")
+    shown = html_of("<b>{}</b>", answer) if previous and answer != before else answer
+    old = html_of("<td " + _TD + " style='color:#5f6368'>{}</td>", before or "") if previous else ""
+    return html_of("<tr><td " + _TD + ">{}</td><td " + _TD + ">{}</td>{}</tr>", prompt, shown, old)
 
 # %% ../nbs/40_dashboard.ipynb #afdb69fc
 def samples_html(latest: dict, previous: dict | None = None) -> str:
     "A table: each prompt, its latest answer (with the step), and its answer at the previous evaluation."
     prev = {s["prompt"]: s["answer"] for s in (previous or {}).get("samples", [])}
     th = "style='text-align:left;padding:3px 8px;border-bottom:1px solid #dadce0'"
-    head = f"<tr><th {th}>prompt</th><th {th}>step {latest.get('step')}</th>" + (
-        f"<th {th}>step {previous.get('step')}</th>" if previous else "") + "</tr>"
+    old = html_of("<th " + th + ">step {}</th>", previous.get("step")) if previous else ""
+    head = html_of("<tr><th " + th + ">prompt</th><th " + th + ">step {}</th>{}</tr>", latest.get("step"), old)
     rows = [_sample_row(s["prompt"], s["answer"], prev.get(s["prompt"]), previous is not None) for s in latest.get("samples", [])]
     cost = f" · generated in {latest['seconds']:.2f} s" if isinstance(latest.get("seconds"), (int, float)) else ""
-    return (f"<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since the previous "
-            f"evaluation{cost})</span><table style='border-collapse:collapse;width:100%'>{head}{''.join(rows)}</table></div>")
+    return html_of("<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since "
+                   "the previous evaluation{}) </span><table style='border-collapse:collapse;width:100%'>{}{}</table></div>",
+                   cost, head, html_join(rows))
 
 # %% ../nbs/40_dashboard.ipynb #6a7ebac7
 def _pre(lines) -> str:
-    body = html.escape("\n".join(lines)) if lines else "(no log lines yet)"
-    return ('<pre style="font-size:11.5px;line-height:1.35;max-height:280px;overflow:auto;margin:0;'
-            f'white-space:pre-wrap;word-break:break-all">{body}</pre>')
+    return html_of('<pre style="font-size:11.5px;line-height:1.35;max-height:280px;overflow:auto;margin:0;'
+                   'white-space:pre-wrap;word-break:break-all">{}</pre>', "\n".join(lines) if lines else "(no log lines yet)")
 
 # %% ../nbs/40_dashboard.ipynb #20646fcc
 def _cancelled_html(state: dict, resumable: bool) -> str:
-    reason = html.escape(str(state.get("reason") or "stopped").rstrip("."))
+    reason = str(state.get("reason") or "stopped").rstrip(".")
     more = " Resume continues from the latest complete checkpoint." if resumable else ""
-    return ('<div style="border-left:5px solid #9334e6;background:#f3e8fd;padding:6px 12px;border-radius:4px;'
-            f'color:#202124;font-size:13px"><b style="color:#9334e6">Run stopped:</b> {reason}.{more}</div>')
+    return html_of('<div style="border-left:5px solid #9334e6;background:#f3e8fd;padding:6px 12px;border-radius:4px;'
+                   'color:#202124;font-size:13px"><b style="color:#9334e6">Run stopped:</b> {}.{}</div>', reason, more)
 
 # %% ../nbs/40_dashboard.ipynb #57e4d884
 def _failure_html(state: dict) -> str:
-    reason = html.escape(str(state.get("reason") or "the run failed without a recorded reason"))
+    reason = str(state.get("reason") or "the run failed without a recorded reason")
     tail = state.get("log_tail") or []
-    lines = (f'<pre style="margin:6px 0 0;font-size:11.5px;max-height:220px;overflow:auto;white-space:pre-wrap;'
-             f'background:#fff;padding:6px;border-radius:4px">{html.escape(chr(10).join(tail))}</pre>') if tail else ""
-    return ('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
-            f'color:#202124"><b style="color:#d93025">Run failed:</b> {reason}{lines}</div>')
+    lines = html_of('<pre style="margin:6px 0 0;font-size:11.5px;max-height:220px;overflow:auto;white-space:pre-wrap;'
+                    'background:#fff;padding:6px;border-radius:4px">{}</pre>', "\n".join(map(str, tail))) if tail else ""
+    return html_of('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
+                   'color:#202124"><b style="color:#d93025">Run failed:</b> {}{}</div>', reason, lines)
 
 # %% ../nbs/40_dashboard.ipynb #865961af
 class Dashboard(W.VBox):
@@ -437,14 +437,13 @@ def status(self:Dashboard) -> str:
 
 # %% ../nbs/40_dashboard.ipynb #0c36d539
 def _header_html(run_id, attempt, h: dict) -> str:
-    bits = [f"<b>{html.escape(str(run_id))}</b>"]
+    bits = [html_of("<b>{}</b>", run_id)]            # the rest are text: escaped where they are joined
     if attempt and attempt > 1:
         bits.append(f"attempt {attempt}")
     if h:
-        bits.append(f"{h.get('world_size', '?')} × {html.escape(str(h.get('device', '?')))}"
-                    f" ({html.escape(str(h.get('backend', '?')))}, {html.escape(str(h.get('strategy', '?')))})")
+        bits.append(f"{h.get('world_size', '?')} × {h.get('device', '?')} ({h.get('backend', '?')}, {h.get('strategy', '?')})")
         if h.get("precision"):
-            bits.append(html.escape(str(h["precision"])))
+            bits.append(str(h["precision"]))
         if h.get("params_total"):
             bits.append(f"{h['params_total'] / 1e6:,.1f} M parameters")
         if h.get("finetuning") == "lora" and h.get("params_total"):
@@ -452,12 +451,12 @@ def _header_html(run_id, attempt, h: dict) -> str:
             bits.append(f"LoRA r={r}: {h.get('trainable_params', 0) / 1e6:,.2f} M train "
                         f"({100 * h.get('trainable_params', 0) / h['params_total']:.1f} %)")
             if tp := (h.get("lora") or {}).get("target_parameters"):      # a Mixture of Experts' fused experts and router
-                bits[-1] += " incl. " + ", ".join(html.escape(str(t)) for t in tp)
+                bits[-1] += " incl. " + ", ".join(map(str, tp))
         if h.get("method") == "dpo":
             bits.append("DPO (preference pairs)")
         elif h.get("data_kind") == "text":
             bits.append("plain text")
-    return '<span style="color:#3c4043;font-size:13px">' + " · ".join(bits) + "</span>"
+    return html_of('<span style="color:#3c4043;font-size:13px">{}</span>', html_join(bits, " · "))
 
 # %% ../nbs/40_dashboard.ipynb #c9e53215
 @patch
@@ -484,13 +483,12 @@ def _pending_html(status: str, state: dict) -> str:
     "Beside the badge of a queued SLURM run: the scheduler's reason it waits (`Resources`, `Priority`, ...)."
     why = state.get("pending_reason") if status == State.queued else None
     if not why or why == "None": return ""
-    job = f" (job {html.escape(str(state['job_id']))})" if state.get("job_id") else ""
-    return f' <span class="ilab-pending" style="font-size:12px;color:#5f6368">waiting in SLURM{job}: {html.escape(str(why))}</span>'
+    job = f" (job {state['job_id']})" if state.get("job_id") else ""
+    return html_of(' <span class="ilab-pending" style="font-size:12px;color:#5f6368">waiting in SLURM{}: {}</span>', job, str(why))
 
 @patch
 def _show_status(self:Dashboard, status: str, state: dict) -> bool:
-    ch = self._set(self.badge, _BADGE.format(c=STATUS_COLOURS.get(status, "#5f6368"), s=html.escape(status))
-                   + _pending_html(status, state))
+    ch = self._set(self.badge, html_of(_BADGE, c=STATUS_COLOURS.get(status, "#5f6368"), s=status) + _pending_html(status, state))
     attempt = state.get("attempt") or (self.monitor.header or {}).get("attempt")
     ch |= self._set(self.header, _header_html(self.monitor.run_id, attempt, self.monitor.header or {}))
     ch |= self._show_buttons(status)
@@ -504,7 +502,7 @@ def _show_status(self:Dashboard, status: str, state: dict) -> bool:
 def _progress_html(p: dict, status: str, header) -> str:
     step, total = p.get("step") or 0, p.get("total_steps") or 0
     pct = f" ({100 * step / total:.0f} %)" if total else ""
-    parts = [f"step <b>{step:,}</b> / {total:,}{pct}" if total else f"step <b>{step:,}</b>"]
+    parts = [html_of("step <b>{:,}</b> / {:,}{}", step, total, pct) if total else html_of("step <b>{:,}</b>", step)]
     if p.get("epoch") is not None:
         parts.append(f"epoch {format_number(p['epoch'], '.2f')}")
     parts.append(f"elapsed {_duration(p.get('elapsed_s'))}")
@@ -519,9 +517,9 @@ def _progress_html(p: dict, status: str, header) -> str:
         parts.append(f"held-out perplexity {format_number(p['perplexity'], ',.1f')} (step {p['perplexity_step']:,})")
     if sk := p.get("skipped_steps"):                           # skip_nonfinite_steps: steps whose loss was not finite
         parts.append(f"{len(sk)} step{'s' if len(sk) > 1 else ''} skipped (not finite: {', '.join(map(str, sk[:5]))}{', ...' if len(sk) > 5 else ''})")
-    text = '<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">' + " · ".join(parts) + "</span>"
-    return text + "".join(f'<div class="ilab-data-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
-                          for n in data_notes(header))
+    text = html_of('<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">{}</span>', html_join(parts, " · "))
+    return text + html_join(html_of('<div class="ilab-data-note" style="font-size:12px;color:#b06000">{}</div>', n)
+                            for n in data_notes(header))
 
 # %% ../nbs/40_dashboard.ipynb #a4fbb0d0
 @patch
@@ -530,8 +528,8 @@ def _show_progress(self:Dashboard, status: str) -> bool:
     step, total = p.get("step") or 0, p.get("total_steps") or 0
     ch = self._set(self.progress, max(total, step, 1), "max")
     ch |= self._set(self.progress, step)
-    notes = "".join(f'<div class="ilab-tracker-note" style="font-size:12px;color:#b06000">{html.escape(n)}</div>'
-                    for n in tracker_notes(self.monitor.state()))       # a tracker broken mid-run (ilab_nb.trackers)
+    notes = html_join(html_of('<div class="ilab-tracker-note" style="font-size:12px;color:#b06000">{}</div>', n)
+                      for n in [*tracker_notes(self.monitor.state()), *([self.monitor.note] if self.monitor.note else [])])       # a tracker broken mid-run (ilab_nb.trackers)
     return self._set(self.progress_text, _progress_html(p, status, self.monitor.header) + notes) | ch
 
 # %% ../nbs/40_dashboard.ipynb #49eaa966
@@ -545,13 +543,12 @@ def _show_plot(self:Dashboard) -> bool:
 def _checkpoints_html(cks: list) -> str:
     if not cks:
         return '<i style="color:#5f6368">no complete checkpoint yet</i>'
-    rows = "".join(
-        f"<tr><td>{c.get('step', '?'):,}</td><td>{format_number(c.get('epoch'), '.2f')}</td>"
-        f"<td>{format_number((c.get('metrics') or {}).get('loss'), '.4f')}</td>"
-        f"<td>{format_number((c.get('metrics') or {}).get('eval_loss'), '.4f')}</td>"
-        f"<td><code>{html.escape(str(c.get('path', '')))}</code></td></tr>" for c in cks)
+    rows = html_join(html_of("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>",
+                             format_number(c.get("step"), ","), format_number(c.get("epoch"), ".2f"),
+                             format_number((c.get("metrics") or {}).get("loss"), ".4f"),
+                             format_number((c.get("metrics") or {}).get("eval_loss"), ".4f"), c.get("path", "")) for c in cks)
     head = "<tr><th>step</th><th>epoch</th><th>loss</th><th>eval loss</th><th>path</th></tr>"
-    return f'<table style="font-size:12px;border-spacing:12px 2px">{head}{rows}</table>'
+    return html_of('<table style="font-size:12px;border-spacing:12px 2px">' + head + '{}</table>', rows)
 
 # %% ../nbs/40_dashboard.ipynb #5c123ef2
 @patch

@@ -26,8 +26,8 @@ from .core import patch
 # %% auto #0
 __all__ = ['MAX_DATA_ERRORS', 'ROLES', 'SHAREGPT_ROLES', 'SHAPES', 'DATA_SUFFIXES', 'KIND_NAMES', 'KIND_PLURALS', 'METHOD_KINDS',
            'DEFAULT_CHAT_TEMPLATE', 'write_chat_jsonl', 'DataError', 'load_records', 'check_method',
-           'load_chat_records', 'ensure_chat_template', 'render_chat', 'tokenize_chat', 'length_note', 'build_dataset',
-           'split_records', 'write_records_jsonl', 'load_tokenizer']
+           'load_chat_records', 'ensure_chat_template', 'template_note', 'render_chat', 'tokenize_chat', 'length_note',
+           'build_dataset', 'split_records', 'write_records_jsonl', 'load_tokenizer']
 
 # %% ../nbs/20_data.ipynb #7df1773c
 MAX_DATA_ERRORS = 5
@@ -463,6 +463,12 @@ def ensure_chat_template(tokenizer) -> str:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         t = DEFAULT_CHAT_TEMPLATE
     return t
+
+def template_note(tokenizer, kind: str) -> str | None:
+    "What to say of a tokenizer with no chat template of its own, for `kind` records (chat, preference), before `ensure_chat_template`."
+    if kind == "text" or tokenizer.chat_template: return None
+    return ("the tokenizer has no chat template: ilab_nb's default (ChatML) formats the conversations, so the model learns "
+            "that format; give the tokenizer a chat_template to train in the model's own")
 
 # %% ../nbs/20_data.ipynb #6e376bf9
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:

@@ -8,14 +8,15 @@ import argparse, difflib, json, math, os, socket, sys, time
 from pathlib import Path
 
 from .core import patch
-from .rundir import Event, RunPaths, State, TERMINAL, read_json, status_of
+from .rundir import Event, RunGoneError, RunPaths, State, TERMINAL, read_json, status_of
 from .runstore import RunStore, new_run_id, write_json_atomic
 from .evaluations import Evaluation
 
 # %% auto #0
 __all__ = ['OWN_TASKS', 'HELDOUT_METRICS', 'heldout_records', 'turn_end', 'heldout_docs', 'write_heldout_task', 'preference_docs',
            'write_preference_task', 'EvalError', 'check_tasks', 'write_own_tasks', 'eval_spec', 'load_for_eval',
-           'evaluate_task', 'task_scores', 'run_evaluation', 'main', 'start_evaluation']
+           'evaluate_task', 'task_scores', 'run_evaluation', 'main', 'check_limit', 'check_model', 'hold_checkpoint',
+           'check_heldout_unchanged', 'start_evaluation']
 
 # %% ../nbs/53_evaluation.ipynb #88966d24
 OWN_TASKS = {"heldout": "chat", "heldout_preference": "preference"}     # task -> the kind of records it is made from
@@ -158,11 +159,14 @@ def write_own_tasks(task_dir, tasks: list, held: list, tok, max_gen_toks: int | 
     return out
 
 # %% ../nbs/53_evaluation.ipynb #ff7fdeb6
-def eval_spec(session, tasks, checkpoint=None, base: bool = True, limit=None, batch_size: int = 16) -> dict:
-    "What an evaluation of `session`'s run evaluates: its tasks, models (the run's starting one, then its trained one)."
+def eval_spec(session, tasks, checkpoint=None, base: bool = True, limit=None, batch_size: int = 16, base_model=None, tuned=None) -> dict:
+    """What an evaluation of `session`'s run evaluates: its tasks, models (the run's starting one, or `base_model` where it
+    is now, then its trained one, at `tuned` if given: a checkpoint held for it)."""
     cfg = session.config
-    tuned = session.model_path(checkpoint)
-    models = ([dict(label="base", path=str(cfg.model))] if base else []) + [dict(label="tuned", path=str(tuned), checkpoint=checkpoint)]
+    tuned = tuned or session.model_path(checkpoint)
+    start = str(base_model or cfg.model)
+    models = ([dict(label="base", path=start)] if base else []) + [dict(label="tuned", path=str(tuned), checkpoint=checkpoint,
+                                                                         **({"base_model": str(base_model)} if base_model else {}))]
     device = (session.preflight or {}).get("device") or ("cpu" if cfg.device == "cpu" else "cuda")
     return dict(kind="eval", run_id=session.run_id, run_dir=str(session.run_dir), tasks=tasks, models=models, limit=limit,
                 batch_size=batch_size, num_processes=1, device=device, precision=cfg.precision,
@@ -178,7 +182,8 @@ def load_for_eval(path: str, spec: dict):
     dtype = torch.bfloat16 if spec.get("precision") == "bf16" else torch.float32
     trc = bool(spec.get("trust_remote_code"))
     with no_hf_progress_bars():
-        model = load_trained(path, trust_remote_code=trc, dtype=dtype).eval()
+        extra = {"base_model": spec["base_model"]} if spec.get("base_model") else {}
+        model = load_trained(path, trust_remote_code=trc, dtype=dtype, **extra).eval()
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trc)
     return (model.to("cuda") if spec.get("device") == "cuda" else model), tok
 
@@ -228,9 +233,10 @@ def run_evaluation(eval_dir, attempt: int = 1) -> str:
     tm = TaskManager(include_path=str(Path(eval_dir) / "tasks"), include_defaults=not own_only)
     try:
         for m in spec["models"]:
-            model, tok = load_for_eval(m["path"], spec)
+            model, tok = load_for_eval(m["path"], {**spec, "base_model": m.get("base_model")})
             lm = HFLM(pretrained=model, tokenizer=tok, batch_size=spec.get("batch_size") or 16)
             for task in spec["tasks"]:
+                if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed")
                 if p.stop.exists():
                     metrics.write("event", event=Event.stopped); return Event.stopped
                 metrics.write("task", model=m["label"], task=task, status="running")
@@ -274,8 +280,44 @@ def main(argv=None):
 if __name__ == "__main__" and "IPython" not in sys.modules: main()
 
 # %% ../nbs/53_evaluation.ipynb #8abbbda9
+def check_limit(limit):
+    "`limit` as lm-eval takes it: None, a number of documents (>= 1), or a fraction of them (0 < limit < 1)."
+    ok = limit is None or (not isinstance(limit, bool) and isinstance(limit, (int, float))
+                           and (limit >= 1 and float(limit).is_integer() or 0 < limit < 1))
+    if not ok: raise EvalError(f"evaluate: limit={limit!r} is not a number of documents per task (1, 2, ...) nor a fraction "
+                               "of them (0 < limit < 1); leave it out to evaluate every document")
+    return int(limit) if limit is not None and limit >= 1 else limit
+
+def check_model(session, checkpoint, base_model=None):
+    "The trained model's folder, refused before launch if it is incomplete or its adapters' base moved (say `base_model=`)."
+    from ilab_nb.preflight import model_files_problem
+    if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)   # a step, as fork takes it
+    try: tuned = session.model_path(checkpoint)
+    except FileNotFoundError as e: raise EvalError(f"evaluate: {e}") from None
+    if why := model_files_problem(tuned, base_model): raise EvalError(f"evaluate: {why.replace('load_model(', 'evaluate(')}")
+    if base_model and not Path(base_model).is_dir(): raise EvalError(f"evaluate: base_model={base_model} is not a model folder")
+    return checkpoint, tuned
+
+def hold_checkpoint(tuned: Path, eval_dir: Path) -> Path:
+    "A checkpoint's files hard-linked (or copied) into the evaluation, so that the run's rotation cannot remove it mid-job."
+    if tuned.parent.name != "checkpoints": return tuned
+    from ilab_nb.export import held
+    with held(tuned, eval_dir) as h: os.replace(h, eval_dir / "model")
+    return eval_dir / "model"
+
+def check_heldout_unchanged(session, cfg, tasks):
+    "Refuse the run's own tasks when the files its held-out records come from changed after the run started."
+    if not any(t in OWN_TASKS for t in tasks): return
+    since = (session.state or {}).get("created_at")
+    srcs = [Path(q) for q in (cfg.eval_data or cfg.data or []) if isinstance(q, (str, os.PathLike))]
+    files = [f for q in srcs for f in ([q] if q.is_file() else sorted(q.rglob("*")) if q.is_dir() else []) if f.is_file()]
+    if since and (late := [f for f in files if f.stat().st_mtime > since and not f.is_relative_to(session.run_dir)]):
+        raise EvalError(f"evaluate: {late[0]} changed after run {session.run_id} started (modified "
+                        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(late[0].stat().st_mtime))}), so its records may "
+                        "not be what the run held out; put the file back as it was, or evaluate lm-eval tasks only")
+
 def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None,
-                     batch_size: int = 16, queue: bool = True):
+                     batch_size: int = 16, queue: bool = True, base_model=None):
     "Queue an evaluation of `session`'s run (its trained model, and its starting one with `base`); returns it, started."
     from transformers import AutoTokenizer
     from ilab_nb.launcher import device_request, spawn_supervisor
@@ -283,14 +325,19 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
         raise EvalError(f"num_processes={num_processes}: lm-eval evaluates a model object in the one process that holds it; "
                         "use num_processes=1 (or leave it out)")
     cfg = session.config
-    try: session.model_path(checkpoint)
-    except FileNotFoundError as e: raise EvalError(f"evaluate: {e}") from None
+    limit = check_limit(limit)
+    checkpoint, tuned = check_model(session, checkpoint, base_model)
+    start = str(base_model or cfg.model)
+    if os.path.isabs(start) and not os.path.exists(start):
+        raise EvalError(f"evaluate: the run's starting model {start} is no longer there (moved or deleted?); put it back, "
+                        "or say where it is now: evaluate(..., base_model=PATH)")
     held = heldout_records(cfg)
     tasks = check_tasks(tasks, held)
-    spec = eval_spec(session, tasks, checkpoint, base, limit, batch_size)
+    check_heldout_unchanged(session, cfg, tasks)
     store = RunStore(RunPaths(session.run_dir).evals); eid = new_run_id("eval")
     d = store.create_run(eid)
-    write_own_tasks(Path(d) / "tasks", tasks, held, AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
+    spec = eval_spec(session, tasks, checkpoint, base, limit, batch_size, base_model, hold_checkpoint(tuned, Path(d)))
+    write_own_tasks(Path(d) / "tasks", tasks, held, AutoTokenizer.from_pretrained(base_model or cfg.model, trust_remote_code=cfg.trust_remote_code))
     write_json_atomic(RunPaths(d).config, spec)
     store.write_state(eid, status=State.queued, attempt=1, request=device_request(spec["device"], 1), device=spec["device"],
                       num_processes=1, tasks=tasks)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json, math, os, socket, time
 from pathlib import Path
 
-from .core import patch
+from .core import html_join, html_of, patch
 from .live import Refresher, finalize_displays, show_live
-from .rundir import RunPaths, State, TERMINAL, read_json, status_of
+from .rundir import Action, RunPaths, State, TERMINAL, gated, read_json, status_of
 from .runstore import RunStore, write_json_atomic
 
 # %% auto #0
@@ -24,7 +24,9 @@ class Evaluation:
     @property
     def spec(self) -> dict: return read_json(RunPaths(self.dir).config, {}) or {}
     @property
-    def state(self) -> dict: return self.store.refresh(self.eval_id)
+    def state(self) -> dict:
+        if not self.dir.is_dir(): return dict(status=State.failed, reason="run directory removed")   # nothing will end it otherwise
+        return self.store.refresh(self.eval_id)
     @property
     def status(self) -> str: return status_of(self.state)
     @property
@@ -33,9 +35,8 @@ class Evaluation:
 @patch(as_prop=True)
 def records(self:Evaluation) -> list:
     "The evaluation's `task` records, in order."
-    p = RunPaths(self.dir).metrics
-    lines = p.read_text(encoding="utf-8").splitlines() if p.exists() else []
-    return [r for r in map(json.loads, filter(str.strip, lines)) if r.get("kind") == "task"]
+    from ilab_nb.monitor import MetricsReader
+    return [r for r in MetricsReader(RunPaths(self.dir).metrics).read_new() if r.get("kind") == "task"]   # read by schema (11_rundir)
 
 # %% ../nbs/16_evaluations.ipynb #8591c89f
 @patch
@@ -50,7 +51,8 @@ def wait(self:Evaluation, timeout=None, poll_s: float = 0.5) -> str:
     return st
 
 @patch
-def stop(self:Evaluation, wait: bool = True, timeout=None) -> str:
+@gated(Action.write, doing="stop it", where=lambda self: self.dir, unless=lambda self: self.status in TERMINAL)
+def stop(self:Evaluation, wait: bool = True, timeout=None, *, trust_owner: bool = False) -> str:
     "Ask the evaluation to stop before its next task (killed after the grace period); with `wait`, until it has ended."
     if self.status in TERMINAL: return self.status
     stop = RunPaths(self.dir).stop; stop.parent.mkdir(exist_ok=True)
@@ -94,26 +96,31 @@ def preference_rewards(self:Evaluation) -> dict:
 @patch
 def progress_html(self:Evaluation) -> str:
     "The evaluation as HTML: its status, and each model x task with its scores (or that it runs, or waits)."
-    import html as H
     spec, done = self.spec, {(r["model"], r["task"]): r for r in self.records}
     rows = []
     for m in spec.get("models", []):
         for t in spec.get("tasks", []):
             r = done.get((m["label"], t))
             what = ("waiting" if r is None else "running…" if r["status"] != "done" else
-                    ", ".join(f"{k} {v[0]:.3f}" for k, v in r["scores"].items()))
-            rows.append(f"<tr><td>{H.escape(m['label'])}</td><td>{H.escape(t)}</td><td>{H.escape(what)}</td></tr>")
+                    ", ".join(f"{k} {_num(v)}" for k, v in (r.get("scores") or {}).items()))
+            rows.append(html_of("<tr><td>{}</td><td>{}</td><td>{}</td></tr>", m.get("label"), t, what))
     st = self.status
-    why = f" — {H.escape(str(self.reason))}" if st in (State.failed, State.cancelled) and self.reason else ""
-    return (f"<div class='ilab-eval' style='font-size:13px'><b>Evaluation {H.escape(self.eval_id)}</b> of run "
-            f"{H.escape(str(spec.get('run_id')))}: {H.escape(str(st))}{why}<table style='border-spacing:12px 2px'>"
-            "<tr><th>model</th><th>task</th><th>scores</th></tr>" + "".join(rows) + "</table></div>")
+    why = f" — {self.reason}" if st in (State.failed, State.cancelled) and self.reason else ""
+    return html_of("<div class='ilab-eval' style='font-size:13px'><b>Evaluation {}</b> of run {}: {}{}<table style='border-spacing:"
+                   "12px 2px'><tr><th>model</th><th>task</th><th>scores</th></tr>{}</table></div>",
+                   self.eval_id, spec.get("run_id"), st, why, html_join(rows))
+
+def _num(v) -> str:
+    "A score as `[value, stderr]` shows: its value to 3 places (as written if it is not a number)."
+    x = v[0] if isinstance(v, (list, tuple)) and v else v
+    return f"{x:.3f}" if isinstance(x, (int, float)) else str(x)
 
 @patch
 def record_bundle(self:Evaluation) -> dict:
     "The evaluation's record: its table as HTML (and text), no widget view."
     df = self.results()
-    table = df.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="—") if len(df) else ""
+    from markupsafe import Markup
+    table = Markup(df.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="—", escape=True)) if len(df) else ""   # pandas escapes each cell
     return {"text/html": self.progress_html() + table, "text/plain": repr(self) + ("\n" + df.to_string(index=False) if len(df) else "")}
 
 # %% ../nbs/16_evaluations.ipynb #47bb9df3

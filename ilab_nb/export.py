@@ -20,8 +20,8 @@ __all__ = ['log', 'ARCHITECTURES', 'DTYPES', 'ROPE_TYPES', 'LLAMA3_PATTERN', 'QW
            'llama3_rope_factors', 'PlannedTensor', 'plan_tensors', 'pre_tokenizer_name', 'vocab_tokens',
            'end_of_turn_token', 'adds_special_tokens', 'plain_jinja_template', 'hf_tokenizer', 'tokenizer_vocab',
            'add_tokenizer', 'GGUFFile', 'write_streaming', 'export_gguf', 'ChatParts', 'TemplateError', 'chat_parts',
-           'checked_chat_parts', 'go_template', 'write_modelfile', 'peak_rss_mb', 'model_folder', 'main',
-           'export_target', 'ExportProgress', 'run_export', 'export_run']
+           'checked_chat_parts', 'go_template', 'write_modelfile', 'modelfile_drift', 'peak_rss_mb', 'model_folder',
+           'main', 'export_target', 'ExportProgress', 'run_export', 'export_checks', 'held', 'export_run']
 
 # %% ../nbs/52_export.ipynb #3bda2ba2
 def _gguf():
@@ -342,16 +342,25 @@ def _writer(model_dir: Path, config, dtype: str):
     add_tokenizer(w, tokenizer_vocab(model_dir, h["vocab_size"]))
     return w
 
-# %% ../nbs/52_export.ipynb #b50d5f3f
+# %% ../nbs/52_export.ipynb #3d7b2f9f
+def _in_range(p: PlannedTensor):
+    "The tensor of `p` as numpy; one with values past f16's range refused for an f16 file (it would hold infinities)."
+    t = p.load()
+    if p.qtype == _gguf().GGMLQuantizationType.F16 and t.is_floating_point() and (big := t.abs().max().item()) > 65504:
+        raise ValueError(f"export_gguf: {p.name} holds values up to {big:.3g}, past f16's range (65504): the file would hold "
+                         "infinities there; export with dtype='bf16' (or f32, q8_0)")
+    return t.numpy()
+
 def write_streaming(writer, plan: list[PlannedTensor], out: Path, progress=None):
     "Write header, metadata, tensor index, then each tensor loaded, encoded and written in turn; `out` only when done."
     for p in plan: writer.add_tensor_info(p.name, p.shape, "float32", tensor_nbytes(p.shape, p.qtype), raw_dtype=p.qtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))   # ours, not a link planted there
     try:
         writer.write_header_to_file(tmp); writer.write_kv_data_to_file(); writer.write_ti_data_to_file()
         for i, p in enumerate(plan, 1):
-            writer.write_tensor_data(_gguf().quants.quantize(p.load().numpy(), p.qtype))
+            writer.write_tensor_data(_gguf().quants.quantize(_in_range(p), p.qtype))
             if progress: progress(i, len(plan))
         writer.close(); os.replace(tmp, out)
     finally:
@@ -461,7 +470,7 @@ def go_template(parts: ChatParts, bos_token: str | None = None) -> str:
         out += ("{{ if" if i == 0 else "{{ else if") + f' eq .Role "{r}" }}}}{lit(parts.prefix[r])}{{{{ .Content }}}}{lit(parts.suffix[r])}'
     return out + '{{ end }}{{ end }}{{ if ne $role "assistant" }}' + lit(parts.generation) + "{{ end }}"
 
-# %% ../nbs/52_export.ipynb #2e0c85a8
+# %% ../nbs/52_export.ipynb #84ac35e2
 def write_modelfile(gguf_path, model_dir) -> Path:
     "Write an Ollama Modelfile for the GGUF file beside it, its template derived from `model_dir`'s chat template."
     from transformers import AutoTokenizer
@@ -474,9 +483,21 @@ def write_modelfile(gguf_path, model_dir) -> Path:
     stops = list(dict.fromkeys(t for t in (end_of_turn_token(tok), tok.eos_token) if t))
     lines = [f"FROM ./{gguf_path.name}", f'TEMPLATE """{template}"""', *(f"PARAMETER stop {json.dumps(s)}" for s in stops),
              f"PARAMETER num_ctx {model_config(model_dir).max_position_embeddings}"]
-    out = gguf_path.with_suffix(".Modelfile")
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return out
+    from ilab_nb.rundir import write_file
+    return write_file(gguf_path.with_suffix(".Modelfile"), "\n".join(lines) + "\n")     # never through a link (11_rundir)
+
+# %% ../nbs/52_export.ipynb #c536b6df
+def modelfile_drift(model_dir) -> str | None:
+    "How the Modelfile written for `model_dir` renders a conversation with spaced text differently from its chat template, or None."
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    msgs = [{"role": "user", "content": "  Hi there?\n"}, {"role": "assistant", "content": " Hello. "}]
+    try: got, want = chat_parts(tok).render(msgs), tok.apply_chat_template(msgs, tokenize=False)
+    except TemplateError: return None
+    if got == want: return None
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return (f"the Modelfile's template renders messages as written, the model's chat template changes them (trims?): at "
+            f"character {i} it gives {want[i:i + 24]!r}, the Modelfile {got[i:i + 24]!r}; check the Modelfile's TEMPLATE")
 
 # %% ../nbs/52_export.ipynb #61d49d0c
 def peak_rss_mb() -> float:
@@ -488,26 +509,26 @@ def peak_rss_mb() -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss       # kilobytes on Linux, bytes on macOS
     return round(rss / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
-# %% ../nbs/52_export.ipynb #72ef41b4
+# %% ../nbs/52_export.ipynb #c4705606
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt")
 
 @contextlib.contextmanager
-def model_folder(path, work_dir):
-    "`path` as a model folder: itself, or (adapters only) its adapters merged onto their base in a temporary folder under `work_dir`."
+def model_folder(path, work_dir, base_model=None):
+    "`path` as a model folder: itself, or (adapters only) its adapters merged onto their base (or `base_model`) in a temporary folder under `work_dir`."
     from ilab_nb.lora import adapter_folder, merge_adapter
     p = Path(path)
     if (p / "config.json").exists() or (a := adapter_folder(p)) is None: yield p; return
     tmp = Path(work_dir) / f".merged-{p.name}-{os.getpid()}"
     try:
-        merge_adapter(a, tmp)
+        merge_adapter(a, tmp, base_model)
         for name in TOKENIZER_FILES:
             src = next((d / name for d in (p, a) if (d / name).exists()), None)
             if src: shutil.copy2(src, tmp / name)
         yield tmp
     finally: shutil.rmtree(tmp, ignore_errors=True)
 
-# %% ../nbs/52_export.ipynb #b33137b8
+# %% ../nbs/52_export.ipynb #de80c70d
 def main(argv: list[str] | None = None) -> int:
     "The `python -m ilab_nb.export` command line."
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.export", description="Write a Hugging Face model folder (or a LoRA "
@@ -515,12 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model_dir"); ap.add_argument("out")
     ap.add_argument("--dtype", default="q8_0", help=f"one of {', '.join(DTYPES)} (default q8_0)")
     ap.add_argument("--modelfile", action="store_true", help="also write an Ollama Modelfile beside the file")
+    ap.add_argument("--base-model", help="the base model of an adapter folder, where it is now (moved since training)")
     a, t0 = ap.parse_args(argv), time.time()
     if a.dtype not in DTYPES: print(f"error: dtype {a.dtype!r} is not one of {', '.join(DTYPES)}", file=sys.stderr); return 2
     Path(a.out).absolute().parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         try:
-            src = stack.enter_context(model_folder(a.model_dir, Path(a.out).absolute().parent))
+            src = stack.enter_context(model_folder(a.model_dir, Path(a.out).absolute().parent, a.base_model))
             f = export_gguf(src, a.out, a.dtype, progress=lambda i, n: print(f"tensor {i}/{n}", flush=True))
         except (ValueError, FileNotFoundError, ImportError) as e:
             print(f"error: {e}", file=sys.stderr); return 2
@@ -528,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.modelfile:
             try: modelfile = str(write_modelfile(f, src))
             except TemplateError as e: print(f"warning: {e}", file=sys.stderr)
+            if modelfile and (drift := modelfile_drift(src)): print(f"warning: write_modelfile: {drift}", file=sys.stderr)
     print(json.dumps(dict(path=str(f.absolute()), dtype=f.dtype, bytes=f.stat().st_size, tensors=f.tensors, fallbacks=f.fallbacks,
                           peak_rss_mb=peak_rss_mb(), seconds=round(time.time() - t0, 2), modelfile=modelfile)), flush=True)
     return 0
@@ -553,7 +576,8 @@ class ExportProgress:
         self.name, self.notebook, self.bar, self.handle, self._t = name, in_kernel() if notebook is None else notebook, None, None, 0.0
 
     def html(self, body: str) -> str:
-        return f'<div class="ilab-export"><b>GGUF export</b> <code>{self.name}</code>: {body}</div>'
+        from ilab_nb.core import html_of
+        return html_of('<div class="ilab-export"><b>GGUF export</b> <code>{}</code>: {}</div>', self.name, body)
 
     def update(self, i: int, n: int):
         if not self.notebook:
@@ -564,7 +588,8 @@ class ExportProgress:
         from IPython.display import HTML, display
         if i < n and time.monotonic() - self._t < 0.2: return
         self._t = time.monotonic()
-        body = HTML(self.html(f'<progress value="{i}" max="{n}" style="width:240px"></progress> tensor {i} / {n}'))
+        from ilab_nb.core import html_of
+        body = HTML(self.html(html_of('<progress value="{i}" max="{n}" style="width:240px"></progress> tensor {i} / {n}', i=i, n=n)))
         if self.handle is None: self.handle = display(body, display_id=True)
         else: self.handle.update(body)
 
@@ -573,16 +598,20 @@ class ExportProgress:
         if not self.notebook: return
         import html
         from IPython.display import HTML, display
-        body = HTML(self.html(html.escape(text)))
+        body = HTML(self.html(text))
         if self.handle is None: display(body)
         else: self.handle.update(body)
 
-# %% ../nbs/52_export.ipynb #ab94dae0
-def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, progress: bool | None = None) -> GGUFFile:
-    "Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the written file."
+# %% ../nbs/52_export.ipynb #f134a4f9
+def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, progress: bool | None = None, base_model=None,
+               alive: Callable[[], bool] | None = None) -> GGUFFile:
+    """Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the written file.
+    `alive()`: whether what it exports still exists (checked at each tensor; the export is ended when it says False)."""
     from ilab_nb.launcher import RUN_ENV, _env, describe_exit
+    from ilab_nb.rundir import RunGoneError
     out = Path(out).absolute()
     cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype", dtype] + (["--modelfile"] if modelfile else [])
+    cmd += ["--base-model", str(base_model)] if base_model else []
     env = _env(out.parent); env.pop(RUN_ENV, None)      # not one of a run's processes: a run's clean-up leaves it alone
     view, last = ExportProgress(out.name) if progress is not False else None, None
     with open(os.devnull) as null, subprocess.Popen(cmd, stdin=null, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -590,6 +619,10 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
         err = []
         t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True); t.start()   # no pipe left full
         for line in p.stdout:
+            if alive is not None and not alive():
+                p.kill(); p.wait(); out.with_name(f".{out.name}.tmp-{p.pid}").unlink(missing_ok=True)   # its file half-written
+                if view: view.done("failed: run directory removed")
+                raise RunGoneError(f"export of {model_dir}: run directory removed while it was exported; the export was ended")
             if m := re.fullmatch(r"tensor (\d+)/(\d+)\n?", line):
                 if view: view.update(int(m[1]), int(m[2]))
             elif line.strip(): last = line
@@ -610,17 +643,65 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
                        + (f"; Modelfile {f.modelfile.name}" if f.modelfile else "") + ")")
     return f
 
-# %% ../nbs/52_export.ipynb #b5f278c3
+# %% ../nbs/52_export.ipynb #69af0b1d
+_BYTES = dict(f32=4.0, f16=2.0, bf16=2.0, q8_0=34 / 32)    # per weight, as written
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f: return f.read(4) == b"GGUF"
+    except OSError: return False
+
+def _base_of(source: Path, base_model=None) -> Path:
+    "The model folder whose family and size an export of `source` has: itself, or its adapters' base."
+    from ilab_nb.lora import adapter_folder
+    if (source / "config.json").exists() or (a := adapter_folder(source)) is None: return source
+    if base_model: return Path(base_model)
+    return Path(json.loads((a / "adapter_config.json").read_text()).get("base_model_name_or_path") or source)
+
+def export_checks(source: Path, out: Path, dtype: str, base_model=None, overwrite: bool = False):
+    "Refuse, before anything runs, an export that would fail or do harm later (see above)."
+    from ilab_nb.preflight import model_files_problem
+    if why := model_files_problem(source, base_model): raise ValueError(why.replace("load_model(", "export("))
+    if (base := _base_of(source, base_model)).is_dir(): model_config(base)          # an unsupported family: refused here
+    if out.exists() and not overwrite and not _is_gguf(out):
+        raise FileExistsError(f"export: {out} exists and is not a GGUF file; it is not replaced unless you pass overwrite=True "
+                              "(ilab-nb export --overwrite), or choose another path")
+    folder = next(d for d in (out.parent, *out.parent.parents) if d.exists())
+    if not os.access(folder, os.W_OK): raise PermissionError(f"export: {folder} is not writable; choose another path=")
+    if base.is_dir():
+        need = sum(math.prod(t.shape) for t in stored_tensors(base).values()) * _BYTES[dtype]
+        if need > (free := shutil.disk_usage(folder).free):
+            raise OSError(f"export: {out.name} needs about {need / 2**20:,.0f} MiB and {folder} has {free / 2**20:,.0f} MiB free")
+
+# %% ../nbs/52_export.ipynb #a0190eac
+@contextlib.contextmanager
+def held(source: Path, folder: Path):
+    "`source` itself (a final model), or a checkpoint's files linked into `folder` for as long as the block runs."
+    if source.parent.name != "checkpoints": yield source; return
+    dst = folder / f".hold-{source.name}-{os.getpid()}"
+    def link(a, b):
+        try: os.link(a, b)
+        except OSError: shutil.copy2(a, b)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, dst, copy_function=link, symlinks=True)
+        yield dst
+    finally: shutil.rmtree(dst, ignore_errors=True)
+
+# %% ../nbs/52_export.ipynb #dd657b36
 def export_run(session, format: str = "gguf", dtype: str = "q8_0", checkpoint=None, path=None, modelfile: bool = True,
-               progress: bool | None = None) -> GGUFFile:
+               progress: bool | None = None, base_model=None, overwrite: bool = False) -> GGUFFile:
     "`FineTuneSession.export`: the run's `final/` or `checkpoint` as a GGUF file (and its Modelfile); see `run_export`."
     if format not in FORMATS: raise ValueError(f"export: format {format!r} is not one of {', '.join(FORMATS)}")
     if dtype not in DTYPES: raise ValueError(f"export: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)   # a step, as fork takes it
     source = session.model_path(checkpoint)
     out = export_target(session.run_dir, session.run_id, source, dtype, path)
-    try: return run_export(source, out, dtype, modelfile, progress)
-    except (ValueError, RuntimeError):
-        if not source.exists():
-            raise FileNotFoundError(f"{source} was removed while it was exported: run {session.run_id} saved a newer "
-                                    "checkpoint; export checkpoint='latest' or a step it still has") from None
-        raise
+    export_checks(source, out, dtype, base_model, overwrite)
+    alive = lambda: Path(session.run_dir).is_dir()
+    try:
+        with held(source, Path(session.run_dir) / "export") as src:
+            return run_export(src, out, dtype, modelfile, progress, base_model, alive)
+    except FileNotFoundError as e:           # the checkpoint went before it was held
+        raise FileNotFoundError(f"{source} was removed before it was exported: run {session.run_id} saved a newer "
+                                f"checkpoint; export checkpoint='latest' or a step it still has ({e})") from None

@@ -14,7 +14,8 @@ __all__ = ['note_html', 'Refresher', 'in_kernel', 'LiveDisplay', 'show_live', 'f
 # %% ../nbs/15_live.ipynb #30e1fe11
 def note_html(text: str, colour: str) -> str:
     "A line of small text in `colour` (escaped): what a view says under itself."
-    return f'<span style="font-size:12px;color:{colour}">{html.escape(text)}</span>'
+    from ilab_nb.core import html_of
+    return html_of('<span style="font-size:12px;color:{}">{}</span>', colour, text)
 
 # %% ../nbs/15_live.ipynb #7f2f7f34
 class Refresher:

@@ -8,7 +8,7 @@ import json, os
 from pathlib import Path
 
 from .core import patch
-from .rundir import TRAINER_STATE, Event, RunDirLinkError, RunPaths, checkpoint_step, complete_checkpoints, no_follow, read_json, standing_records, tail_lines
+from .rundir import TRAINER_STATE, Event, RunDirLinkError, RunPaths, checkpoint_step, complete_checkpoints, no_follow, read_json, record_problem, standing_records, tail_lines
 
 # %% auto #0
 __all__ = ['MetricsReader', 'RunMonitor', 'data_notes']
@@ -18,6 +18,7 @@ class MetricsReader:
     "Incremental reader of a `metrics.jsonl` file: each `read_new()` parses only the bytes appended since the last."
     def __init__(self, path):
         self.path, self.offset, self.records, self.malformed = Path(path), 0, [], 0
+        self.lines, self.bad_lines = 0, []      # lines read so far; the numbers of those skipped
 
 # %% ../nbs/14_monitor.ipynb #1951f746
 @patch
@@ -26,7 +27,7 @@ def _new_bytes(self:MetricsReader) -> bytes:
     try:
         with open(self.path, "rb", opener=no_follow) as f:
             f.seek(0, 2); size = f.tell()
-            if size < self.offset: self.offset, self.records = 0, []   # file replaced: start over
+            if size < self.offset: self.offset, self.records, self.lines, self.bad_lines, self.malformed = 0, [], 0, [], 0   # replaced: start over
             f.seek(self.offset); chunk = f.read(size - self.offset)
     except (FileNotFoundError, RunDirLinkError): return b""           # a link in its place is not followed (11_rundir)
     end = chunk.rfind(b"\n")
@@ -37,17 +38,26 @@ def _new_bytes(self:MetricsReader) -> bytes:
 # %% ../nbs/14_monitor.ipynb #f4a0ab05
 @patch
 def read_new(self:MetricsReader) -> list:
-    "Records appended since the last call (complete lines only; malformed lines counted in `malformed`)."
-    new = []
-    for line in self._new_bytes().split(b"\n"):
+    "Records appended since the last call (complete lines only; unreadable ones counted in `malformed`, lines in `bad_lines`)."
+    new, before = [], self.offset
+    data = self._new_bytes()
+    if self.offset == before: return []         # nothing complete appended
+    for line in data.split(b"\n"):
+        self.lines += 1
         if not line.strip(): continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict): raise ValueError("not an object")
-            new.append(rec)
-        except ValueError: self.malformed += 1
+        try: rec = json.loads(line)
+        except ValueError: rec = None
+        if record_problem(rec) is None: new.append(rec)
+        else: self.malformed += 1; self.bad_lines.append(self.lines)
     self.records.extend(new)
     return new
+
+@patch(as_prop=True)
+def note(self:MetricsReader) -> str | None:
+    "What was skipped, as a sentence: '2 unreadable records in metrics.jsonl, lines 7, 9' (None if nothing)."
+    if not self.bad_lines: return None
+    shown = ", ".join(map(str, self.bad_lines[:5])) + (f" and {len(self.bad_lines) - 5} more" if len(self.bad_lines) > 5 else "")
+    return f"{len(self.bad_lines)} unreadable record{'s' * (len(self.bad_lines) > 1)} in {self.path.name}, line{'s' * (len(self.bad_lines) > 1)} {shown}"
 
 # %% ../nbs/14_monitor.ipynb #2c828998
 class RunMonitor:
@@ -66,6 +76,8 @@ class RunMonitor:
     def records(self) -> list: return self._reader.records
     @property
     def malformed(self) -> int: return self._reader.malformed
+    @property
+    def note(self) -> str | None: return self._reader.note
 
 # %% ../nbs/14_monitor.ipynb #491d560a
 @patch(as_prop=True)
@@ -159,7 +171,7 @@ def log_tail(self:RunMonitor, n=50, rank=None) -> list:
     if p.is_symlink():
         raise RunDirLinkError(f"{p} is a symbolic link (to {os.readlink(p)}); ilab_nb does not follow links in a run directory: remove it")
     world = self.state().get("num_processes")
-    if isinstance(rank, int) and world and not 0 <= rank < world:
+    if isinstance(rank, int) and world and not 0 <= rank < world and not p.exists():   # an earlier attempt's rank: its log stands
         raise ValueError(f"run {self.run_id} has {world} rank(s), 0..{world - 1}: there is no rank {rank} "
                          "(rank='supervisor' for the supervisor's log)")
     return tail_lines(p, n)
@@ -168,5 +180,5 @@ def log_tail(self:RunMonitor, n=50, rank=None) -> list:
 def data_notes(header: dict | None) -> list[str]:
     "Lines saying which samples were dropped or truncated, from a metrics header's `data_stats`."
     stats = (header or {}).get("data_stats") or {}
-    return [f"{label} data: {s['note']}" for key, label in (("train", "training"), ("eval", "eval"))
+    return [f"{label}: {s['note']}" for key, label in (("train", "training data"), ("eval", "eval data"), ("template", "chat template"))
             if isinstance(s := stats.get(key), dict) and s.get("note")]

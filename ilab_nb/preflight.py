@@ -633,7 +633,7 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 10_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`: 11_rundir."
-    from ilab_nb.data import load_tokenizer, ensure_chat_template
+    from ilab_nb.data import load_tokenizer, ensure_chat_template, template_note
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
     check_runs_root(runs_root)
@@ -643,6 +643,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     remote_code = check_remote_code(cfg, trust_owner)
     mp = check_model_dir(cfg)
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    no_template = template_note(tok, records[0]["kind"])    # said in the result (and the run's header), not silently filled in
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
@@ -651,6 +652,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     built = check_model_build(cfg, kind)
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     data = check_data(cfg, records, evals, tok, built["layout"])
+    if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0), adapters=built["trainable_params"])
     disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import base64, html, os, time
 from pathlib import Path
 
-from .core import patch
+from .core import html_join, html_of, patch
 from .monitor import RunMonitor
-from .rundir import RunPaths, State, status_of
+from .rundir import RunPaths, State, status_of, write_file
 from . import dashboard as D
 from .evaluations import evaluations_of
 
@@ -43,27 +43,27 @@ def loss_png(monitor) -> bytes:
     return D.LossPlot().draw(D.run_curves(monitor.records))
 
 def _img(png: bytes, alt: str) -> str:
-    return (f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}" '
-            'style="max-width:900px;width:100%;height:auto;display:block;margin:6px 0">')
+    return html_of('<img alt="{}" src="data:image/png;base64,{}" style="max-width:900px;width:100%;height:auto;display:block;'
+                   'margin:6px 0">', alt, base64.b64encode(png).decode())
 
 # %% ../nbs/41_record.ipynb #95081b53
 def _summary_html(rows) -> str:
     if not rows: return ""
     td = 'style="padding:2px 12px 2px 0"'
-    body = "".join(f"<tr><td {td}>{html.escape(w)}</td><td {td} style='color:#5f6368'>step {s:,}</td><td {td}><b>{v}</b></td></tr>"
-                   for w, s, v in rows)
-    return f'<table style="font-size:13px;border-collapse:collapse;margin:6px 0">{body}</table>'
+    body = html_join(html_of("<tr><td " + td + ">{}</td><td " + td + " style='color:#5f6368'>step {}</td><td " + td + "><b>{}</b></td></tr>",
+                             w, D.format_number(s, ","), v) for w, s, v in rows)
+    return html_of('<table style="font-size:13px;border-collapse:collapse;margin:6px 0">{}</table>', body)
 
 def _attach_html(monitor, when: float) -> str:
-    rid = html.escape(monitor.run_id)
-    return (f'<div style="font-size:12px;color:#5f6368;margin-top:6px">run <code>{rid}</code> in <code>{html.escape(str(monitor.run_dir))}</code>'
-            f' · from any kernel: <code>FineTuneSession.attach("{rid}")</code> · in a shell: <code>ilab-nb status {rid}</code>'
-            f' · recorded {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))}</div>')
+    return html_of('<div style="font-size:12px;color:#5f6368;margin-top:6px">run <code>{rid}</code> in <code>{d}</code>'
+                   ' · from any kernel: <code>FineTuneSession.attach("{rid}")</code> · in a shell: <code>ilab-nb status {rid}</code>'
+                   ' · recorded {t}</div>', rid=monitor.run_id, d=str(monitor.run_dir),
+                   t=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)))
 
 # %% ../nbs/41_record.ipynb #e840e38b
 def evaluations_html(run_dir) -> str:
     "The run's evaluations as HTML: each one's progress and results table ('' without any)."
-    return "".join(f'<div style="margin-top:6px">{ev.record_bundle()["text/html"]}</div>' for ev in evaluations_of(run_dir))
+    return html_join(html_of('<div style="margin-top:6px">{}</div>', ev.record_bundle()["text/html"]) for ev in evaluations_of(run_dir))
 
 # %% ../nbs/41_record.ipynb #37db8be3
 def record_html(monitor, status: str | None = None, png: bytes | None = None, state: dict | None = None) -> str:
@@ -71,25 +71,26 @@ def record_html(monitor, status: str | None = None, png: bytes | None = None, st
     monitor.poll()
     state = state if state is not None else monitor.state(); status = status or status_of(state)
     h = monitor.header or {}
-    top = (D._BADGE.format(c=D.STATUS_COLOURS.get(status, "#5f6368"), s=html.escape(str(status))) + " "
+    top = (html_of(D._BADGE, c=D.STATUS_COLOURS.get(status, "#5f6368"), s=str(status)) + " "
            + D._header_html(monitor.run_id, state.get("attempt") or h.get("attempt"), h))
-    parts = [f'<div style="display:flex;gap:10px;align-items:center">{top}</div>']
+    parts = [html_of('<div style="display:flex;gap:10px;align-items:center">{}</div>', top)]
     cks = monitor.checkpoints()
     if status == State.failed: parts.append(D._failure_html(state))
     elif status == State.cancelled: parts.append(D._cancelled_html(state, resumable=False))
     if status in (State.failed, State.cancelled) and cks:
-        parts.append(f'<div style="font-size:12.5px;margin:4px 0"><code>FineTuneSession.attach("{html.escape(monitor.run_id)}")'
-                     f'.resume()</code> goes on from its latest complete checkpoint (step {cks[-1].get("step", "?")}).</div>')
-    parts.append(f'<div style="margin:6px 0">{D._progress_html(monitor.progress(), status, monitor.header)}</div>')
+        parts.append(html_of('<div style="font-size:12.5px;margin:4px 0"><code>FineTuneSession.attach("{}").resume()</code> goes on '
+                             'from its latest complete checkpoint (step {}).</div>', monitor.run_id, cks[-1].get("step", "?")))
+    parts.append(html_of('<div style="margin:6px 0">{}</div>', D._progress_html(monitor.progress(), status, monitor.header)))
+    if monitor.note: parts.append(D.note_html(monitor.note, "#b06000"))     # records skipped as unreadable
     parts.append(_summary_html(summary_rows(monitor)))
     if monitor.train_records or monitor.eval_records: parts.append(_img(png or loss_png(monitor), f"loss of run {monitor.run_id}"))
     latest, previous = D.latest_samples(monitor.records)
     if latest is not None: parts.append(D.samples_html(latest, previous))
-    parts.append(f'<div style="font-size:12.5px;margin-top:6px"><b>Checkpoints ({len(cks)})</b>{D._checkpoints_html(cks)}</div>')
+    parts.append(html_of('<div style="font-size:12.5px;margin-top:6px"><b>Checkpoints ({})</b>{}</div>', len(cks), D._checkpoints_html(cks)))
     parts.append(evaluations_html(monitor.run_dir))
     parts.append(_attach_html(monitor, time.time()))
-    return ('<div class="ilab-record" style="max-width:940px;font-family:system-ui,-apple-system,sans-serif;color:#202124">'
-            + "".join(parts) + "</div>")
+    return html_of('<div class="ilab-record" style="max-width:940px;font-family:system-ui,-apple-system,sans-serif;color:#202124">'
+                   '{}</div>', html_join(parts))
 
 # %% ../nbs/41_record.ipynb #8dc1855d
 def record_text(monitor, status: str | None = None) -> str:
@@ -109,16 +110,13 @@ class Record:
     def __repr__(self): return record_text(RunMonitor(self.run_dir))
 
 # %% ../nbs/41_record.ipynb #b5eb54a6
-def _write_atomic(path: Path, data: bytes):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try: tmp.write_bytes(data); os.replace(tmp, path)
-    finally: tmp.unlink(missing_ok=True)
+def _write_atomic(path: Path, data: bytes): write_file(path, data)    # never through a link (11_rundir)
 
 def report_page(title: str, body: str) -> str:
     "A self-contained HTML page around `body` (no stylesheet, script or network)."
-    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            '<meta name="viewport" content="width=device-width, initial-scale=1"></head>'
-            f'<body style="margin:24px;background:#fff">{body}</body></html>\n')
+    return html_of('<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{}</title>'
+                   '<meta name="viewport" content="width=device-width, initial-scale=1"></head>'
+                   '<body style="margin:24px;background:#fff">{}</body></html>\n', title, body)
 
 def write_report(run_dir, state: dict | None = None) -> Path:
     "Write the run's `report.html` and `loss.png` into its directory (`state`: the state to show, else `state.json`)."

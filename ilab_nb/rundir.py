@@ -13,11 +13,12 @@ from pathlib import Path
 from .core import patch
 
 # %% auto #0
-__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'SWEEPS_DIR', 'CKPT_MARKER', 'TRAINER_STATE',
-           'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of', 'Event', 'RankState', 'RunPaths',
-           'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links', 'OwnerError', 'owner_problem', 'refuse_foreign',
-           'read_json', 'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
-           'schema_markdown']
+__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'SWEEPS_DIR', 'OWN_LINKS', 'APPENDED',
+           'ENTRY_POINTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of',
+           'Event', 'RankState', 'RunPaths', 'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links', 'OwnerError',
+           'owner_problem', 'refuse_foreign', 'Action', 'hard_links_in', 'RunGoneError', 'gate', 'gated', 'write_file',
+           'open_append', 'read_json', 'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records',
+           'schema_problems', 'record_problem', 'schema_markdown']
 
 # %% ../nbs/11_rundir.ipynb #a3a6030c
 class Name(StrEnum):
@@ -220,12 +221,19 @@ def no_follow(path, flags):
         raise RunDirLinkError(f"{path} is a symbolic link (to {os.readlink(path)}); ilab_nb does not follow "
                               "links in a run directory: remove it") from None
 
+OWN_LINKS = ("wandb",)   # folders whose tool links its own files (W&B: latest-run, debug.log): links that stay inside are theirs
+
+def _own_link(root, p: Path) -> bool:
+    top = Path(root) / p.relative_to(root).parts[0]
+    return (top.name in OWN_LINKS and not top.is_symlink()
+            and Path(os.path.realpath(p)).is_relative_to(os.path.realpath(top)))
+
 def links_in(root) -> list:
-    "Every symbolic link under `root` (not `root` itself), without following any."
+    "Every symbolic link under `root` (not `root` itself), without following any; a tool's own links inside its folder (`OWN_LINKS`) aside."
     out = []
     for d, dirs, files in os.walk(root, followlinks=False):
         out += [Path(d, n) for n in dirs + files if os.path.islink(os.path.join(d, n))]
-    return sorted(out)
+    return sorted(p for p in out if not _own_link(root, p))
 
 def refuse_links(root, doing: str):
     "`RunDirLinkError` naming the links under `root` (the first three and a count) before `doing`; None without any."
@@ -258,6 +266,90 @@ def refuse_foreign(paths, doing: str, trust_owner: bool = False):
             raise OwnerError(f"{p} {why}; ilab_nb will not {doing} unless you trust its owner (trust_owner=True; "
                              "ilab-nb: --trust-owner): that would run, with your rights, what its files name (a model and its code, "
                              "pickled state)")
+
+# %% ../nbs/11_rundir.ipynb #c2590a6d
+class Action(Name):
+    "What an entry point does with a run directory, the kind the gate checks it for."
+    read = auto()    # status, logs, metrics, record: free, even of another user's run
+    code = auto()    # imports its model (trust_remote_code) or unpickles its state
+    write = auto()   # creates or changes files in it
+
+# %% ../nbs/11_rundir.ipynb #3856c000
+APPENDED = ("metrics.jsonl", "events.jsonl", "logs", "control", "ranks")   # what a run's processes open for appending
+
+def hard_links_in(root) -> list:
+    "Files among those a run appends to (`APPENDED`) with more than one name: writing one would change the other."
+    out = []
+    for name in APPENDED:
+        p = Path(root) / name
+        files = [p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()] if p.is_dir() else []
+        out += [q for q in files if os.lstat(q).st_nlink > 1 and not q.is_symlink()]
+    return sorted(out)
+
+# %% ../nbs/11_rundir.ipynb #7a143929
+class RunGoneError(FileNotFoundError):
+    "The run directory an action was on was removed."
+
+def gate(run_dir, action: Action, doing: str, trust_owner: bool = False, also=()) -> RunPaths:
+    """The one check before `doing` something of kind `action` to the run in `run_dir` (and the files `also`, a model
+    folder it loads): links and owners for code and writes, nothing for reads. Returns the run's paths."""
+    p = RunPaths(run_dir)
+    if Action(action) == Action.read: return p
+    if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed (or never created); there is nothing to {doing}")
+    if os.path.islink(p.root): raise RunDirLinkError(f"{p.root} is a symbolic link; ilab_nb will not {doing} through it")
+    extra = [q for a in also if a for q in (Path(a), *(sorted(Path(a).rglob("*")) if Path(a).is_dir() else []))]
+    refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *extra], doing, trust_owner)
+    refuse_links(p.root, doing)
+    if hard := hard_links_in(p.root):
+        raise RunDirLinkError(f"{hard[0]} has {os.lstat(hard[0]).st_nlink} names (a hard link, {len(hard)} in all); a run "
+                              f"appends to it, which would change the other name too, so ilab_nb will not {doing}: remove it")
+    return p
+
+# %% ../nbs/11_rundir.ipynb #6f47c5d0
+ENTRY_POINTS = {}   # "Class.method" -> the kinds of action it declared
+
+def gated(*actions: Action, doing: str, where=lambda self: self.run_dir, unless=None):
+    "Decorator: `gate` the run directory `where(self)` for each of `actions` before the method runs (not when `unless(self)`: nothing to do)."
+    def deco(f):
+        import functools, inspect
+        sig = inspect.signature(f)
+        @functools.wraps(f)
+        def inner(self, *args, **kw):
+            b = sig.bind(self, *args, **kw); b.apply_defaults()
+            if unless is None or not unless(self):
+                for a in actions: gate(where(self), a, doing, b.arguments.get("trust_owner", False))
+            return f(self, *args, **kw)
+        inner.__gate__ = tuple(Action(a) for a in actions)
+        first = next(iter(sig.parameters.values())).annotation
+        ENTRY_POINTS[f"{getattr(first, '__name__', first)}.{f.__name__}"] = inner.__gate__
+        return inner
+    return deco
+
+# %% ../nbs/11_rundir.ipynb #e587a2c8
+def _parent_ok(path: Path):
+    if os.path.islink(path.parent):
+        raise RunDirLinkError(f"{path.parent} is a symbolic link (to {os.readlink(path.parent)}); ilab_nb does not write "
+                              "through links: remove it")
+
+def write_file(path, data, mode: int = 0o644) -> Path:
+    "Replace `path` with `data` (str or bytes) atomically, never through a link at `path` or as its parent."
+    path = Path(path); _parent_ok(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        with os.fdopen(fd, "wb") as f: f.write(data.encode() if isinstance(data, str) else data); f.flush(); os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException: tmp.unlink(missing_ok=True); raise
+    return path
+
+def open_append(path, mode: str = "a", **kw):
+    "`open(path, mode)` to append to (or create) a file of a run: not through a symbolic link, not into a hard link."
+    path = Path(path); _parent_ok(path)
+    f = open(path, mode, opener=no_follow, **kw)
+    if (n := os.fstat(f.fileno()).st_nlink) > 1:
+        f.close()
+        raise RunDirLinkError(f"{path} has {n} names (a hard link); appending to it would change the other too: remove it")
+    return f
 
 # %% ../nbs/11_rundir.ipynb #3df13410
 def read_json(path, default=None):
@@ -385,6 +477,18 @@ def schema_problems(rec: dict, kind: str) -> list:
     out += [f"{kind} record has field {f!r} that ilab_nb.rundir.SCHEMA[{kind!r}] does not list: add it there "
             "(nbs/11_rundir.ipynb), then run tools/schema_doc.py" for f in rec if f not in known]
     return out
+
+# %% ../nbs/11_rundir.ipynb #43ae9914
+_STEPPED = ("train", "eval", "samples")   # kinds whose readers need their step
+
+def record_problem(rec) -> str | None:
+    "Why a `metrics.jsonl` record cannot be read as its kind, or None: readers skip and count such records."
+    if not isinstance(rec, dict): return "not a JSON object"
+    kind = rec.get("kind")
+    if not isinstance(kind, str): return "no kind"
+    if kind not in SCHEMA or SCHEMA[kind]["file"] != "metrics.jsonl": return None
+    if kind in _STEPPED and "step" not in rec: return f"{kind} record lacks required field 'step'"
+    return next((p for p in schema_problems(rec, kind) if " is not " in p), None)
 
 # %% ../nbs/11_rundir.ipynb #2abd5174
 def schema_markdown() -> str:

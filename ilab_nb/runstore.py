@@ -13,7 +13,7 @@ import psutil
 from filelock import FileLock
 
 from .core import patch
-from .rundir import STATES, TERMINAL, Event, RunPaths, State, no_follow, read_json, tail_lines
+from .rundir import STATES, TERMINAL, Event, RunPaths, State, no_follow, read_json, tail_lines, write_file
 
 # %% auto #0
 __all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'StateError', 'default_runs_root',
@@ -93,13 +93,8 @@ def alive(self:ProcessRef) -> bool:
 # %% ../nbs/13_runstore.ipynb #745c3f9a
 def write_json_atomic(path, obj):
     "Replace `path` with `obj` as JSON atomically (tmp file, fsync, rename, fsync dir)."
-    path = Path(path); tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, default=str); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:          # a full disk, say: leave no half-written tmp file behind
-        tmp.unlink(missing_ok=True); raise
+    path = Path(path)
+    write_file(path, json.dumps(obj, indent=1, default=str))     # never through a link (11_rundir); no tmp file left on failure
     try:
         fd = os.open(path.parent, os.O_RDONLY)
         try: os.fsync(fd)

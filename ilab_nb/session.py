@@ -15,8 +15,8 @@ from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, v
 from .core import no_hf_progress_bars, patch, require_torch
 from .live import finalize_displays
 from .monitor import RunMonitor
-from .rundir import (CKPT_MARKER, TRAINER_STATE, Event, RunDirLinkError, RunPaths, State, read_json, refuse_foreign,
-                            refuse_links, status_of)
+from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated, read_json,
+                            refuse_foreign, refuse_links, status_of)
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight, model_files_problem
 
@@ -95,7 +95,7 @@ def list_runs(cls:FineTuneSession, runs_root=None) -> list:
         out.append({"run_id": rid, "status": status_of(st, State.incomplete), "attempt": st.get("attempt"), "step": pr["step"],
                     "total_steps": pr["total_steps"], "loss": pr["loss"], "created_at": st.get("created_at"),
                     "reason": st.get("reason"), "forked_from": _lineage(st.get("forked_from")),
-                    "changed": {int(a): sorted(ch) for a, ch in (st.get("changes") or {}).items()}})
+                    "changed": {int(a): sorted(ch) for a, ch in (st.get("changes") or {}).items()}, "note": m.note})
     return out
 
 # %% ../nbs/61_session.ipynb #fbc34ad5
@@ -156,29 +156,38 @@ def _spawn(self:FineTuneSession, attempt, resume=None):
 
 # %% ../nbs/61_session.ipynb #db9c5078
 @patch(as_prop=True)
+@gated(Action.read, doing="read its state")
 def state(self:FineTuneSession) -> dict:
     "The run's `state.json` after finalizing it if its supervisor is gone ({} before `start()`)."
     return self.store.refresh(self.run_id) if self.store.exists(self.run_id) else {}
 
 # %% ../nbs/61_session.ipynb #d12ddc3a
 @patch(as_prop=True)
+@gated(Action.read, doing="read its status")
 def status(self:FineTuneSession) -> str:
     "`created` (not started), `queued`, `starting`, `running`, `completed`, `failed`, `cancelled` (or `unreadable`)."
     return status_of(self.state)
 
 # %% ../nbs/61_session.ipynb #1806f19e
 @patch(as_prop=True)
+@gated(Action.read, doing="read its reason")
 def reason(self:FineTuneSession):
     "Why the run failed or was cancelled (None otherwise)."
     return self.state.get("reason")
 
 # %% ../nbs/61_session.ipynb #e83219fa
 @patch
+@gated(Action.read, doing="read its progress")
 def progress(self:FineTuneSession) -> dict:
     "`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` of the run so far."
     self.monitor.poll(); return self.monitor.progress()
 
 # %% ../nbs/61_session.ipynb #ce0da64f
+@patch
+def _unstarted(self:FineTuneSession) -> bool:
+    "Made here and not started (attached sessions were started: without their directory, it was removed)."
+    return self.preflight is not None and not self.store.exists(self.run_id)
+
 @patch
 def _evaluating(self:FineTuneSession, st: dict) -> bool:
     "Whether the evaluation this run's completion queued (`eval_tasks`) is still going."
@@ -187,6 +196,7 @@ def _evaluating(self:FineTuneSession, st: dict) -> bool:
     return Evaluation(RunPaths(self.run_dir).evals / st["evaluation"]).status not in TERMINAL
 
 @patch
+@gated(Action.read, doing="wait for it")
 def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
     "Block until the run ends (tqdm bar when `progress`, default: in a terminal); returns the final status."
     if progress is None: progress = sys.stderr.isatty()
@@ -219,6 +229,7 @@ def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
 
 # %% ../nbs/61_session.ipynb #ca9ab779
 @patch
+@gated(Action.read, doing="read its metrics")
 def metrics(self:FineTuneSession, as_frame=False, kinds=("train", "eval")):
     "Train and eval records so far, in time order (`as_frame=True`: a pandas DataFrame)."
     self.monitor.poll()
@@ -232,19 +243,22 @@ def metrics(self:FineTuneSession, as_frame=False, kinds=("train", "eval")):
 
 # %% ../nbs/61_session.ipynb #20b42ea2
 @patch
+@gated(Action.read, doing="read its logs")
 def logs(self:FineTuneSession, n=50, rank=None) -> str:
     "The last `n` lines of the most relevant log (the failing rank's, else rank 0's, else the supervisor's), or of `rank`."
     return "\n".join(self.monitor.log_tail(n, rank))
 
 # %% ../nbs/61_session.ipynb #a68e451b
 @patch(as_prop=True)
+@gated(Action.read, doing="list its checkpoints")
 def checkpoints(self:FineTuneSession) -> list:
     "Complete checkpoints: `{step, epoch, path, metrics}`, oldest first."
     return self.monitor.checkpoints()
 
 # %% ../nbs/61_session.ipynb #dc376abb
 @patch
-def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None) -> str:
+@gated(Action.write, doing="stop it", unless=lambda self: self._unstarted() or self.state.get("status") in TERMINAL)
+def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None, *, trust_owner: bool = False) -> str:
     "Ask the run to stop (graceful, then forced after `grace_s`); with `wait`, block until it has ended. Returns the status."
     st = self.state
     if not st or st.get("status") in TERMINAL: return st.get("status", State.created)
@@ -307,10 +321,7 @@ def _resume_point(self:FineTuneSession, st: dict, changes: dict) -> dict:
 @patch
 def _may_act(self:FineTuneSession, doing: str, ck: dict, trust_owner: bool = False):
     "Refuse to `doing` a run whose directory holds a symbolic link or another user's files (11_rundir), or a DPO run without its reference."
-    refuse_links(self.run_dir, doing)
-    p = RunPaths(self.run_dir)
-    ckpt = [Path(ck["path"]), *sorted(Path(ck["path"]).rglob("*"))] if ck.get("path") else []
-    refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *ckpt], doing, trust_owner)
+    gate(self.run_dir, Action.code, doing, trust_owner, also=[ck.get("path")])     # the checkpoint it unpickles too
     if why := self._reference_problem(ck): raise RuntimeError(why)
 
 # %% ../nbs/61_session.ipynb #733b5346
@@ -330,6 +341,7 @@ def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
 
 # %% ../nbs/61_session.ipynb #60f78469
 @patch
+@gated(Action.code, doing="resume it", unless=lambda self: self._unstarted())    # not started: said below
 def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> FineTuneSession:
     """Continue the run from its latest complete checkpoint (none: from the start) as a new attempt; returns at once.
     `changes`: settings that change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...:
@@ -371,6 +383,7 @@ def _link_tree(src: Path, dst: Path, only: str | None = None):
 
 # %% ../nbs/61_session.ipynb #f9adf7c3
 @patch
+@gated(Action.read, doing="find its checkpoint")
 def checkpoint_at(self:FineTuneSession, step=None) -> tuple[dict, TrainConfig]:
     "The complete checkpoint at `step` (default: the latest) and the config of the attempt that wrote it: what a fork starts from."
     ckpts = self.checkpoints
@@ -397,10 +410,10 @@ def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig) -> tup
 
 # %% ../nbs/61_session.ipynb #efcdfb5a
 @patch
+@gated(Action.code, doing="fork it")
 def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False, **changes) -> FineTuneSession:
     """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
     (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
-    refuse_links(self.run_dir, "fork it")                  # before anything of it is read
     ck, base = self.checkpoint_at(step)
     self._may_act("fork it", ck, trust_owner)
     cfg, diff, pf = self._changed(changes, ck, "fork", base, trust_owner)
@@ -428,6 +441,7 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
 
 # %% ../nbs/61_session.ipynb #44368007
 @patch
+@gated(Action.read, doing="find its model")
 def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     "The directory `load_model(checkpoint)` would load."
     from ilab_nb.lora import adapter_folder
@@ -467,10 +481,12 @@ def _load(self:FineTuneSession, p: Path, **kwargs):
 def _listed(self:FineTuneSession, p: Path) -> bool: return str(p) in {c["path"] for c in self.checkpoints}
 
 @patch
-def load_model(self:FineTuneSession, checkpoint=None, **kwargs):
-    "`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path)."
+@gated(Action.code, doing="load its model")
+def load_model(self:FineTuneSession, checkpoint=None, *, trust_owner: bool = False, **kwargs):
+    "`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path; `base_model=`: adapters' moved base)."
     for tries_left in (2, 1, 0):
         p = self.model_path(checkpoint); listed = self._listed(p)      # a complete checkpoint of this run, when chosen
+        gate(self.run_dir, Action.code, "load its model", trust_owner, also=[p, kwargs.get("base_model")])
         try: return self._load(p, **kwargs)
         except Exception:
             if not listed or self._listed(p): raise                    # not rotated away: the load's own error stands
@@ -493,6 +509,7 @@ def __repr__(self:FineTuneSession):
 
 # %% ../nbs/61_session.ipynb #b12ac0da
 @patch
+@gated(Action.read, doing="show its dashboard")
 def dashboard(self:FineTuneSession, **kwargs):
     "The live ipywidgets dashboard of this run."
     from ilab_nb.dashboard import Dashboard
@@ -501,6 +518,7 @@ def dashboard(self:FineTuneSession, **kwargs):
 
 # %% ../nbs/61_session.ipynb #393e2663
 @patch
+@gated(Action.read, doing="show its record")
 def record(self:FineTuneSession):
     "The run's record as it stands (41_record): displayed as static HTML with the loss plot, and text."
     from ilab_nb.record import Record
@@ -515,25 +533,30 @@ def _ipython_display_(self:FineTuneSession):
 
 # %% ../nbs/61_session.ipynb #8d0dda21
 @patch
+@gated(Action.read, doing="show its record")
 def snapshot(self:FineTuneSession):
     "Replace this run's live views in this kernel by their static record now; returns the record."
     finalize_displays(self.run_id)
     return self.record()
 
 @patch
-def report(self:FineTuneSession):
+@gated(Action.write, doing="write its report")
+def report(self:FineTuneSession, *, trust_owner: bool = False):
     "Write this run's `report.html` (and `loss.png`) in its directory now; returns it (a notebook shows its record)."
     from ilab_nb.record import Report, write_report
     return Report(write_report(self.run_dir))
 
 # %% ../nbs/61_session.ipynb #8666cda6
 @patch
-def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None, batch_size: int = 16):
+@gated(Action.code, Action.write, doing="evaluate it")
+def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None, batch_size: int = 16,
+             *, base_model=None, trust_owner: bool = False):
     "Queue an evaluation of this run (lm-eval task names, or 'heldout' / 'heldout_preference'); returns it, started."
     from ilab_nb.evaluation import start_evaluation
-    return start_evaluation(self, tasks, checkpoint, base, limit, num_processes, batch_size, queue=self.queue)
+    return start_evaluation(self, tasks, checkpoint, base, limit, num_processes, batch_size, queue=self.queue, base_model=base_model)
 
 @patch(as_prop=True)
+@gated(Action.read, doing="list its evaluations")
 def evaluations(self:FineTuneSession) -> list:
     "The run's evaluations (`ilab_nb.evaluations.Evaluation`), oldest first."
     from ilab_nb.evaluations import evaluations_of
@@ -541,11 +564,13 @@ def evaluations(self:FineTuneSession) -> list:
 
 # %% ../nbs/61_session.ipynb #00cea0ac
 @patch
+@gated(Action.code, Action.write, doing="export it")
 def export(self:FineTuneSession, format: str = "gguf", dtype: str = "q8_0", checkpoint=None, path=None,
-           modelfile: bool = True, progress: bool | None = None):
+           modelfile: bool = True, progress: bool | None = None, *, base_model=None, overwrite: bool = False,
+           trust_owner: bool = False):
     "The run's model (`final/`, or `checkpoint`: step, 'latest' or path) as a GGUF file (f32, f16, bf16, q8_0); its path."
     from ilab_nb.export import export_run
-    return export_run(self, format, dtype, checkpoint, path, modelfile, progress)
+    return export_run(self, format, dtype, checkpoint, path, modelfile, progress, base_model=base_model, overwrite=overwrite)
 
 # %% ../nbs/61_session.ipynb #29362335
 @patch(cls_method=True)
@@ -556,7 +581,8 @@ def compare(cls:FineTuneSession, runs, labels=None, **kwargs):
 
 # %% ../nbs/61_session.ipynb #3272f887
 @patch
-def chat(self:FineTuneSession, checkpoint=None, **kwargs):
+@gated(Action.code, doing="chat with its model")
+def chat(self:FineTuneSession, checkpoint=None, *, trust_owner: bool = False, **kwargs):
     "A chat box (ipywidgets) over the final model or `checkpoint` (step, 'latest' or path), streaming its answers."
     from ilab_nb.chat import ChatBox
-    return ChatBox.from_session(self, checkpoint, **kwargs)
+    return ChatBox.from_session(self, checkpoint, trust_owner=trust_owner, **kwargs)

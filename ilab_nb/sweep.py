@@ -13,9 +13,9 @@ from .config import ConfigError, TrainConfig, with_changes
 from .runstore import RunStore, TERMINAL, new_run_id, validate_run_id, write_json_atomic, read_json
 from .monitor import RunMonitor
 from .session import FineTuneSession
-from .core import patch
+from .core import html_join, html_of, patch
 from .live import Refresher, finalize_displays, in_kernel, show_live
-from .rundir import RunPaths, SWEEPS_DIR
+from .rundir import Action, RunPaths, SWEEPS_DIR, gated
 
 # %% auto #0
 __all__ = ['EXTRA_SUMMARY', 'MISSING', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary', 'sweeps_dir', 'Sweep',
@@ -136,7 +136,8 @@ def sweep(cls:FineTuneSession, model=None, data=None, *, grid=None, config=None,
 
 # %% ../nbs/62_sweep.ipynb #92948afd
 @patch
-def fork_sweep(self:FineTuneSession, step=None, *, grid=None, name=None, **fields) -> Sweep:
+@gated(Action.code, doing="fork it")
+def fork_sweep(self:FineTuneSession, step=None, *, grid=None, name=None, trust_owner: bool = False, **fields) -> Sweep:
     "A `Sweep` of forks from this run's checkpoint at `step` (default: the latest), one per combination of the listed fields."
     axes, common = sweep_axes(fields, grid)
     combos = sweep_combinations(axes)
@@ -150,7 +151,7 @@ def fork_sweep(self:FineTuneSession, step=None, *, grid=None, name=None, **field
                 runs=[dict(run_id=f"{sweep_id}-{i:02d}", values=v) for i, v in enumerate(combos)])
     d = sweeps_dir(self.store.root) / sweep_id; d.mkdir(parents=True)
     write_json_atomic(d / "sweep.json", spec)
-    sessions = [self.fork(ck["step"], run_id=r["run_id"], **run_fields(common, r["values"])) for r in spec["runs"]]
+    sessions = [self.fork(ck["step"], run_id=r["run_id"], trust_owner=trust_owner, **run_fields(common, r["values"])) for r in spec["runs"]]
     return Sweep(sweep_id, spec, sessions, self.store.root)
 
 
@@ -248,8 +249,8 @@ def _table_row(s, values: dict) -> list:
     "The cells of one run's row: id, varied values, status (in its colour), step, loss, best eval loss."
     from ilab_nb.dashboard import STATUS_COLOURS, format_number
     st, pr, sm = s.status, s.progress(), run_summary(s.monitor)
-    return [html.escape(s.run_id), *(html.escape(str(v)) for v in values.values()),
-            f"<b style='color:{STATUS_COLOURS.get(st, '#5f6368')}'>{st}</b>", f"{pr['step'] or 0}/{pr['total_steps'] or '?'}",
+    return [s.run_id, *(str(v) for v in values.values()),      # text, escaped where the row is built
+            html_of("<b style='color:{}'>{}</b>", STATUS_COLOURS.get(st, '#5f6368'), st), f"{pr['step'] or 0}/{pr['total_steps'] or '?'}",
             format_number(pr["loss"], ".4f"), format_number(sm["best_eval_loss"], ".4f")]
 
 # %% ../nbs/62_sweep.ipynb #e021d2e7
@@ -258,11 +259,10 @@ _ROW = "<td style='padding:2px 10px'>{}</td>"
 def sweep_table_html(sweep: Sweep) -> str:
     "The per-run table of a sweep as HTML."
     head = ["run", *sweep.axes, "status", "step", "loss", "best eval"]
-    rows = ["<tr>" + "".join(_ROW.format(c) for c in _table_row(s, r["values"])) + "</tr>"
+    rows = [html_of("<tr>{}</tr>", html_join(html_of(_ROW, c) for c in _table_row(s, r["values"])))
             for s, r in zip(sweep.sessions, sweep.spec["runs"])]
-    return ("<table style='border-collapse:collapse;font-size:13px'><tr>"
-            + "".join(f"<th style='padding:2px 10px;text-align:left'>{h}</th>" for h in head)
-            + "</tr>" + "".join(rows) + "</table>")
+    return html_of("<table style='border-collapse:collapse;font-size:13px'><tr>{}</tr>{}</table>",
+                   html_join(html_of("<th style='padding:2px 10px;text-align:left'>{}</th>", h) for h in head), html_join(rows))
 
 # %% ../nbs/62_sweep.ipynb #8eceee70
 class SweepDashboard(W.VBox):
@@ -273,7 +273,7 @@ class SweepDashboard(W.VBox):
         self.sweep, self.refresh_s, self._n, self.going = sweep, refresh_s, None, True
         self.refresher = Refresher(self.update, lambda: not self.going, lambda h: setattr(self.message, "value", h),
                                    refresh_s, name=f"ilab-sweep-{sweep.sweep_id}")
-        self.title = W.HTML(f"<b>Sweep {sweep.sweep_id}</b> — {len(sweep.sessions)} runs over {', '.join(sweep.axes)}")
+        self.title = W.HTML(html_of("<b>Sweep {}</b> — {} runs over {}", sweep.sweep_id, len(sweep.sessions), ", ".join(sweep.axes)))
         self.table, self.message = W.HTML(), W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px"))
         self.stop_button = W.Button(description="Stop all", icon="stop", button_style="danger")
@@ -318,13 +318,13 @@ def sweep_record_html(sweep: Sweep) -> str:
     "The sweep's record as one HTML fragment: its title, the per-run table and the overlaid loss curves inlined."
     from ilab_nb.record import _img
     ended = all(_ended(s.status) for s in sweep.sessions)
-    head = (f"<div style='font-size:14px;margin-bottom:6px'><b>Sweep {html.escape(sweep.sweep_id)}</b> — {len(sweep.sessions)} "
-            f"runs over {html.escape(', '.join(sweep.axes))}{'' if ended else ' (some still going)'} · from any kernel: "
-            f"<code>Sweep.attach(\"{html.escape(sweep.sweep_id)}\")</code></div>")
+    head = html_of("<div style='font-size:14px;margin-bottom:6px'><b>Sweep {id}</b> — {n} runs over {axes}{going} · from any "
+                   "kernel: <code>Sweep.attach(\"{id}\")</code></div>", id=sweep.sweep_id, n=len(sweep.sessions),
+                   axes=", ".join(sweep.axes), going="" if ended else " (some still going)")
     have = [s for s in sweep.sessions if not isinstance(s, MissingRun) and s.monitor.records]
     plot = _img(sweep.compare().png(), f"loss of sweep {sweep.sweep_id}") if have else ""
-    return ("<div class='ilab-sweep-record' style='max-width:940px;font-family:system-ui,-apple-system,sans-serif'>"
-            + head + sweep_table_html(sweep) + plot + "</div>")
+    return html_of("<div class='ilab-sweep-record' style='max-width:940px;font-family:system-ui,-apple-system,sans-serif'>{}{}{}</div>",
+                   head, sweep_table_html(sweep), plot)
 
 @patch
 def record_bundle(self:Sweep) -> dict:

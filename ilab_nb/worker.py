@@ -19,7 +19,7 @@ from .core import patch, require_torch, writing
 from .monitor import data_notes
 from .runstore import ends_mid_line, write_json_atomic
 from .rundir import (CKPT_MARKER, SCHEMA_VERSION, TRAINER_STATE, Event, RankState, RunPaths, complete_checkpoints,
-                            no_follow, refuse_links)
+                            no_follow, open_append, refuse_links)
 from .trackers import open_trackers
 from . import data as D
 from . import batching as B
@@ -49,7 +49,7 @@ def redirect_output(log_path):
     "Send this process's stdout and stderr (file descriptors 1 and 2) to `log_path`, appending."
     log_path = Path(log_path)
     log_path.parent.mkdir(exist_ok=True)     # never the run directory itself: a deleted run stays deleted
-    fd = no_follow(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)      # never through a link (11_rundir)
+    with open_append(log_path, "ab") as f: fd = os.dup(f.fileno())      # never through a link, nor into a hard link (11_rundir)
     sys.stdout.flush(); sys.stderr.flush()
     os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
@@ -566,7 +566,7 @@ class MetricsWriter:
     def __init__(self, path, run_id: str, attempt: int, enabled: bool = True, log=None):
         self.path, self.log, self.run_id, self.attempt = path, log, run_id, attempt
         torn = enabled and ends_mid_line(path)        # the last writer was killed mid-line: start on a line of our own
-        self.f = open(path, "a", encoding="utf-8", opener=no_follow) if enabled else None
+        self.f = open_append(path, "a", encoding="utf-8") if enabled else None
         if torn: self.f.write("\n")
     def write(self, kind: str, **fields):
         if self.f is None: return
@@ -882,10 +882,12 @@ def resume_position(ckpt) -> dict | None:
 def setup_attempt(run_dir: Path, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume=None) -> Attempt:
     "Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if given."
     tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    D.ensure_chat_template(tokenizer)
     records_kind = D.load_records(cfg.data)[0]["kind"]
+    no_template = D.template_note(tokenizer, records_kind)
+    D.ensure_chat_template(tokenizer)
     method = training_method(cfg, records_kind)
     train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, run_dir, method)
+    if no_template: data_stats = {**data_stats, "template": {"note": no_template}}     # in the header: the dashboard says it
     train_ds = train_ds.with_format(None)
     lengths, weights = method.lengths(train_ds, layout), method.weights(train_ds)
     position = resume_position(resume) if resume else None
@@ -1048,7 +1050,7 @@ def train_loop(self:Attempt) -> dict:
     cfg, env, total = self.cfg, self.env, len(self.steps)
     self.model.train()
     eval_loss = self.evaluate_now(0, 0.0) if self.start == 0 else None
-    t0, last, step, seen = time.time(), {}, self.start, (set() if self.record_data_seen else None)
+    t0, last, step, seen, applied = time.time(), {}, self.start, (set() if self.record_data_seen else None), 0
     self.seen = seen
     win = _new_window(t0)
     for step in range(self.start + 1, total + 1):
@@ -1057,7 +1059,7 @@ def train_loop(self:Attempt) -> dict:
                          self.layout, self.autocast, self.tokenizer.pad_token_id, self.method)
         if seen is not None: seen.update((step, i) for ms in s["micro"] for i in ms[env.rank])
         if out["nonfinite"]: self.nonfinite_step(step, out["nonfinite"])     # fails the run, or records the step skipped
-        else: win["loss"][0] += out["loss_sum"]; win["loss"][1] += out["loss_tokens"]; win["good"] = out["grad_norm"]
+        else: applied += 1; win["loss"][0] += out["loss_sum"]; win["loss"][1] += out["loss_tokens"]; win["good"] = out["grad_norm"]
         units = [i for ms in s["micro"] for r in ms for i in r]
         win["real"] += sum((self.real or self.lengths)[i] for i in units)
         win["tokens"] += sum((self.tokens or self.loss_tokens)[i] for i in units)
@@ -1067,6 +1069,10 @@ def train_loop(self:Attempt) -> dict:
         if step % cfg.logging_steps == 0 or step == total: win = _new_window(t0)
         eval_loss, stopped = self.after_step(step, last, eval_loss)
         if stopped: return dict(status=Event.stopped, step=step, last=last, eval_loss=eval_loss, seen=seen)
+    if step > self.start and not applied:              # final/ would be the model it started from, as if trained
+        raise NonFiniteError(f"every step of this attempt ({self.start + 1}..{step}) was skipped as not finite "
+                             "(skip_nonfinite_steps): no update was applied, so there is no trained model to save; "
+                             "lower learning_rate (or check the data), then resume() or start again")
     return dict(status="trained", step=step, last=last, eval_loss=eval_loss, seen=seen)
 
 # %% ../nbs/31_worker.ipynb #7148d626

@@ -1,0 +1,395 @@
+"""One gate for every action on a run: every entry point (the session's methods, the command line's verbs) against
+every rule (links, another user's files, values that would be markup, a bad metrics record, a LoRA base that moved,
+a run directory that disappears), from one registry of entry points; then the failures that led to the gate, one
+test each. A method added to FineTuneSession or a verb added to `ilab-nb` fails
+`test_every_entry_point_is_gated_and_swept` until it is gated (ilab_nb.rundir.gated) and listed here."""
+import json, os, shutil
+from pathlib import Path
+
+import pytest
+
+from ilab_nb import FineTuneSession
+from ilab_nb.cli import COMMANDS
+from ilab_nb.config import TrainConfig
+from ilab_nb.evaluations import Evaluation
+from ilab_nb.rundir import ENTRY_POINTS, Action, OwnerError, RunDirLinkError, RunGoneError, RunPaths, State
+from ilab_nb.runstore import RunStore, write_json_atomic
+
+from conftest import ilab
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="gives a run directory to another user (chown): needs root")
+NOBODY = 65534
+SCRIPT = "<script>alert(1)</script>"
+IMG = "<img src=x onerror=alert(1)>"
+SECRET = "the other file's text"
+
+# --- the run every case starts from ---------------------------------------------------------------------------------
+
+def _record(kind, **f):
+    return json.dumps(dict(schema=1, kind=kind, run_id="r", attempt=1, time=1.0, **f)) + "\n"
+
+HEADER = dict(world_size=1, backend=None, strategy="ddp", distributed_type="NO", device="cpu", device_type="cpu",
+              precision="fp32", layout="ddp", attn_implementation="sdpa", total_steps=4, num_train_samples=8, num_eval_samples=0,
+              resumed_from_step=None, params_total=10**6, params_per_rank=[10**6], gradient_checkpointing=False, plan={},
+              data_stats={}, versions={}, load="full", mixed_precision=None, cpu_offload=False, torch_compile=None, loss="mean",
+              num_machines=1, nodes=["n"])
+TRAIN = dict(total_steps=4, epoch=0.5, loss=2.0, learning_rate=1e-4, grad_norm=1.0, tokens=100, tokens_per_s=10.0,
+             real_tokens_per_s=10.0, efficiency=1.0, elapsed_s=1.0, peak_mem_mb=None)
+
+
+def built_run(root: Path, demo, run_id="r", status=State.completed, lora_base: Path | None = None, **state) -> Path:
+    """A finished run directory made by hand as a run leaves it: config, state, events, metrics, a log, final/ (the demo
+    model, or LoRA adapters of `lora_base`) and a complete checkpoint; no process is started."""
+    store = RunStore(root); d = store.create_run(run_id); p = RunPaths(d)
+    TrainConfig(model=str(lora_base or demo.model_dir), data=[str(demo.train_file)], num_processes=1, device="cpu").to_json(p.config)
+    store.write_state(run_id, status=status, attempt=1, num_processes=1, **state)
+    store.append_event(run_id, "created")
+    p.logs.mkdir(exist_ok=True); p.rank_log(0).write_text("step 1/4 loss 2.0\n")
+    p.metrics.write_text(_record("header", **HEADER) + "".join(_record("train", step=s, **TRAIN) for s in (1, 2)))
+    if lora_base is None: shutil.copytree(demo.model_dir, p.final)
+    else: _adapters(lora_base, p.final)
+    ck = p.checkpoint(2); shutil.copytree(demo.model_dir, ck); (ck / "COMPLETE").write_text("{}")
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 2, "epoch": 1.0}))
+    return d
+
+
+def _adapters(base: Path, out: Path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules=["q_proj"]))
+    pm.peft_config["default"].base_model_name_or_path = str(base)
+    pm.save_pretrained(out / "adapter"); AutoTokenizer.from_pretrained(base).save_pretrained(out)
+
+
+def chown_all(d: Path, uid=NOBODY):
+    for q in [d, *d.rglob("*")]: os.chown(q, uid, uid, follow_symlinks=False)
+
+
+def _queued(s):
+    "The run as just queued (no supervisor yet, within its grace): one a stop() acts on."
+    if s.run_dir.is_dir():
+        s.store.write_state(s.run_id, status=State.queued, attempt=2, new_attempt=True)
+        chown_all(s.run_dir, s.run_dir.stat().st_uid)            # as its owner left it
+    return s
+
+
+# --- the registry: every entry point, its kind, how the session calls it and how the command line does --------------
+
+API = {   # name -> call on an attached session
+    "state": lambda s: s.state, "status": lambda s: s.status, "reason": lambda s: s.reason, "progress": lambda s: s.progress(),
+    "wait": lambda s: s.wait(timeout=5, progress=False), "metrics": lambda s: s.metrics(), "logs": lambda s: s.logs(),
+    "checkpoints": lambda s: s.checkpoints, "checkpoint_at": lambda s: s.checkpoint_at(2), "model_path": lambda s: s.model_path(),
+    "record": lambda s: s.record()._repr_mimebundle_()["text/html"], "snapshot": lambda s: s.snapshot()._repr_mimebundle_()["text/html"],
+    "dashboard": lambda s: _dashboard_html(s), "evaluations": lambda s: [e.record_bundle()["text/html"] for e in s.evaluations],
+    "report": lambda s: s.report().path.read_text(), "stop": lambda s: _queued(s).stop(wait=False),
+    "resume": lambda s: s.resume(max_steps=8), "fork": lambda s: s.fork(2, max_steps=8),
+    "fork_sweep": lambda s: s.fork_sweep(2, learning_rate=[1e-4, 2e-4]),
+    "load_model": lambda s: s.load_model(), "chat": lambda s: s.chat(),
+    "evaluate": lambda s: s.evaluate(["heldout"]), "export": lambda s: s.export(dtype="f32", progress=False),
+}
+CLI = {"status": ["status"], "logs": ["logs"], "watch": ["watch"], "stop": ["stop", "--no-wait"], "resume": ["resume", "--set", "max_steps=8"],
+       "fork": ["fork", "--step", "2"], "chat": ["chat"], "report": ["report"], "eval": ["eval", "--tasks", "heldout"],
+       "export": ["export", "--dtype", "f32"]}
+CLI_KIND = {"status": "status", "logs": "logs", "watch": "wait", "stop": "stop", "resume": "resume", "fork": "fork", "chat": "chat",
+            "report": "report", "eval": "evaluate", "export": "export"}
+NOT_ON_A_RUN = {"start", "attach", "list_runs", "compare", "sweep"}       # make a run, find one, or read many (list_runs: below)
+HTML = ("record", "snapshot", "dashboard", "evaluations", "report")
+LOADS_MODEL = ("load_model", "chat", "evaluate", "export")
+
+
+def kinds(name) -> tuple: return ENTRY_POINTS[f"FineTuneSession.{name}"]
+def acts(name) -> bool: return any(k != Action.read for k in kinds(name))
+
+
+def _dashboard_html(s) -> str:
+    d = s.dashboard(autostart=False)
+    return "".join(w.value for w in (d.badge, d.header, d.progress_text, d.failure, d.log_view, d.checkpoint_view))
+
+
+def test_every_entry_point_is_gated_and_swept():
+    public = {n for n in vars(FineTuneSession) if not n.startswith("_")} - NOT_ON_A_RUN
+    gated = {k.split(".", 1)[1] for k in ENTRY_POINTS if k.startswith("FineTuneSession.")}
+    assert public - gated == set(), "not gated (ilab_nb.rundir.gated)"
+    assert public - set(API) == set(), "gated, not in this sweep"
+    assert set(COMMANDS) - {"run", "ls", "demo"} - set(CLI) == set(), "a command on a run that the sweep does not run"
+    assert ENTRY_POINTS["Evaluation.stop"] == (Action.write,)
+
+
+# --- the sweep: every entry point x every rule -----------------------------------------------------------------------
+
+RULES = ("link", "owner", "markup", "bad record", "moved base", "removed")
+
+
+def _cases():
+    for name in API:
+        for rule in RULES:
+            if rule == "owner" and not ROOT: continue
+            if rule == "markup" and name not in HTML: continue                  # no page: nothing to escape
+            if rule == "bad record" and acts(name) and name not in ("report", "stop"): continue   # reads no metrics
+            if rule == "moved base" and name not in LOADS_MODEL: continue      # loads no model
+            yield pytest.param(name, rule, id=f"{name}-{rule}")
+
+
+@pytest.fixture
+def hostile(demo, tmp_path):
+    "`(session, rule)` -> the attached session of a run to which `rule` was done; what a rule may not touch lies in tmp/elsewhere."
+    def make(rule):
+        root, out = tmp_path / "runs", tmp_path / "elsewhere"; out.mkdir()
+        (out / "secret.txt").write_text(SECRET + "\n")
+        base = None
+        if rule == "moved base":
+            base = tmp_path / "base"; shutil.copytree(demo.model_dir, base)
+        d = built_run(root, demo, lora_base=base, **(dict(status=State.failed, reason=SCRIPT, log_tail=[IMG]) if rule == "markup" else {}))
+        p = RunPaths(d)
+        if rule == "moved base": base.rename(tmp_path / "moved")
+        if rule == "link": p.rank_log(1).symlink_to(out / "secret.txt")
+        if rule == "bad record":
+            with open(p.metrics, "a") as f: f.write(_record("train", **{**TRAIN, "step": "7"}) + "[1]\n")
+        if rule == "markup":
+            with open(p.metrics, "a") as f:
+                f.write(_record("header", **{**HEADER, "device": SCRIPT, "strategy": IMG, "finetuning": "lora", "trainable_params": 10,
+                                             "lora": {"r": IMG, "target_parameters": [SCRIPT]}}))
+                f.write(_record("samples", step=2, epoch=1.0, seconds=0.1, max_new_tokens=4, samples=[{"prompt": SCRIPT, "answer": IMG}]))
+            e = RunStore(p.evals).create_run("eval-1")
+            write_json_atomic(RunPaths(e).config, dict(run_id=SCRIPT, tasks=[IMG], models=[dict(label=SCRIPT, path="m")]))
+            RunStore(p.evals).write_state("eval-1", status=State.failed, attempt=1, reason=IMG)
+            (RunPaths(e).metrics).write_text(_record("task", model=SCRIPT, task=IMG, status="done", scores={SCRIPT: [1.0, None]}))
+        s = FineTuneSession.attach(d.name, runs_root=root)
+        if rule == "owner": chown_all(d)
+        if rule == "removed": shutil.rmtree(d)
+        return s, out
+    return make
+
+
+@pytest.mark.parametrize("name,rule", list(_cases()))
+def test_every_entry_point_holds_every_rule(name, rule, hostile):
+    s, out = hostile(rule)
+    before = sorted((q.name, q.read_bytes()) for q in out.rglob("*") if q.is_file())
+    call = API[name]
+    if rule in ("link", "owner") and acts(name) and name != "stop" or rule == "link" and name == "stop":
+        with pytest.raises(RunDirLinkError if rule == "link" else OwnerError, match="will not"):
+            call(s)
+    elif rule == "owner" and name == "stop":
+        with pytest.raises(OwnerError, match="will not stop it"): call(s)
+        assert not RunPaths(s.run_dir).stop.exists()
+    elif rule == "moved base":
+        with pytest.raises(ValueError, match="which is no longer there .moved or deleted..; put it back.*base_model=PATH"):
+            call(s)
+    elif rule == "removed":
+        if acts(name):
+            with pytest.raises(FileNotFoundError): call(s)
+        else:
+            try: call(s)
+            except (FileNotFoundError, RuntimeError) as e: assert s.run_id in str(e) or str(s.run_dir) in str(e)
+    else:                                            # read anything; a bad record and markup leave the page whole
+        got = str(call(s))
+        assert SECRET not in got
+        if rule == "markup": assert "<script" not in got and "<img src=x" not in got, got
+        if rule == "bad record" and name in HTML and name != "evaluations": assert "2 unreadable records in metrics.jsonl, lines 4, 5" in got
+    if rule == "owner" and acts(name):             # the other user's run is as it was: nothing written, nothing started
+        assert not any(q.stat().st_uid != NOBODY for q in [s.run_dir, *s.run_dir.rglob("*")])
+    assert sorted((q.name, q.read_bytes()) for q in out.rglob("*") if q.is_file()) == before
+
+
+@needs_root
+@pytest.mark.processes
+def test_the_command_line_asks_the_same_gate(demo, tmp_path):
+    "Every `ilab-nb` verb that runs a run's code or writes into it, on another user's run: refused naming the owner, rc 2."
+    root = tmp_path / "runs"; d = built_run(root, demo); chown_all(d)
+    for verb, args in CLI.items():
+        if not acts(CLI_KIND[verb]) or verb == "stop": continue       # reading is free (the sweep above); a completed run has nothing to stop
+        r = ilab(*args[:1], "r", *args[1:], "--runs-root", root, input="")
+        assert r.returncode == 2 and "is owned by nobody (uid 65534)" in r.stderr and "--trust-owner" in r.stderr, (verb, r.stderr)
+    ilab("status", "r", "--runs-root", root, check=0)
+    assert not any(q.stat().st_uid != NOBODY for q in [d, *d.rglob("*")])
+
+
+# --- the failures that led to the gate, one test each ----------------------------------------------------------------
+
+@needs_root
+@pytest.mark.processes
+def test_another_users_model_code_is_not_run_by_chat_load_model_or_evaluate(demo, tmp_path):
+    """A run owned by nobody whose model names code of its own (trust_remote_code): `ilab-nb chat`, load_model() and
+    evaluate() refuse it as resume() does, and its code does not run; with trust_owner=True it does (the check is what
+    stopped it)."""
+    root = tmp_path / "runs"; d = built_run(root, demo); p = RunPaths(d)
+    ran = tmp_path / "the-code-ran"
+    (p.final / "configuration_theirs.py").write_text(f"open({str(ran)!r}, 'w').write('x')\n")
+    mc = json.loads((p.final / "config.json").read_text())
+    (p.final / "config.json").write_text(json.dumps({**mc, "auto_map": {"AutoConfig": "configuration_theirs.TheirConfig"}}))
+    TrainConfig.read_json(p.config).model_copy(update=dict(trust_remote_code=True)).to_json(p.config)
+    chown_all(d)
+    s = FineTuneSession.attach("r", runs_root=root)
+    for call, doing in ((lambda: s.load_model(), "load its model"), (lambda: s.evaluate(["heldout"]), "evaluate it"),
+                        (lambda: s.chat(), "chat with its model")):
+        with pytest.raises(OwnerError, match=f"owned by nobody .uid 65534., not by you .*will not {doing} unless you trust its owner"):
+            call()
+    r = ilab("chat", "r", "--runs-root", root, check=2, input="hi\n")
+    assert "is owned by nobody (uid 65534)" in r.stderr and not ran.exists()
+    with pytest.raises(Exception): s.load_model(trust_owner=True)     # their code ran (and defines no TheirConfig)
+    assert ran.exists()
+
+
+@needs_root
+@pytest.mark.processes
+def test_export_never_writes_through_a_planted_link(demo, tmp_path):
+    """nobody's run with `export/<name>.Modelfile` a link to root's file, or `export/` itself a link: `ilab-nb export`
+    refuses (the owner; with --trust-owner, the link), and root's file keeps its bytes; a link in place of a file is
+    replaced, never written through, by the one write helper."""
+    root = tmp_path / "runs"; d = built_run(root, demo); p = RunPaths(d)
+    mine = tmp_path / "roots-file"; mine.write_text("root's own\n")
+    p.exports.mkdir(); (p.exports / "r-final-f32.Modelfile").symlink_to(mine)
+    chown_all(d)
+    r = ilab("export", "r", "--dtype", "f32", "--runs-root", root, check=2)
+    assert "is owned by nobody (uid 65534)" in r.stderr
+    r = ilab("export", "r", "--dtype", "f32", "--trust-owner", "--runs-root", root, check=2)
+    assert "export/r-final-f32.Modelfile -> " in r.stderr and "so it will not export it" in r.stderr
+    shutil.rmtree(p.exports); p.exports.symlink_to(tmp_path, target_is_directory=True)
+    r = ilab("export", "r", "--dtype", "f32", "--trust-owner", "--runs-root", root, check=2)
+    assert "holds 1 symbolic link(s) (export -> " in r.stderr
+    assert mine.read_text() == "root's own\n" and not list(tmp_path.glob("*.gguf"))
+
+
+def test_values_from_a_run_reach_no_page_raw(demo, tmp_path, hostile):
+    "Markup in a header's strings, LoRA settings, samples, a reason, an evaluation's spec: text on every page, never markup."
+    s, _ = hostile("markup")
+    pages = [API[n](s) for n in HTML] + [RunPaths(s.run_dir).report.read_text()]
+    for page in pages: assert "<script" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in pages[0] and "LoRA r=&lt;img src=x onerror=alert(1)&gt;" in pages[0]
+
+
+@pytest.mark.processes
+def test_one_bad_record_is_skipped_and_counted_never_raised_into_a_listing(demo, tmp_path):
+    "A string `step` and a line that is not an object: `ilab-nb ls`, list_runs(), status, record and report go on and say it."
+    root = tmp_path / "runs"; built_run(root, demo, run_id="good"); d = built_run(root, demo, run_id="bad")
+    with open(RunPaths(d).metrics, "a") as f: f.write(_record("train", **{**TRAIN, "step": "7"}) + "[1]\n")
+    r = ilab("ls", "--runs-root", root, check=0)
+    assert "bad: 2 unreadable records in metrics.jsonl, lines 4, 5" in r.stdout and "good" in r.stdout
+    assert [x["run_id"] for x in FineTuneSession.list_runs(root)] == ["bad", "good"]
+    s = FineTuneSession.attach("bad", runs_root=root)
+    assert [m["step"] for m in s.metrics()] == [1, 2] and s.progress()["step"] == 2
+    assert "2 unreadable records" in s.record()._repr_mimebundle_()["text/html"]
+    assert "2 unreadable records" in s.report().path.read_text()
+
+
+@pytest.mark.processes
+def test_a_removed_run_directory_ends_its_evaluation_and_export_failed(demo, tmp_path):
+    """An evaluation queued in a run whose directory is then removed reads `failed` ("run directory removed") at once:
+    wait() returns, stop() says so; an export whose run directory goes is ended at its next tensor."""
+    from ilab_nb.export import run_export
+    root = tmp_path / "runs"; d = built_run(root, demo)
+    store = RunStore(RunPaths(d).evals); e = store.create_run("eval-1")
+    write_json_atomic(RunPaths(e).config, dict(run_id="r", tasks=["heldout"], models=[]))
+    store.write_state("eval-1", status=State.queued, attempt=1)
+    ev = Evaluation(e); assert ev.status == State.queued
+    shutil.rmtree(d)
+    assert ev.wait(timeout=5) == State.failed and ev.reason == "run directory removed" and ev.stop() == State.failed
+    with pytest.raises(RunGoneError, match="run directory removed while it was exported; the export was ended"):
+        run_export(demo.model_dir, tmp_path / "out" / "m.gguf", "f32", progress=False, alive=lambda: False)
+    assert not list((tmp_path / "out").glob("*"))
+
+
+@pytest.mark.processes
+def test_a_lora_run_whose_base_moved_is_said_by_export_and_evaluate_and_exports_with_base_model(demo, tmp_path):
+    "export() and evaluate() say the moved base as load_model does (not huggingface_hub's 'Repo id'); base_model= exports it."
+    base = tmp_path / "base"; shutil.copytree(demo.model_dir, base)
+    root = tmp_path / "runs"; built_run(root, demo, lora_base=base)
+    base.rename(tmp_path / "moved")
+    s = FineTuneSession.attach("r", runs_root=root)
+    with pytest.raises(ValueError, match=f"LoRA adapters of the base model {base}, which is no longer there.*export\\(\\.\\.\\., base_model=PATH\\)"):
+        s.export(dtype="f32", progress=False)
+    with pytest.raises(ValueError, match="no longer there.*evaluate\\(\\.\\.\\., base_model=PATH\\)"):
+        s.evaluate(["heldout"])
+    f = s.export(dtype="f32", progress=False, base_model=tmp_path / "moved")
+    assert f.exists() and f.read_bytes()[:4] == b"GGUF"
+
+
+@pytest.mark.processes
+def test_export_and_evaluate_ask_before_launch(demo, tmp_path):
+    "limit, a checkpoint given as '2', a file that is not ours at the target, f16 past its range: said before launch or at the tensor."
+    import torch
+    from safetensors.torch import load_file, save_file
+    root = tmp_path / "runs"; built_run(root, demo)
+    s = FineTuneSession.attach("r", runs_root=root)
+    for bad in (0, -1, "abc", True):
+        with pytest.raises(ValueError, match=f"limit={bad!r} is not a number of documents"): s.evaluate(["heldout"], limit=bad)
+    theirs = tmp_path / "notes.txt"; theirs.write_text("mine\n")
+    with pytest.raises(FileExistsError, match="notes.txt exists and is not a GGUF file; it is not replaced unless you pass overwrite=True"):
+        s.export(checkpoint="2", path=theirs, dtype="f32", progress=False)  # '2' is the step, as fork takes it (not a folder '2')
+    assert theirs.read_text() == "mine\n"
+    w = RunPaths(s.run_dir).final / "model.safetensors"; sd = load_file(w)
+    name = next(k for k in sd if k.endswith("q_proj.weight")); sd[name] = sd[name] * 0 + 1e6
+    save_file(sd, w, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds values up to 1e\\+06, past f16's range .65504.*dtype='bf16'"):
+        s.export(dtype="f16", progress=False)
+
+
+@pytest.mark.processes
+def test_a_run_whose_every_step_was_skipped_fails_instead_of_completing(demo, small_train, runs_root, monkeypatch, tmp_path):
+    "skip_nonfinite_steps=True and every step not finite (tests/nan_worker.py, NAN_EVERY_STEP): failed, no final/ of the untouched model."
+    from functools import partial
+    import ilab_nb.session as session_mod
+    from conftest import FIELDS
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("NAN_EVERY_STEP", "1")
+    monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="nan_worker"))
+    model = _without_template(demo, tmp_path / "no-template")         # and a tokenizer with no chat template: said, not filled in silently
+    s = FineTuneSession(model=str(model), data=str(small_train), **{**FIELDS, "num_processes": 1}, max_steps=2,
+                        skip_nonfinite_steps=True, runs_root=runs_root)
+    said = "the tokenizer has no chat template: ilab_nb's default (ChatML) formats the conversations"
+    assert s.preflight["data"]["chat_template"].startswith(said)
+    s.start()
+    assert s.wait(timeout=300) == State.failed
+    assert "every step of this attempt (1..2) was skipped as not finite (skip_nonfinite_steps): no update was applied" in s.reason, s.reason
+    assert not RunPaths(s.run_dir).final.exists()
+    from ilab_nb.monitor import data_notes
+    header = s.metrics(kinds=("header",))[-1]
+    assert any(n.startswith("chat template: " + said) for n in data_notes(header)), header
+
+
+def _without_template(demo, out: Path) -> Path:
+    "The demo model with its tokenizer's chat template taken out."
+    shutil.copytree(demo.model_dir, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((out / "tokenizer_config.json").read_text()); tc.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(tc))
+    return out
+
+
+def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
+    "The run's eval_data file modified after the run started: the 'heldout' task is refused before anything is queued."
+    root = tmp_path / "runs"; d = built_run(root, demo)
+    held = tmp_path / "held.jsonl"; held.write_text("".join(Path(demo.eval_file).read_text().splitlines(keepends=True)[:4]))
+    p = RunPaths(d); cfg = TrainConfig.read_json(p.config)
+    cfg.model_copy(update=dict(eval_data=[str(held)])).to_json(p.config)
+    created = RunStore(root).read_state("r")["created_at"]
+    os.utime(held, (created - 60, created - 60))                       # as it was when the run started
+    s = FineTuneSession.attach("r", runs_root=root)
+    with open(held, "a") as f: f.write(Path(demo.eval_file).read_text().splitlines(keepends=True)[5])
+    with pytest.raises(ValueError, match="held.jsonl changed after run r started .* may not be what the run held out"):
+        s.evaluate(["heldout"])
+    assert not p.evals.exists() or not list(p.evals.iterdir())
+
+
+@pytest.mark.processes
+def test_a_modelfile_that_would_render_differently_from_the_models_template_is_warned(demo, tmp_path, caplog):
+    "A chat template that trims each message: the Modelfile's template writes them as they are, so the export warns, saying where."
+    from ilab_nb.export import run_export
+    model = tmp_path / "trims"; shutil.copytree(demo.model_dir, model)
+    t = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(t.replace("{{ m['content'] }}", "{{ m['content'] | trim }}"))
+    with caplog.at_level("WARNING", logger="ilab_nb.export"):
+        f = run_export(model, tmp_path / "out" / "m.gguf", "f32", progress=False)
+    assert f.modelfile is not None
+    assert "the model's chat template changes them (trims?): at character" in caplog.text, caplog.text
+
+
+@pytest.mark.processes
+def test_logs_rank_takes_a_number_and_an_earlier_attempts_rank(demo, tmp_path):
+    "`--rank abc` is said as what to give; `--rank 1` of a run resumed on 1 process prints the log its first attempt's rank 1 left."
+    root = tmp_path / "runs"; d = built_run(root, demo)
+    RunPaths(d).rank_log(1).write_text("rank one's line\n")
+    r = ilab("logs", "r", "--rank", "abc", "--runs-root", root, check=2)
+    assert "--rank 'abc': give a rank number (0, 1, ...) or 'supervisor'" in r.stderr
+    assert "rank one's line" in ilab("logs", "r", "--rank", "1", "--runs-root", root, check=0).stdout
