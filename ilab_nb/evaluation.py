@@ -290,7 +290,7 @@ def check_limit(limit):
 
 def check_model(session, checkpoint, base_model=None):
     "The trained model's folder, refused before launch if it is incomplete or its adapters' base moved (say `base_model=`)."
-    from ilab_nb.preflight import model_files_problem
+    from ilab_nb.models import model_files_problem
     if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)   # a step, as fork takes it
     try: tuned = session.model_path(checkpoint)
     except FileNotFoundError as e: raise EvalError(f"evaluate: {e}") from None

@@ -660,7 +660,7 @@ def _base_of(source: Path, base_model=None) -> Path:
 
 def export_checks(source: Path, out: Path, dtype: str, base_model=None, overwrite: bool = False):
     "Refuse, before anything runs, an export that would fail or do harm later (see above)."
-    from ilab_nb.preflight import model_files_problem
+    from ilab_nb.models import model_files_problem
     if why := model_files_problem(source, base_model): raise ValueError(why.replace("load_model(", "export("))
     if (base := _base_of(source, base_model)).is_dir(): model_config(base)          # an unsupported family: refused here
     if out.exists() and not overwrite and not _is_gguf(out):

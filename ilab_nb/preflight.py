@@ -15,11 +15,11 @@ from .lora import adapter_param_count
 # %% auto #0
 __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model',
            'load_run_data', 'check_model', 'check_remote_code', 'check_model_dir', 'query_gpus', 'used_gpus',
-           'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'safetensors_problem',
-           'model_files_problem', 'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes',
-           'check_memory', 'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample',
-           'check_tracker_imports', 'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts',
-           'tied_adapted', 'lora_problem', 'check_model_build', 'check_eval_tasks', 'check_data', 'preflight']
+           'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'count_params',
+           'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file', 'check_disk',
+           'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri',
+           'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted', 'lora_problem',
+           'check_model_build', 'check_eval_tasks', 'check_data', 'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -237,45 +237,6 @@ def tensor_shapes(model_dir) -> dict:
 def tensor_sizes(model_dir) -> dict:
     "`{name: number of elements}` of every tensor in the model's safetensors files, read from their headers only."
     return {k: math.prod(s) for k, s in tensor_shapes(model_dir).items()}
-
-# %% ../nbs/60_preflight.ipynb #22359bf9
-def safetensors_problem(f) -> str | None:
-    "Why the safetensors file `f` cannot be loaded (cut short, not safetensors), or None when its length matches its header."
-    import struct
-    f = Path(f)
-    try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            if size < 8: return f"{f.name} is unreadable: {size} bytes, shorter than a safetensors header"
-            n = struct.unpack("<Q", fh.read(8))[0]
-            if 8 + n > size: return f"{f.name} is unreadable: its header says {n} bytes but the file has {size}"
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError) as e: return f"{f.name} is unreadable ({type(e).__name__}: {e})"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)), default=0)
-    if 8 + n + end != size: return f"{f.name} is unreadable: it has {size} bytes, its header describes {8 + n + end} (cut short while written?)"
-    return None
-
-# %% ../nbs/60_preflight.ipynb #c280c73c
-def model_files_problem(d, base_model: str | None = None) -> str | None:
-    "Why the saved model (or adapter) folder `d` (its adapters on `base_model`, if given) is incomplete or unreadable; None if whole."
-    from ilab_nb.rundir import CKPT_MARKER
-    d = Path(d)
-    if d.parent.name == "checkpoints" and d.name.lstrip(".").removeprefix("tmp-").startswith("step-") and not (d / CKPT_MARKER).exists():
-        return f"{d} is an incomplete checkpoint: it has no {CKPT_MARKER} marker (its save did not finish); load a complete one"
-    for idx in d.glob("*.safetensors.index.json"):
-        try: shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e: return f"{d}: {idx.name} is unreadable ({type(e).__name__})"
-        if missing := [s for s in shards if not (d / s).exists()]:
-            return f"{d} is incomplete: {idx.name} names {len(shards)} shard(s), {len(missing)} missing ({missing[0]}, ...)"
-    for f in sorted(d.glob("*.safetensors")) + sorted(d.glob("adapter/*.safetensors")):
-        if why := safetensors_problem(f): return f"{d}: {why}"
-    ac = d / "adapter" / "adapter_config.json" if (d / "adapter").is_dir() else d / "adapter_config.json"
-    try: base = json.loads(ac.read_text()).get("base_model_name_or_path") if ac.exists() else None
-    except (OSError, ValueError, AttributeError): base = None
-    if not (d / "config.json").exists() and not base_model and base and os.path.isabs(base) and not os.path.exists(base):
-        return (f"{d} holds LoRA adapters of the base model {base}, which is no longer there (moved or deleted?); put it back, "
-                "or load them onto it where it is now: load_model(..., base_model=PATH)")
-    return None
 
 # %% ../nbs/60_preflight.ipynb #a2aa8686
 def count_params(model_dir) -> dict:

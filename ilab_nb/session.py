@@ -18,7 +18,8 @@ from .monitor import RunMonitor
 from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated, read_json,
                             refuse_foreign, refuse_links, status_of)
 from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
-from .preflight import PreflightError, preflight, model_files_problem
+from .preflight import PreflightError, preflight
+from .models import model_files_problem
 
 # %% auto #0
 __all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError']
