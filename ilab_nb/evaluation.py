@@ -226,7 +226,7 @@ def run_evaluation(eval_dir, attempt: int = 1) -> str:
     "Evaluate every model of the evaluation in `eval_dir` on every task; returns `completed` or `stopped`."
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
-    from ilab_nb.worker import MetricsWriter
+    from ilab_nb.rankfiles import MetricsWriter
     p = RunPaths(eval_dir); spec = read_json(p.config)
     metrics = MetricsWriter(p.metrics, p.run_id, attempt, log=p.rank_log(0))
     own_only = all(t in OWN_TASKS for t in spec["tasks"])
@@ -259,7 +259,8 @@ def _rewrite_run_report(run_dir):
 # %% ../nbs/53_evaluation.ipynb #f68311fd
 def main(argv=None):
     "`python -m ilab_nb.evaluation <eval_dir> [--attempt N]`, started by the supervisor."
-    from ilab_nb.worker import record_rank, redirect_output
+    from ilab_nb.rankfiles import record_rank
+    from ilab_nb.worker import redirect_output
     from ilab_nb.rundir import RankState
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.evaluation")
     ap.add_argument("run_dir"); ap.add_argument("--attempt", type=int, default=1); ap.add_argument("--resume")
@@ -320,7 +321,8 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
                      batch_size: int = 16, queue: bool = True, base_model=None):
     "Queue an evaluation of `session`'s run (its trained model, and its starting one with `base`); returns it, started."
     from transformers import AutoTokenizer
-    from ilab_nb.launcher import device_request, spawn_supervisor
+    from ilab_nb.slots import device_request
+    from ilab_nb.launcher import spawn_supervisor
     if num_processes not in (None, 1):
         raise EvalError(f"num_processes={num_processes}: lm-eval evaluates a model object in the one process that holds it; "
                         "use num_processes=1 (or leave it out)")

@@ -607,12 +607,13 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
                alive: Callable[[], bool] | None = None) -> GGUFFile:
     """Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the written file.
     `alive()`: whether what it exports still exists (checked at each tensor; the export is ended when it says False)."""
-    from ilab_nb.launcher import RUN_ENV, _env, describe_exit
+    from ilab_nb.launcher import RUN_ENV, run_env
+    from ilab_nb.diagnosis import describe_exit
     from ilab_nb.rundir import RunGoneError
     out = Path(out).absolute()
     cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype", dtype] + (["--modelfile"] if modelfile else [])
     cmd += ["--base-model", str(base_model)] if base_model else []
-    env = _env(out.parent); env.pop(RUN_ENV, None)      # not one of a run's processes: a run's clean-up leaves it alone
+    env = run_env(out.parent); env.pop(RUN_ENV, None)      # not one of a run's processes: a run's clean-up leaves it alone
     view, last = ExportProgress(out.name) if progress is not False else None, None
     with open(os.devnull) as null, subprocess.Popen(cmd, stdin=null, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                     text=True, env=env) as p:

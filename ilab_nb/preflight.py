@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .core import count_text, gc_paused, no_hf_progress_bars, require_torch, size_text
-from .launcher import cpu_slots
+from .slots import cpu_slots
 from .lora import adapter_param_count
 
 # %% auto #0
@@ -454,7 +454,7 @@ def check_wandb(run_dir, timeout: float = 5.0) -> dict:
 # %% ../nbs/60_preflight.ipynb #ad1c0036
 def check_destinations(cfg, runs_root) -> dict:
     "The writable folders (and URIs) of everything the run writes outside its run directory; a `PreflightError` for one that is not."
-    from ilab_nb.launcher import locks_dir
+    from ilab_nb.slots import locks_dir
     from ilab_nb.trackers import tensorboard_dir, mlflow_tracking_uri
     out, run_dir = {}, Path(runs_root).expanduser().absolute() / ".ilab_nb-run"      # a run directory to be
     if cfg.backend == "local":
@@ -568,7 +568,8 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
     """Build the run's train and eval samples as its ranks will (its method's `build`): a `PreflightError` for what they
     would refuse; per set `{records, checked, samples, note}`, and `total_steps` (`estimated` when a sample was checked)."""
     from ilab_nb.data import DataError, split_records
-    from ilab_nb.worker import plan_steps, training_method
+    from ilab_nb.batching import plan_steps
+    from ilab_nb.worker import training_method
     method = training_method(cfg, records[0]["kind"])
     if evals: train_r, eval_r = records, evals
     else: train_r, eval_r = split_records(records, cfg.eval_split, cfg.seed) if cfg.eval_split > 0 else (records, [])

@@ -17,7 +17,8 @@ from .live import finalize_displays
 from .monitor import RunMonitor
 from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated, read_json,
                             refuse_foreign, refuse_links, status_of)
-from .launcher import DeviceSlots, device_request, spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
+from .slots import DeviceSlots, device_request
+from .launcher import spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight
 from .models import model_files_problem
 

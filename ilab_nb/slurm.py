@@ -11,8 +11,8 @@ from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
 from .rundir import CKPT_MARKER, Event, RankState, RunDirLinkError, RunPaths, State, refuse_links
 from .monitor import tail_lines
-from .launcher import (accelerate_command, cause_of, describe_exit, torchrun_failures, rank_records, write_accelerate_config,
-                              STOP_GRACE_S)
+from .launcher import accelerate_command, write_accelerate_config, STOP_GRACE_S
+from .diagnosis import cause_of, describe_exit, torchrun_failures, rank_records
 
 # %% auto #0
 __all__ = ['SHARED_FS', 'TIME_LIMIT_BY', 'ENDED', 'SlurmError', 'slurm', 'fs_type', 'partition_hosts', 'check_shared',

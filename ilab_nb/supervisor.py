@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, os, sys
 
 from .core import patch
-from .launcher import Supervisor, _log
+from .launcher import Supervisor, log_note
 from .rundir import RunPaths, State, read_json
 
 # %% auto #0
@@ -32,7 +32,7 @@ def _start_evaluation(self:RunSupervisor) -> dict:
         from ilab_nb.evaluation import start_evaluation
         return {"evaluation": start_evaluation(FineTuneSession.attach(self.run_id, self.store.root), cfg["eval_tasks"]).eval_id}
     except Exception as e:
-        _log(f"the evaluation of eval_tasks was not started: {type(e).__name__}: {e}")
+        log_note(f"the evaluation of eval_tasks was not started: {type(e).__name__}: {e}")
         return {"eval_error": f"{type(e).__name__}: {e}"}
 
 # %% ../nbs/64_supervisor.ipynb #694d6667
@@ -44,7 +44,7 @@ def _write_report(self:RunSupervisor, status, fields: dict):
         from ilab_nb.record import write_report
         st = {**self.store.read_state(self.run_id), **self.pending, **fields, "status": status}
         write_report(self.run_dir, state=st)
-    except Exception as e: _log(f"report.html not written: {type(e).__name__}: {e}")
+    except Exception as e: log_note(f"report.html not written: {type(e).__name__}: {e}")
 
 # %% ../nbs/64_supervisor.ipynb #dcf0d21b
 def main(argv=None) -> int:
@@ -65,8 +65,8 @@ def _sweep_report(run_dir):
     if RunPaths(run_dir).sweep_spec is None: return       # not a sweep's run: nothing to import or to wait for
     try:
         from ilab_nb.sweep import report_if_last
-        if (p := report_if_last(run_dir)) is not None: _log(f"sweep report: {p}")
-    except Exception as e: _log(f"sweep-report.html not written: {type(e).__name__}: {e}")
+        if (p := report_if_last(run_dir)) is not None: log_note(f"sweep report: {p}")
+    except Exception as e: log_note(f"sweep-report.html not written: {type(e).__name__}: {e}")
 
 # %% ../nbs/64_supervisor.ipynb #aa0fd135
 def _exit(code: int):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ilab_nb import batching as B, worker as W
+from ilab_nb import batching as B, checkpoints as C, worker as W
 from ilab_nb.config import TrainConfig
 
 model_dir, tok_dir, out_json, out_hf = map(Path, sys.argv[1:5])
@@ -52,7 +52,7 @@ tied = new.lm_head.weight is new.model.embed_tokens.weight
 inv_freq_equal = torch.equal(new.model.rotary_emb.inv_freq, old.model.rotary_emb.inv_freq)
 
 from transformers import AutoTokenizer
-W.save_hf(new, AutoTokenizer.from_pretrained(tok_dir), out_hf, env)
+C.save_hf(new, AutoTokenizer.from_pretrained(tok_dir), out_hf, env)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
 full_new = get_model_state_dict(new, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if rank == 0:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ilab_nb.launcher import DeviceSlots, device_request
+from ilab_nb.slots import DeviceSlots, device_request
 from ilab_nb.runstore import RunStore, run_processes
 from conftest import CLI, DEMO_STEPS, cli_env, ilab, wait_until
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ilab_nb.launcher import DeviceSlots
+from ilab_nb.slots import DeviceSlots
 from ilab_nb.runstore import ProcessRef, RunStore, RUN_ENV, run_processes, validate_run_id
 from ilab_nb.session import FineTuneSession
 import ilab_nb.session as session_mod

@@ -194,7 +194,8 @@ def test_gpu_check_dry_run_runs_every_stage(tmp_path):
 @needs_cuda
 def test_rng_state_is_this_ranks_own_gpu_and_an_old_list_restores():
     "A checkpoint holds its rank's own GPU state; one written with every GPU's (an older version) restores on fewer GPUs."
-    from ilab_nb.worker import DistEnv, _rng_state, _set_rng_state
+    from ilab_nb.placement import DistEnv
+    from ilab_nb.checkpoints import _rng_state, _set_rng_state
     env = DistEnv(device=torch.device("cuda", 0), device_type="cuda")
     s = _rng_state(env)
     assert isinstance(s["cuda"], torch.Tensor)

@@ -211,7 +211,8 @@ def one_run(spec, a, demo, data, runs_root, n_gpus):
 def resume_run(a, demo, data, runs_root):
     "An uninterrupted run of 4 steps with a checkpoint at 2; the same run resumed from that checkpoint on the same device."
     from ilab_nb import FineTuneSession
-    from ilab_nb.launcher import accelerate_command, launch_env, device_request, write_accelerate_config
+    from ilab_nb.launcher import accelerate_command, launch_env, write_accelerate_config
+    from ilab_nb.slots import device_request
     from ilab_nb.rundir import RunPaths
     if a.dry_run: raise Skip("dry run: resumes are tested on CPU by tests/test_worker.py")
     s = FineTuneSession(model=str(demo.model_dir), data=str(data["train"]), runs_root=runs_root, name="resume", device="cuda",
