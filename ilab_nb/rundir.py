@@ -223,10 +223,15 @@ def no_follow(path, flags):
 
 OWN_LINKS = ("wandb",)   # folders whose tool links its own files (W&B: latest-run, debug.log): links that stay inside are theirs
 
+def _wandb_cache() -> Path:
+    "W&B's cache of this user (`WANDB_CACHE_DIR`, else `~/.cache/wandb`): its service links each run's `debug-core.log` there."
+    return Path(os.environ.get("WANDB_CACHE_DIR") or Path.home() / ".cache" / "wandb")
+
 def _own_link(root, p: Path) -> bool:
     top = Path(root) / p.relative_to(root).parts[0]
+    to = Path(os.path.realpath(p))
     return (top.name in OWN_LINKS and not top.is_symlink()
-            and Path(os.path.realpath(p)).is_relative_to(os.path.realpath(top)))
+            and (to.is_relative_to(os.path.realpath(top)) or to.is_relative_to(os.path.realpath(_wandb_cache()))))
 
 def links_in(root) -> list:
     "Every symbolic link under `root` (not `root` itself), without following any; a tool's own links inside its folder (`OWN_LINKS`) aside."
