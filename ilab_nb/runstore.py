@@ -17,9 +17,9 @@ from .rundir import STATES, TERMINAL, Event, RunPaths, State, no_follow, read_js
 
 # %% auto #0
 __all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'StateError', 'default_runs_root',
-           'validate_run_id', 'new_run_id', 'ProcessRef', 'write_json_atomic', 'ends_mid_line', 'append_jsonl',
-           'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore', 'next_attempt', 'rebuild_state',
-           'refresh_local']
+           'validate_run_id', 'new_run_id', 'start_ticks', 'ProcessRef', 'write_json_atomic', 'ends_mid_line',
+           'append_jsonl', 'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore', 'next_attempt',
+           'rebuild_state', 'refresh_local']
 
 # %% ../nbs/13_runstore.ipynb #cc84988d
 HEARTBEAT_S = 2.0       # the supervisor writes a heartbeat this often
@@ -54,32 +54,45 @@ def new_run_id(name=None) -> str:
         if slug: rid += "-" + slug
     return validate_run_id(rid)
 
-# %% ../nbs/13_runstore.ipynb #9bc7e70a
+# %% ../nbs/13_runstore.ipynb #8fb94268
+def start_ticks(pid: int) -> int | None:
+    "The start of process `pid` in clock ticks since boot (Linux's /proc/<pid>/stat field 22), or None where there is none."
+    try: stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError: return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
 @dataclass(frozen=True)
 class ProcessRef:
     "A process identified by pid and start time, robust to pid reuse."
     pid: int
     create_time: float
+    start_ticks: int | None = None
 
     @classmethod
     def of(cls, pid=None) -> "ProcessRef":
         "The reference of a live process (default: this one); raises `psutil.NoSuchProcess` if it is gone."
         p = psutil.Process(os.getpid() if pid is None else pid)
-        return cls(p.pid, p.create_time())
+        return cls(p.pid, p.create_time(), start_ticks(p.pid))
 
     @classmethod
     def from_dict(cls, d) -> "ProcessRef | None":
-        return cls(int(d["pid"]), float(d["create_time"])) if d else None
+        if not d: return None
+        ticks = d.get("start_ticks")
+        return cls(int(d["pid"]), float(d["create_time"]), None if ticks is None else int(ticks))
 
     def to_dict(self) -> dict: return asdict(self)
 
-# %% ../nbs/13_runstore.ipynb #f301f3d9
+# %% ../nbs/13_runstore.ipynb #869eba78
 @patch
 def process(self:ProcessRef) -> "psutil.Process | None":
     "The live `psutil.Process` this refers to, or None."
     try:
         p = psutil.Process(self.pid)
-        if abs(p.create_time() - self.create_time) > 0.05: return None
+        ticks = start_ticks(self.pid) if self.start_ticks is not None else None
+        if ticks is not None:
+            if ticks != self.start_ticks: return None
+        elif abs(p.create_time() - self.create_time) > 0.05: return None
         if p.status() == psutil.STATUS_ZOMBIE: return None
         return p
     except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError): return None
