@@ -101,11 +101,11 @@ def _seal(tmp: Path, final: Path, step: int, trainer_state: dict):
     os.replace(tmp, final)
 
 # %% ../nbs/29_checkpoints.ipynb #cc3e1014
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, tokenizer, env, trainer_state: dict) -> Path:
+def save_checkpoint(paths: RunPaths, step: int, model, optimizer, scheduler, tokenizer, env, trainer_state: dict) -> Path:
     "Write `checkpoints/step-N` atomically: HF model, sharded model+optimizer state, per-rank extras, marker."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    paths = RunPaths(run_dir); final, tmp = paths.checkpoint(step), paths.checkpoint_tmp(step)
+    final, tmp = paths.checkpoint(step), paths.checkpoint_tmp(step)
     if env.rank == 0:
         if tmp.exists(): shutil.rmtree(tmp)
         paths.checkpoints.mkdir(exist_ok=True)              # no parents: a deleted run directory is not re-created
@@ -122,10 +122,10 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, token
     return final
 
 # %% ../nbs/29_checkpoints.ipynb #2efa68a6
-def prune_checkpoints(run_dir: Path, limit: int | None):
+def prune_checkpoints(paths: RunPaths, limit: int | None):
     "Keep the newest `limit` complete checkpoints (`save_total_limit`); None keeps all."
     if not limit: return []
-    old = complete_checkpoints(run_dir)[:-limit]
+    old = complete_checkpoints(paths.root)[:-limit]
     for p in old: (p / CKPT_MARKER).unlink(); shutil.rmtree(p)     # incomplete to any reader before its files go
     return old
 
@@ -157,9 +157,9 @@ def retarget_schedule(optimizer, scheduler, cfg: TrainConfig) -> float:
     return scheduler._last_lr[0]
 
 # %% ../nbs/29_checkpoints.ipynb #213b7dcf
-def write_final(run_dir: Path, model, tokenizer, env) -> Path:
+def write_final(paths: RunPaths, model, tokenizer, env) -> Path:
     "Every rank: the finished model in Hugging Face format into `final/`'s temporary folder (LoRA: the adapters in its `adapter/`)."
-    tmp, final = RunPaths(run_dir).final_tmp, RunPaths(run_dir).final
+    tmp, final = paths.final_tmp, paths.final
     if env.rank == 0:
         if tmp.exists(): shutil.rmtree(tmp)
         tmp.mkdir()                               # fails, rather than re-creating a deleted run directory
@@ -171,9 +171,9 @@ def write_final(run_dir: Path, model, tokenizer, env) -> Path:
     _barrier(env)
     return tmp
 
-def seal_final(run_dir: Path, merge: bool = False) -> Path:
+def seal_final(paths: RunPaths, merge: bool = False) -> Path:
     "Rank 0 alone: the adapters of `final/`'s temporary folder merged into their base (`merge`), then the folder renamed `final/`."
-    tmp, final = RunPaths(run_dir).final_tmp, RunPaths(run_dir).final
+    tmp, final = paths.final_tmp, paths.final
     with writing(f"{final}/"):
         if merge: L.merge_adapter(tmp / "adapter", tmp)              # in the base's dtype, in this one process
         if final.exists(): shutil.rmtree(final)

@@ -208,7 +208,7 @@ def prepare(self:DPO, attempt, forward):
     "Dropout off; the reference log-probabilities of every pair: computed now and kept, or read back on resume."
     a = attempt
     disable_dropout(a.model)
-    path = RunPaths(a.run_dir).reference_logps
+    path = a.paths.reference_logps
     sets = {"train": a.train_ds, **({"eval": a.eval_ds} if a.eval_ds is not None else {})}
     if a.resumed:
         if not path.exists():

@@ -222,15 +222,15 @@ def task_scores(result: dict) -> dict:
     return out
 
 # %% ../nbs/53_evaluation.ipynb #06338a65
-def run_evaluation(eval_dir, attempt: int = 1) -> str:
-    "Evaluate every model of the evaluation in `eval_dir` on every task; returns `completed` or `stopped`."
+def run_evaluation(p: RunPaths, attempt: int = 1) -> str:
+    "Evaluate every model of the evaluation whose directory is `p` on every task; returns `completed` or `stopped`."
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
     from ilab_nb.rankfiles import MetricsWriter
-    p = RunPaths(eval_dir); spec = read_json(p.config)
+    spec = read_json(p.config)
     metrics = MetricsWriter(p.metrics, p.run_id, attempt, log=p.rank_log(0))
     own_only = all(t in OWN_TASKS for t in spec["tasks"])
-    tm = TaskManager(include_path=str(Path(eval_dir) / "tasks"), include_defaults=not own_only)
+    tm = TaskManager(include_path=str(p.root / "tasks"), include_defaults=not own_only)
     try:
         for m in spec["models"]:
             model, tok = load_for_eval(m["path"], {**spec, "base_model": m.get("base_model")})
@@ -240,7 +240,7 @@ def run_evaluation(eval_dir, attempt: int = 1) -> str:
                 if p.stop.exists():
                     metrics.write("event", event=Event.stopped); return Event.stopped
                 metrics.write("task", model=m["label"], task=task, status="running")
-                t0 = time.time(); res = evaluate_task(lm, task, tm, spec.get("limit"), Path(eval_dir) / m["label"])
+                t0 = time.time(); res = evaluate_task(lm, task, tm, spec.get("limit"), p.root / m["label"])
                 metrics.write("task", model=m["label"], task=task, status="done", seconds=time.time() - t0, n=res.get("sample_len"),
                               scores={k: list(v) for k, v in task_scores(res).items()})
             del lm, model
@@ -265,16 +265,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.evaluation")
     ap.add_argument("run_dir"); ap.add_argument("--attempt", type=int, default=1); ap.add_argument("--resume")
     a = ap.parse_args(argv)
-    redirect_output(RunPaths(a.run_dir).rank_log(0))
+    paths = RunPaths(a.run_dir)                 # this process's one view of the evaluation's directory
+    redirect_output(paths.rank_log(0))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    record_rank(a.run_dir, 0, a.attempt, RankState.running)
+    record_rank(paths, 0, a.attempt, RankState.running)
     code = 0
     try:
-        out = run_evaluation(a.run_dir, a.attempt)
-        record_rank(a.run_dir, 0, a.attempt, RankState.exited, outcome=out)
+        out = run_evaluation(paths, a.attempt)
+        record_rank(paths, 0, a.attempt, RankState.exited, outcome=out)
     except BaseException as e:
         import traceback; traceback.print_exc(); code = 1
-        record_rank(a.run_dir, 0, a.attempt, RankState.failed, error=f"{type(e).__name__}: {e}")
+        record_rank(paths, 0, a.attempt, RankState.failed, error=f"{type(e).__name__}: {e}")
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(code)
 

@@ -57,12 +57,11 @@ def is_collective_error(e: BaseException) -> bool:
 # %% ../nbs/19_rankfiles.ipynb #bcd7378d
 RANK_RESERVE_BYTES = 64 << 10
 
-def record_rank(run_dir, rank: int, attempt: int, status: str, **fields):
+def record_rank(paths: RunPaths, rank: int, attempt: int, status: str, **fields):
     "Replace this rank's account `ranks/rank-N.json` (never fails the caller: the account is evidence, not work)."
     rec = dict(rank=rank, attempt=attempt, status=status, pid=os.getpid(), host=socket.gethostname(),
                local_rank=int(os.environ.get("LOCAL_RANK", rank)), time=time.time(), **fields)
-    d = RunPaths(run_dir).ranks; acct = RunPaths(run_dir).rank_account(rank)
-    reserve = RunPaths(run_dir).rank_reserve(rank)
+    d, acct, reserve = paths.ranks, paths.rank_account(rank), paths.rank_reserve(rank)
     for _ in range(2):
         try:
             if not d.parent.is_dir(): return                 # the run directory is gone: never re-create it

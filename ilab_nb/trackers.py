@@ -92,28 +92,28 @@ def _resumed_run(client, uri: str, ref_path: Path) -> str | None:
     return ref["run_id"]
 
 # %% ../nbs/30_trackers.ipynb #41bb9a91
-def _new_run(client, uri: str, run_dir: Path, config: dict) -> str:
-    "A new MLflow run for the run in `run_dir`, its config as params; recorded in the run's mlflow.json."
+def _new_run(client, uri: str, paths: RunPaths, config: dict) -> str:
+    "A new MLflow run for the run at `paths`, its config as params; recorded in the run's mlflow.json."
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ilab_nb"
     exp = client.get_experiment_by_name(name)
     eid = exp.experiment_id if exp is not None else client.create_experiment(name)
-    run = client.create_run(eid, run_name=run_dir.name, tags={"ilab_nb.run_id": run_dir.name, "ilab_nb.run_dir": str(run_dir)})
+    tags = {"ilab_nb.run_id": paths.run_id, "ilab_nb.run_dir": str(paths.root)}
+    run = client.create_run(eid, run_name=paths.run_id, tags=tags)
     from mlflow.entities import Param
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in config_params(config).items()])
-    RunPaths(run_dir).mlflow_run.write_text(json.dumps(dict(tracking_uri=uri, run_id=run.info.run_id, experiment_id=eid)))
+    paths.mlflow_run.write_text(json.dumps(dict(tracking_uri=uri, run_id=run.info.run_id, experiment_id=eid)))
     return run.info.run_id
 
 # %% ../nbs/30_trackers.ipynb #d629e674
 class MLflowTracker:
     "Logs the config as params, train/eval scalars as metrics and the final model's path as a tag to one MLflow run."
     name = "mlflow"
-    def __init__(self, run_dir, config: dict):
+    def __init__(self, paths: RunPaths, config: dict):
         from mlflow.tracking import MlflowClient
-        run_dir = Path(run_dir)
-        self.uri = mlflow_tracking_uri(run_dir)
+        self.uri = mlflow_tracking_uri(paths.root)
         if self.uri.startswith("file:"): os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=self.uri)
-        self.run_id = _resumed_run(self.client, self.uri, RunPaths(run_dir).mlflow_run) or _new_run(self.client, self.uri, run_dir, config)
+        self.run_id = _resumed_run(self.client, self.uri, paths.mlflow_run) or _new_run(self.client, self.uri, paths, config)
 
 # %% ../nbs/30_trackers.ipynb #49b57056
 @patch
@@ -166,21 +166,20 @@ def finish(self:WandbTracker, status: str, final_path=None):
 # %% ../nbs/30_trackers.ipynb #b58b1486
 class TrackedWriter:
     "A `MetricsWriter` that also forwards every record to the trackers of `report_to`."
-    def __init__(self, writer, trackers: list, run_dir):
-        self.writer, self.trackers, self.run_dir, self.step = writer, list(trackers), Path(run_dir), None
+    def __init__(self, writer, trackers: list, paths: RunPaths):
+        self.writer, self.trackers, self.paths, self.step = writer, list(trackers), paths, None
 
     def __getattr__(self, name): return getattr(self.writer, name)
 
 # %% ../nbs/30_trackers.ipynb #23830699
-def record_tracker_error(run_dir, tracker: str, error: str, step=None) -> bool:
+def record_tracker_error(paths: RunPaths, tracker: str, error: str, step=None) -> bool:
     "Add `{tracker, error, step, time}` to `tracker_errors` in the run's state; False when it has no state or its state is final."
     from ilab_nb.runstore import RunStore, StateError
-    d = Path(run_dir)
-    if not RunPaths(d).state.exists(): return False
-    store = RunStore(d.parent)
+    if not paths.state.exists(): return False
+    store = RunStore(paths.root.parent)
     try:
-        prev = store.read_state(d.name).get("tracker_errors") or []
-        store.write_state(d.name, tracker_errors=prev + [dict(tracker=tracker, error=error, step=step, time=time.time())])
+        prev = store.read_state(paths.run_id).get("tracker_errors") or []
+        store.write_state(paths.run_id, tracker_errors=prev + [dict(tracker=tracker, error=error, step=step, time=time.time())])
         return True
     except (StateError, OSError): return False
 
@@ -195,7 +194,7 @@ def _broke(self:TrackedWriter, name: str, e: Exception):
     "Report tracker `name` broken by `e`: in the rank-0 log and in the run's state."
     err = f"{type(e).__name__}: {e}"[:500]
     print(f"[ilab_nb.trackers] {name} failed ({err}); it gets no more records", flush=True)
-    record_tracker_error(self.run_dir, name, err, self.step)
+    record_tracker_error(self.paths, name, err, self.step)
 
 @patch
 def _each(self:TrackedWriter, what, *args):
@@ -211,7 +210,7 @@ def write(self:TrackedWriter, kind: str, **fields):
     if fields.get("step") is not None: self.step = fields["step"]
     self._each("log", dict(kind=kind, time=time.time(), **fields))
     if kind == "event" and fields.get("event") in _MLFLOW_STATUS:
-        final = RunPaths(self.run_dir).final if fields["event"] == Event.completed else None
+        final = self.paths.final if fields["event"] == Event.completed else None
         self._each("finish", fields["event"], final); self.trackers = []
 
 # %% ../nbs/30_trackers.ipynb #3f42297d
@@ -221,13 +220,13 @@ def close(self:TrackedWriter):
     self.writer.close()
 
 # %% ../nbs/30_trackers.ipynb #0b40cc0f
-def open_trackers(writer, run_dir, cfg, rank: int):
+def open_trackers(writer, paths: RunPaths, cfg, rank: int):
     "`writer` wrapped with the trackers of `cfg.report_to` (rank 0 only)."
     if rank != 0 or not cfg.report_to: return writer
-    config, run_dir = cfg.model_dump(mode="json"), Path(run_dir)
-    made = {"tensorboard": lambda: TensorBoardTracker(tensorboard_dir(run_dir, cfg.logging_dir), config),
-            "mlflow": lambda: MLflowTracker(run_dir, config), "wandb": lambda: WandbTracker(run_dir, config)}
-    tw = TrackedWriter(writer, [], run_dir)
+    config = cfg.model_dump(mode="json")
+    made = {"tensorboard": lambda: TensorBoardTracker(tensorboard_dir(paths.root, cfg.logging_dir), config),
+            "mlflow": lambda: MLflowTracker(paths, config), "wandb": lambda: WandbTracker(paths.root, config)}
+    tw = TrackedWriter(writer, [], paths)
     for n in cfg.report_to:        # one that fails to open is a tracker broken at the set-up: reported, not fatal
         try: tw.trackers.append(made[n]())
         except Exception as e: tw._broke(n, e)

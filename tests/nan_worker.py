@@ -1,11 +1,11 @@
 """The real `ilab_nb.worker`, with one fault planted for the non-finite tests (launched as a run's worker module): the
 second optimizer step of each attempt computes its loss times NaN, through the real forward and backward, so its loss
 and its gradient norm are NaN on every rank (with NAN_EVERY_STEP set: every step)."""
-import os
+import dataclasses, os
 
 import ilab_nb.worker as W
 
-_train_step, _calls = W.train_step, [0]
+_train_step, _calls = W.Attempt.train_step, [0]
 
 
 class _NaNTimes:
@@ -17,12 +17,12 @@ class _NaNTimes:
         return ls * float("nan"), sums
 
 
-def _nan_on_the_second_step(*args, **kwargs):
+def _nan_on_the_second_step(self, *args, **kwargs):
     _calls[0] += 1
-    if _calls[0] == 2 or os.environ.get("NAN_EVERY_STEP"): args = args[:11] + (_NaNTimes(args[11]),) + args[12:]     # method: train_step's 12th argument
-    return _train_step(*args, **kwargs)
+    if _calls[0] == 2 or os.environ.get("NAN_EVERY_STEP"): self = dataclasses.replace(self, method=_NaNTimes(self.method))   # the attempt's method
+    return _train_step(self, *args, **kwargs)
 
 
-W.train_step = _nan_on_the_second_step
+W.Attempt.train_step = _nan_on_the_second_step
 
 if __name__ == "__main__": W.main()

@@ -27,7 +27,7 @@ def _records(rd, kind):
 
 
 def _in_process(rd):
-    try: return worker.run(rd)
+    try: return worker.run(RunPaths(rd))
     finally:
         if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 

@@ -91,6 +91,6 @@ def test_a_missing_task_a_missing_data_set_and_a_stop_are_said_clearly(demo, tmp
     write_json_atomic(RunPaths(d).config, dict(kind="eval", run_id="r", tasks=["heldout"], limit=2, batch_size=2, device="cpu",
                                                models=[dict(label="base", path=str(demo.model_dir))]))
     RunPaths(d).stop.parent.mkdir(exist_ok=True); RunPaths(d).stop.write_text("{}")
-    assert run_evaluation(d) == "stopped"
+    assert run_evaluation(RunPaths(d)) == "stopped"
     recs = [json.loads(l) for l in RunPaths(d).metrics.read_text().splitlines()]
     assert [r.get("event") for r in recs if r["kind"] == "event"] == ["stopped"] and not [r for r in recs if r["kind"] == "task"]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from ilab_nb.config import TrainConfig
 from ilab_nb import worker
 from ilab_nb.launcher import accelerate_command, write_accelerate_config
+from ilab_nb.rundir import RunPaths
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]   # in-process runs: one thread
 
@@ -33,7 +34,7 @@ def launch(rd: Path, nproc: int, *extra, expect_ok=True, in_process=False):
     process group of one, FSDP's, is destroyed afterwards as the worker's `main()` does)."""
     if in_process:
         assert nproc == 1 and not extra
-        try: return worker.run(rd)
+        try: return worker.run(RunPaths(rd))
         finally:
             if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
     if nproc > 1:       # the launcher's own command line and neutral accelerate config (conftest's default is hostile)
