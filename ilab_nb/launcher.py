@@ -146,6 +146,7 @@ class Supervisor:
     def __init__(self, run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None,
                  worker_module="ilab_nb.worker", poll_s=0.25):
         self.run_dir = Path(run_dir).absolute(); self.store = RunStore(self.run_dir.parent); self.run_id = self.run_dir.name
+        self.paths = RunPaths(self.run_dir)      # the supervisor process's one view of the run directory
         self.attempt, self.resume, self.queue, self.worker_module, self.poll_s = attempt, resume, queue, worker_module, poll_s
         self.grace_s = float(grace_s if grace_s is not None else os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
         self.locks, self.me = locks, ProcessRef.of()
@@ -163,7 +164,7 @@ def _write_failed(self:Supervisor, e, what):
     "Note a failed write (the first one that hit a full disk names `what`); keep the heartbeat by touching `.heartbeat`."
     if getattr(e, "errno", None) == errno.ENOSPC and self.nospace is None:
         self.nospace = what; log_note(f"No space left on device while writing {what}; retrying")
-    try: os.utime(RunPaths(self.run_dir).heartbeat)
+    try: os.utime(self.paths.heartbeat)
     except OSError: pass
 
 # %% ../nbs/35_launcher.ipynb #f723bbc2
@@ -174,7 +175,7 @@ def _write(self:Supervisor, **kw):
     try: st = self.store.write_state(self.run_id, **kw)
     except StateError: raise
     except OSError as e:
-        self._write_failed(e, RunPaths(self.run_dir).state.name); self.pending = kw; return None
+        self._write_failed(e, self.paths.state.name); self.pending = kw; return None
     self.pending = {}; return st
 
 # %% ../nbs/35_launcher.ipynb #5f3d5eda
@@ -188,13 +189,13 @@ def _beat(self:Supervisor, **kw):
 def _event(self:Supervisor, event, **fields):
     "Append a lifecycle event unless the disk (or the run directory) refuses; never raise."
     try: return self.store.append_event(self.run_id, event, **fields)
-    except OSError as e: self._write_failed(e, RunPaths(self.run_dir).events.name)
+    except OSError as e: self._write_failed(e, self.paths.events.name)
 
 # %% ../nbs/35_launcher.ipynb #5b013581
 @patch
 def _stop_requested(self:Supervisor):
-    if self.stop_at is None and RunPaths(self.run_dir).stop.exists():
-        body = read_json(RunPaths(self.run_dir).stop, {}) or {}
+    if self.stop_at is None and self.paths.stop.exists():
+        body = read_json(self.paths.stop, {}) or {}
         if body.get("grace_s") is not None: self.grace_s = float(body["grace_s"])
         self.stop_at = time.time(); log_note(f"stop requested by {body.get('by', '?')}; grace {self.grace_s:.0f} s")
         self._event(Event.stop_requested, attempt=self.attempt, by=body.get("by"))
@@ -213,7 +214,7 @@ def _nospace_what(self:Supervisor) -> str | None:
     "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
     texts = [str(r.get("error") or "") for r in rank_records(self.run_dir, self.attempt).values()]   # kept by their reserve
     texts += [str(e.get("error") or "") for e in self.events if e.get("event") == Event.failed]
-    for p in RunPaths(self.run_dir).rank_logs(): texts += tail_lines(p, 40)
+    for p in self.paths.rank_logs(): texts += tail_lines(p, 40)
     for t in texts:
         if no_space(t):
             m = re.search(r"'(/[^']+)'", t)
@@ -228,7 +229,7 @@ RESERVE_BYTES = 1 << 20     # room for the final state and its event: state.json
 @patch
 def _make_reserve(self:Supervisor):
     "Set aside `RESERVE_BYTES` in the run directory (written out: a sparse file would free nothing)."
-    p = RunPaths(self.run_dir).reserve
+    p = self.paths.reserve
     try:
         with open(p, "wb", opener=no_follow) as f: f.write(b"\0" * RESERVE_BYTES); f.flush(); os.fsync(f.fileno())
     except OSError: p.unlink(missing_ok=True)
@@ -236,7 +237,7 @@ def _make_reserve(self:Supervisor):
 @patch
 def _drop_incomplete(self:Supervisor) -> list:
     "Remove the half-written saves an attempt that ended left (its ranks are gone); returns what was removed."
-    p, out = RunPaths(self.run_dir), []
+    p, out = self.paths, []
     for tmp in [*p.checkpoints.glob(p.checkpoint_tmp(0).name.replace("00000000", "*")), p.final_tmp]:
         if tmp.is_dir(): shutil.rmtree(tmp, ignore_errors=True); out.append(str(tmp.relative_to(self.run_dir)))
     return out
@@ -244,7 +245,7 @@ def _drop_incomplete(self:Supervisor) -> list:
 @patch
 def _free_space(self:Supervisor) -> bool:
     "Free the reserve and drop the attempt's half-written saves; True if anything was freed."
-    p, freed = RunPaths(self.run_dir), []
+    p, freed = self.paths, []
     try: p.reserve.unlink(); freed.append(p.reserve.name)
     except OSError: pass
     freed += self._drop_incomplete()
@@ -269,12 +270,12 @@ def _finish(self:Supervisor, status, **kw):
         try: st = self.store.write_state(self.run_id, status=status, **{**left, **kw}); break
         except StateError: st = self.store.read_state(self.run_id); break
         except OSError as e:
-            self._write_failed(e, RunPaths(self.run_dir).state.name)
+            self._write_failed(e, self.paths.state.name)
             if not (e.errno == errno.ENOSPC and self._free_space()): time.sleep(1.0)
     self.pending = {}
     self._event(status, attempt=self.attempt, **{k: v for k, v in kw.items() if k in ("reason", "exit_code")})
     log_note(f"run {status}" + (f": {kw['reason']}" if kw.get("reason") else ""))
-    RunPaths(self.run_dir).reserve.unlink(missing_ok=True)
+    self.paths.reserve.unlink(missing_ok=True)
     return st
 
 # %% ../nbs/35_launcher.ipynb #7799f014
@@ -328,7 +329,7 @@ def _launch(self:Supervisor, cfg, request, slots) -> tuple:
     self._beat(status=State.starting, slots=slots, command=cmd)
     self._event(Event.starting, attempt=self.attempt, slots=slots)
     log_note("launching: " + shlex.join(cmd))
-    log = open(RunPaths(self.run_dir).supervisor_log, "ab", buffering=0, opener=no_follow)
+    log = open(self.paths.supervisor_log, "ab", buffering=0, opener=no_follow)
     offset = log.tell()
     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
                                  env={**launch_env(self.run_dir, request, slots), **extra_env}, process_group=0,
@@ -365,7 +366,7 @@ def _watch(self:Supervisor, reader, events) -> int | None:
 @patch
 def _failure(self:Supervisor, code, offset, events) -> dict:
     try:
-        with open(RunPaths(self.run_dir).supervisor_log, "rb", opener=no_follow) as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
+        with open(self.paths.supervisor_log, "rb", opener=no_follow) as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
     except OSError: text = ""
     rank, rank_code = failing_rank(self.run_dir, text, self.attempt)
     direct = getattr(self, "direct", False)
@@ -386,8 +387,8 @@ def _failure(self:Supervisor, code, offset, events) -> dict:
              if f["rank"] != rank and f["exitcode"] in LAUNCHER_SIGNALS]
     if after: why.append("then the launcher ended the others (" + ", ".join(sorted(after)) + ")")
     if not direct: why.append(f"accelerate launch {describe_exit(code)}")
-    log = RunPaths(self.run_dir).rank_log("supervisor" if rank is None else rank)
-    if not log.exists(): log = RunPaths(self.run_dir).supervisor_log
+    log = self.paths.rank_log("supervisor" if rank is None else rank)
+    if not log.exists(): log = self.paths.supervisor_log
     return {"reason": f"Run {self.run_id} failed: " + "; ".join(why) + f". See {log}.", "failed_rank": rank,
             "log_tail": tail_lines(log, 20), "log_file": str(log.relative_to(self.run_dir))}
 
@@ -412,7 +413,7 @@ def _conclude(self:Supervisor, offset, reader, events) -> int:
 @patch
 def _launch_and_watch(self:Supervisor, cfg, request, slots) -> int:
     log, offset = self._launch(cfg, request, slots)
-    reader, events = MetricsReader(RunPaths(self.run_dir).metrics), self.events
+    reader, events = MetricsReader(self.paths.metrics), self.events
     try:
         while self.proc.poll() is None:
             if (code := self._watch(reader, events)) is not None: return code
@@ -440,13 +441,13 @@ def run(self:Supervisor) -> int:
     "Supervise the attempt to its end; returns 0 unless the run failed."
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, self._on_signal)
     st = self.store.read_state(self.run_id)
-    RunPaths(self.run_dir).heartbeat.touch()     # while there is space: on a full disk the heartbeat becomes its mtime
+    self.paths.heartbeat.touch()     # while there is space: on a full disk the heartbeat becomes its mtime
     self._make_reserve()                          # and the room for the final state when the disk is full
-    p = RunPaths(self.run_dir)
+    p = self.paths
     try: self._beat(supervisor=self.me.to_dict(), supervisor_log=str(p.supervisor_log.relative_to(p.root)))
     except StateError: log_note("run is already final; nothing to do"); return 0
     log_note(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
-    cfg = read_json(RunPaths(self.run_dir).config_for(self.attempt), {}) or {}   # config.json, or the attempt's changed config
+    cfg = read_json(self.paths.config_for(self.attempt), {}) or {}   # config.json, or the attempt's changed config
     request = st.get("request") or device_request("cpu", int(launch_config(cfg).num_processes))
     slots = self._devices(request)
     if slots is None: return 0 if self.store.read_state(self.run_id).get("status") == State.cancelled else 1
@@ -484,6 +485,6 @@ def supervise(self:Supervisor) -> int:
         if self.proc is not None and self.proc.poll() is None: self._signal_group(signal.SIGKILL)
         kill_run_processes(self.run_dir)
         self._finish(State.failed, reason=f"Run {self.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",
-                     log_tail=tail_lines(RunPaths(self.run_dir).supervisor_log, 20),
-                     log_file=str(RunPaths(self.run_dir).supervisor_log.relative_to(self.run_dir)))
+                     log_tail=tail_lines(self.paths.supervisor_log, 20),
+                     log_file=str(self.paths.supervisor_log.relative_to(self.run_dir)))
         return 1

@@ -55,6 +55,7 @@ class FineTuneSession:
 
     def _init_common(self):
         self.run_dir = self.store.run_dir(self.run_id)
+        self.paths = RunPaths(self.run_dir)      # the session's one view of the run directory
         self.monitor = RunMonitor(self.run_dir)
 
 # %% ../nbs/61_session.ipynb #ebeab7bf
@@ -74,7 +75,7 @@ def attach(cls:FineTuneSession, run_id, runs_root=None) -> FineTuneSession:
     self = cls.__new__(cls)
     self.store, self.run_id, self.queue, self.preflight = store, run_id, True, None
     self._init_common()
-    try: self.config = TrainConfig.read_json(RunPaths(self.run_dir).config_for())   # the latest attempt's config
+    try: self.config = TrainConfig.read_json(self.paths.config_for())   # the latest attempt's config
     except (ConfigError, OSError): self.config = None
     self.monitor.poll()
     return self
@@ -195,7 +196,7 @@ def _evaluating(self:FineTuneSession, st: dict) -> bool:
     "Whether the evaluation this run's completion queued (`eval_tasks`) is still going."
     if not st.get("evaluation"): return False
     from ilab_nb.evaluations import Evaluation
-    return Evaluation(RunPaths(self.run_dir).evals / st["evaluation"]).status not in TERMINAL
+    return Evaluation(self.paths.evals / st["evaluation"]).status not in TERMINAL
 
 @patch
 @gated(Action.read, doing="wait for it")
@@ -264,7 +265,7 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None, *, trust_o
     "Ask the run to stop (graceful, then forced after `grace_s`); with `wait`, block until it has ended. Returns the status."
     st = self.state
     if not st or st.get("status") in TERMINAL: return st.get("status", State.created)
-    stop = RunPaths(self.run_dir).stop; stop.parent.mkdir(exist_ok=True)
+    stop = self.paths.stop; stop.parent.mkdir(exist_ok=True)
     if not stop.exists():
         write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}", "grace_s": grace_s})
     if not wait: return self.status
@@ -331,7 +332,7 @@ def _may_act(self:FineTuneSession, doing: str, ck: dict, trust_owner: bool = Fal
 def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
     "Why a DPO run cannot go on from checkpoint `ck`: the reference log-probabilities it computed before step 1 are gone or unreadable."
     if not ck.get("path") or self.config is None or self.config.method != "dpo": return None
-    p = RunPaths(self.run_dir).reference_logps
+    p = self.paths.reference_logps
     if not p.exists(): why = "missing"
     else:
         import torch
@@ -352,7 +353,7 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
     self._may_act("resume it", ck, trust_owner)
     cfg, diff, pf = self._changed(changes, ck, "resume", trust_owner=trust_owner) if changes or self.config is not None else (None, {}, None)
     attempt, by = int(st.get("attempt", 1)) + 1, f"pid {os.getpid()} on {socket.gethostname()}"
-    paths, upd, before = RunPaths(self.run_dir), {}, (self.config, self.preflight)
+    paths, upd, before = self.paths, {}, (self.config, self.preflight)
     if diff:
         self.config, self.preflight = cfg, pf
         upd = dict(changes={**(st.get("changes") or {}), str(attempt): diff}, request=self._request(),
@@ -396,7 +397,7 @@ def checkpoint_at(self:FineTuneSession, step=None) -> tuple[dict, TrainConfig]:
     ck = ckpts[-1] if step is None else next((c for c in ckpts if c["step"] == step), None)
     if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
     wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")      # the attempt that saved it
-    return ck, TrainConfig.read_json(RunPaths(self.run_dir).config_for(wrote))
+    return ck, TrainConfig.read_json(self.paths.config_for(wrote))
 
 # %% ../nbs/61_session.ipynb #d7fa9e66
 def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig) -> tuple[TrainConfig, Path]:
@@ -425,7 +426,7 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
     new.run_id = validate_run_id(run_id) if run_id is not None else new_run_id(name or "fork")
     if self.store.run_dir(new.run_id).exists(): raise FileExistsError(f"Run {new.run_id!r} already exists in {self.store.root}.")
     new._init_common()
-    src, dst = RunPaths(self.run_dir), RunPaths(self.store.create_run(new.run_id))
+    src, dst = self.paths, RunPaths(self.store.create_run(new.run_id))
     try: cfg, at = _fork_files(src, dst, ck, cfg)
     except OSError as e:          # the parent pruned that checkpoint meanwhile, a full disk, ...: no half-made fork is left
         shutil.rmtree(dst.root, ignore_errors=True)
@@ -448,7 +449,7 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     "The directory `load_model(checkpoint)` would load."
     from ilab_nb.lora import adapter_folder
     if checkpoint is None:
-        p = RunPaths(self.run_dir).final
+        p = self.paths.final
         if not (p / "config.json").exists() and adapter_folder(p) is None:
             steps = [c["step"] for c in self.checkpoints]
             raise FileNotFoundError(f"Run {self.run_id} has no final model (status {self.status}); "

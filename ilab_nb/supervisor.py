@@ -25,7 +25,7 @@ class RunSupervisor(Supervisor):
 @patch
 def _start_evaluation(self:RunSupervisor) -> dict:
     "`{evaluation: id}` of the evaluation of `eval_tasks` queued now, or `{eval_error: why}`; `{}` without `eval_tasks`."
-    cfg = read_json(RunPaths(self.run_dir).config_for(self.attempt), {}) or {}
+    cfg = read_json(self.paths.config_for(self.attempt), {}) or {}
     if not cfg.get("eval_tasks"): return {}
     try:
         from ilab_nb.session import FineTuneSession
@@ -39,7 +39,7 @@ def _start_evaluation(self:RunSupervisor) -> dict:
 @patch
 def _write_report(self:RunSupervisor, status, fields: dict):
     "The run's `report.html` as it ends, showing the final state about to be written (never fails the caller)."
-    if not self.run_dir.exists() or read_json(RunPaths(self.run_dir).config, {}).get("kind") == "eval": return   # an evaluation's: its run's
+    if not self.run_dir.exists() or read_json(self.paths.config, {}).get("kind") == "eval": return   # an evaluation's: its run's
     try:
         from ilab_nb.record import write_report
         st = {**self.store.read_state(self.run_id), **self.pending, **fields, "status": status}
@@ -58,14 +58,14 @@ def main(argv=None) -> int:
     sup = RunSupervisor(a.run_dir, a.attempt, a.resume, queue=not a.no_queue, grace_s=a.grace, locks=a.locks,
                         worker_module=a.worker_module)
     try: return sup.supervise()
-    finally: _sweep_report(sup.run_dir)
+    finally: _sweep_report(sup.paths)
 
-def _sweep_report(run_dir):
+def _sweep_report(paths):
     "When the run is its sweep's last to end, the sweep's `sweep-report.html` (62_sweep; never fails the caller)."
-    if RunPaths(run_dir).sweep_spec is None: return       # not a sweep's run: nothing to import or to wait for
+    if paths.sweep_spec is None: return       # not a sweep's run: nothing to import or to wait for
     try:
         from ilab_nb.sweep import report_if_last
-        if (p := report_if_last(run_dir)) is not None: log_note(f"sweep report: {p}")
+        if (p := report_if_last(paths.root)) is not None: log_note(f"sweep report: {p}")
     except Exception as e: log_note(f"sweep-report.html not written: {type(e).__name__}: {e}")
 
 # %% ../nbs/64_supervisor.ipynb #aa0fd135
