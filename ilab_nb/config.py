@@ -22,7 +22,7 @@ from .core import patch
 
 # %% auto #0
 __all__ = ['DataSources', 'RESUME_CHANGEABLE', 'RESUME_REFUSED', 'ConfigError', 'config_line', 'InMemoryData', 'data_sources',
-           'SlurmOptions', 'config_problems', 'TrainConfig', 'load_config', 'with_changes']
+           'SlurmOptions', 'config_problems', 'TrainConfig', 'fields_table', 'load_config', 'with_changes']
 
 # %% ../nbs/12_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -148,73 +148,6 @@ def config_line(path, key: str, overrides=()) -> int | None:
     except ConfigError: return None
     return lines.get(key) or lines.get(key.split(".")[0])
 
-# %% ../nbs/12_config.ipynb #b1727761
-_DESCRIPTIONS = dict(
-    model="Model to fine-tune: a local Hugging Face model directory or a hub id.",
-    data=("Training data: chat files (JSONL, JSON array, Parquet), directories of them, glob patterns, a directory saved "
-          "with datasets.Dataset.save_to_disk, or in memory a datasets.Dataset, a pandas DataFrame or a list of dicts."),
-    eval_data="Evaluation data in the same formats as `data`; None = no separate eval set.",
-    eval_split="Fraction of `data` held out for evaluation when eval_data is None (0 = none).",
-    eval_steps="Evaluate every N optimizer steps; None = at the end of each epoch (when there is eval data).",
-    num_processes="Number of training processes (one per GPU, or CPU processes).",
-    strategy="Distribution strategy: fsdp (sharded parameters), ddp (replicated), or single (one process).",
-    device="Where to train: auto (CUDA when available, else CPU), cpu, or cuda.",
-    devices="GPU indices to use (one per process); None = the first num_processes free GPUs.",
-    oversubscribe_cpus="Allow a CPU run more processes than this machine's CPU slots ($ILAB_NB_CPU_SLOTS or the core count); "
-                       "slower, and it holds every slot.",
-    precision="Parameter/compute precision: fp32, or bf16 mixed precision.",
-    num_train_epochs="Number of passes over the training data (ignored when max_steps > 0).",
-    max_steps="Total optimizer steps; > 0 overrides num_train_epochs, -1 = use num_train_epochs.",
-    learning_rate="Peak learning rate of AdamW.",
-    lr_scheduler_type="Learning-rate schedule after warm-up: linear, cosine, constant or constant_with_warmup.",
-    warmup_steps="Linear warm-up over this many optimizer steps (exclusive with warmup_ratio).",
-    warmup_ratio="Linear warm-up over this fraction of the total steps (exclusive with warmup_steps).",
-    weight_decay="AdamW weight decay.",
-    adam_beta1="AdamW beta1.",
-    adam_beta2="AdamW beta2.",
-    adam_epsilon="AdamW epsilon.",
-    max_grad_norm="Clip the global gradient norm to this value; 0 disables clipping.",
-    gradient_accumulation_steps="Micro-batches accumulated per optimizer step.",
-    max_tokens_per_batch="Token budget of one micro-batch on each process (padding included).",
-    max_seq_len="Longest sample in tokens; longer ones follow long_sequence_policy. At most max_tokens_per_batch.",
-    long_sequence_policy="What to do with samples longer than max_seq_len: drop, truncate, or error.",
-    batching="Micro-batch layout: packed (padding-free), bucketed (length-grouped, padded), or auto.",
-    seed="Random seed for data order, eval split and initialization.",
-    logging_steps="Write a train metrics record every N optimizer steps.",
-    save_steps="Save a checkpoint every N optimizer steps; None = only at the end.",
-    save_total_limit="Keep at most this many checkpoints (oldest deleted first); None = keep all.",
-    gradient_checkpointing="Recompute activations in the backward pass to save memory.",
-    cpu_offload="Keep FSDP's parameter, gradient and optimizer-state shards in host memory (FSDP2 CPUOffloadPolicy); fsdp on CUDA only.",
-    torch_compile="Compile each transformer block with torch.compile (faster steps after a compile at start-up).",
-    attn_implementation=("The attention to build the model with (transformers' names): eager, sdpa, flash_attention_2, "
-                         "flex_attention, or auto (what the model's class supports: sdpa, else eager; packed rows get "
-                         "packed attention where there is a kernel)."),
-    skip_nonfinite_steps=("Skip an optimizer step whose loss or gradient norm is not finite (inf or NaN), recording it; by "
-                          "default such a step fails the run, the weights as they were before it."),
-    ignore_memory_estimate="Start even when the per-rank memory estimate exceeds a device's memory.",
-    trust_remote_code="Allow model/tokenizer code from the model directory or hub repository to run.",
-    accelerate_config="Path to your own `accelerate` config YAML passed to `accelerate launch --config_file`.",
-    launcher_args="Extra arguments for `accelerate launch` (a list, or one string split like a shell).",
-    eval_prompts="Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), "
-                 "written as `samples` records.",
-    eval_max_new_tokens="Longest answer, in new tokens, generated for each of eval_prompts.",
-    eval_tasks=("Evaluate the final model beside the starting one when the run completes: lm-eval task names, or the run's own "
-                "'heldout' (its held-out chat turns) and 'heldout_preference' (its held-out pairs); see FineTuneSession.evaluate."),
-    report_to="Trackers that also get the train/eval records: none, tensorboard, mlflow, wandb, or a list (as in TrainingArguments).",
-    logging_dir="TensorBoard's event-file directory; None = `tensorboard/` in the run directory.",
-    lora=("Train LoRA adapters instead of every weight: a mapping of peft.LoraConfig fields (r, lora_alpha, lora_dropout, "
-          "target_modules: all linear layers of the blocks by default, use_rslora, ...) or a peft.LoraConfig; None = full fine-tuning."),
-    merge_lora="After a LoRA run, merge the adapters into the base and write the merged model as final/ (the adapters stay in final/adapter/).",
-    method=("What to train on: sft (chat conversations: the assistant turns; plain text: every token) or dpo (preference pairs, "
-            "against the starting model as the reference)."),
-    beta="DPO's beta (TRL's name): how far the trained model may move from the reference; higher stays closer.",
-    loss_type="DPO's loss (TRL's names): sigmoid (the DPO paper's), ipo or hinge.",
-)
-
-# %% ../nbs/12_config.ipynb #c2e0e010
-def _f(name: str, default: Any = ..., **kw) -> Any:
-    return Field(default, description=_DESCRIPTIONS[name], **kw)
-
 # %% ../nbs/12_config.ipynb #7980d558
 class InMemoryData:
     "Chat data held by this process (a datasets.Dataset, a pandas DataFrame or a list of dicts), named for messages."
@@ -291,19 +224,8 @@ def _check_eval_prompts(prompts):
         if roles[-1] != "user": raise ValueError(f"prompt {i} must end with a user message (the model answers it)")
     return prompts
 
-# %% ../nbs/12_config.ipynb #24b4f8b6
-_DESCRIPTIONS.update(
-    num_machines="Number of machines (nodes) the run spans; num_processes is the total over all of them.",
-    machine_rank="Rank of the machine this launch is for (0 = the main machine at main_process_ip); SLURM sets it per node.",
-    main_process_ip="Address of the machine of rank 0 (multi-machine runs); SLURM takes it from the allocation.",
-    main_process_port="Rendezvous port on the main machine; None = a free port chosen at launch.",
-    rdzv_backend="torchrun rendezvous across machines: static (accelerate's default) or c10d.",
-    ddp_timeout=("Seconds a rank waits in a collective (a barrier, a broadcast) for the others before the run fails: the "
-                 "process group's timeout (TrainingArguments' name and default). Work one rank does alone between "
-                 "collectives must fit in it."),
-    backend="Who runs the processes: local (this machine, ilab_nb's FIFO queue) or slurm (sbatch on a SLURM cluster).",
-    slurm="SLURM job options (partition, account, time, nodes, gpus_per_node, ...); only with backend='slurm'.",
-)
+# %% ../nbs/12_config.ipynb #6e48a19f
+#| export
 
 # %% ../nbs/12_config.ipynb #70a73efb
 class SlurmOptions(BaseModel):
@@ -360,100 +282,175 @@ def _machine_problems(c) -> list:
                   f"= {m * c.slurm.gpus_per_node} GPUs: one process per GPU; set num_processes={m * c.slurm.gpus_per_node}"))
     return p
 
-# %% ../nbs/12_config.ipynb #7886bf76
-class _DataFields(BaseModel):
+# %% ../nbs/12_config.ipynb #d392f141
+class _FieldGroup(BaseModel):
+    "What every group of fields shares: no unknown key, validated assignment, no float that is inf or NaN."
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+# %% ../nbs/12_config.ipynb #b1c59a5d
+class _DataFields(_FieldGroup):
     "What the run trains and evaluates on."
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)   # no float may be inf or NaN
-    model: str = _f("model", min_length=1)
-    data: DataSources = _f("data", min_length=1)
-    eval_data: DataSources | None = _f("eval_data", None, min_length=1)
-    eval_split: float = _f("eval_split", 0.0, ge=0, lt=1)
-    eval_steps: int | None = _f("eval_steps", None, ge=1)
+    model: str = Field(min_length=1, description=(
+        "Model to fine-tune: a local Hugging Face model directory or a hub id."))
+    data: DataSources = Field(min_length=1, description=(
+        "Training data: chat files (JSONL, JSON array, Parquet), directories of them, glob patterns, a directory "
+        "saved with datasets.Dataset.save_to_disk, or in memory a datasets.Dataset, a pandas DataFrame or a list of "
+        "dicts."))
+    eval_data: DataSources | None = Field(None, min_length=1, description=(
+        "Evaluation data in the same formats as `data`; None = no separate eval set."))
+    eval_split: float = Field(0.0, ge=0, lt=1, description=(
+        "Fraction of `data` held out for evaluation when eval_data is None (0 = none)."))
+    eval_steps: int | None = Field(None, ge=1, description=(
+        "Evaluate every N optimizer steps; None = at the end of each epoch (when there is eval data)."))
 
-# %% ../nbs/12_config.ipynb #e67a4814
-class _DeviceFields(_DataFields):
+# %% ../nbs/12_config.ipynb #796ea70f
+class _DeviceFields(_FieldGroup):
     "Where and how the run's processes train."
-    num_processes: int = _f("num_processes", 2, ge=1)
-    strategy: Literal["fsdp", "ddp", "single"] = _f("strategy", "fsdp")
-    device: Literal["auto", "cpu", "cuda"] = _f("device", "auto")
-    devices: list[int] | None = _f("devices", None, min_length=1)
-    oversubscribe_cpus: bool = _f("oversubscribe_cpus", False)
-    precision: Literal["fp32", "bf16"] = _f("precision", "fp32")
+    num_processes: int = Field(2, ge=1, description="Number of training processes (one per GPU, or CPU processes).")
+    strategy: Literal["fsdp", "ddp", "single"] = Field("fsdp", description=(
+        "Distribution strategy: fsdp (sharded parameters), ddp (replicated), or single (one process)."))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "Where to train: auto (CUDA when available, else CPU), cpu, or cuda."))
+    devices: list[int] | None = Field(None, min_length=1, description=(
+        "GPU indices to use (one per process); None = the first num_processes free GPUs."))
+    oversubscribe_cpus: bool = Field(False, description=(
+        "Allow a CPU run more processes than this machine's CPU slots ($ILAB_NB_CPU_SLOTS or the core count); "
+        "slower, and it holds every slot."))
+    precision: Literal["fp32", "bf16"] = Field("fp32", description=(
+        "Parameter/compute precision: fp32, or bf16 mixed precision."))
 
-# %% ../nbs/12_config.ipynb #87108f71
-class _ScheduleFields(_DeviceFields):
+# %% ../nbs/12_config.ipynb #3224398c
+class _ScheduleFields(_FieldGroup):
     "How long the run trains and how its optimizer steps (`TrainingArguments`' names and defaults)."
-    num_train_epochs: float = _f("num_train_epochs", 1.0, gt=0)
-    max_steps: int = _f("max_steps", -1)
-    learning_rate: float = _f("learning_rate", 2e-5, gt=0)
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _f("lr_scheduler_type", "linear")
-    warmup_steps: int = _f("warmup_steps", 0, ge=0)
-    warmup_ratio: float = _f("warmup_ratio", 0.0, ge=0, lt=1)
-    weight_decay: float = _f("weight_decay", 0.0, ge=0)
-    adam_beta1: float = _f("adam_beta1", 0.9, ge=0, lt=1)
-    adam_beta2: float = _f("adam_beta2", 0.999, ge=0, lt=1)
-    adam_epsilon: float = _f("adam_epsilon", 1e-8, gt=0)
-    max_grad_norm: float = _f("max_grad_norm", 1.0, ge=0)
-    gradient_accumulation_steps: int = _f("gradient_accumulation_steps", 1, ge=1)
-    skip_nonfinite_steps: bool = _f("skip_nonfinite_steps", False)
+    num_train_epochs: float = Field(1.0, gt=0, description=(
+        "Number of passes over the training data (ignored when max_steps > 0)."))
+    max_steps: int = Field(-1, description=(
+        "Total optimizer steps; > 0 overrides num_train_epochs, -1 = use num_train_epochs."))
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate of AdamW.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description=(
+        "Learning-rate schedule after warm-up: linear, cosine, constant or constant_with_warmup."))
+    warmup_steps: int = Field(0, ge=0, description=(
+        "Linear warm-up over this many optimizer steps (exclusive with warmup_ratio)."))
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description=(
+        "Linear warm-up over this fraction of the total steps (exclusive with warmup_steps)."))
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description=(
+        "Clip the global gradient norm to this value; 0 disables clipping."))
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    skip_nonfinite_steps: bool = Field(False, description=(
+        "Skip an optimizer step whose loss or gradient norm is not finite (inf or NaN), recording it; by default "
+        "such a step fails the run, the weights as they were before it."))
 
-# %% ../nbs/12_config.ipynb #ed9339f9
-class _BatchFields(_ScheduleFields):
+# %% ../nbs/12_config.ipynb #d0562f20
+class _BatchFields(_FieldGroup):
     "How samples become batches, and what is logged and saved."
-    max_tokens_per_batch: int = _f("max_tokens_per_batch", 4096, ge=16)
-    max_seq_len: int = _f("max_seq_len", 2048, ge=2)
-    long_sequence_policy: Literal["drop", "truncate", "error"] = _f("long_sequence_policy", "drop")
-    batching: Literal["auto", "packed", "bucketed"] = _f("batching", "auto")
-    seed: int = _f("seed", 42)
-    logging_steps: int = _f("logging_steps", 1, ge=1)
-    save_steps: int | None = _f("save_steps", None, ge=1)
-    save_total_limit: int | None = _f("save_total_limit", None, ge=1)
+    max_tokens_per_batch: int = Field(4096, ge=16, description=(
+        "Token budget of one micro-batch on each process (padding included)."))
+    max_seq_len: int = Field(2048, ge=2, description=(
+        "Longest sample in tokens; longer ones follow long_sequence_policy. At most max_tokens_per_batch."))
+    long_sequence_policy: Literal["drop", "truncate", "error"] = Field("drop", description=(
+        "What to do with samples longer than max_seq_len: drop, truncate, or error."))
+    batching: Literal["auto", "packed", "bucketed"] = Field("auto", description=(
+        "Micro-batch layout: packed (padding-free), bucketed (length-grouped, padded), or auto."))
+    seed: int = Field(42, description="Random seed for data order, eval split and initialization.")
+    logging_steps: int = Field(1, ge=1, description="Write a train metrics record every N optimizer steps.")
+    save_steps: int | None = Field(None, ge=1, description=(
+        "Save a checkpoint every N optimizer steps; None = only at the end."))
+    save_total_limit: int | None = Field(None, ge=1, description=(
+        "Keep at most this many checkpoints (oldest deleted first); None = keep all."))
 
-# %% ../nbs/12_config.ipynb #4cb0ad13
-class _MemoryFields(_BatchFields):
+# %% ../nbs/12_config.ipynb #5f572885
+class _MemoryFields(_FieldGroup):
     "What trades speed for memory, or memory for speed, on big models."
-    gradient_checkpointing: bool = _f("gradient_checkpointing", False)
-    cpu_offload: bool = _f("cpu_offload", False)
-    torch_compile: bool = _f("torch_compile", False)
-    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flex_attention"] = _f("attn_implementation", "auto")
-    ignore_memory_estimate: bool = _f("ignore_memory_estimate", False)
-    trust_remote_code: bool = _f("trust_remote_code", False)
+    gradient_checkpointing: bool = Field(False, description=(
+        "Recompute activations in the backward pass to save memory."))
+    cpu_offload: bool = Field(False, description=(
+        "Keep FSDP's parameter, gradient and optimizer-state shards in host memory (FSDP2 CPUOffloadPolicy); fsdp on "
+        "CUDA only."))
+    torch_compile: bool = Field(False, description=(
+        "Compile each transformer block with torch.compile (faster steps after a compile at start-up)."))
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flex_attention"] = Field("auto", description=(
+        "The attention to build the model with (transformers' names): eager, sdpa, flash_attention_2, "
+        "flex_attention, or auto (what the model's class supports: sdpa, else eager; packed rows get packed "
+        "attention where there is a kernel)."))
+    ignore_memory_estimate: bool = Field(False, description=(
+        "Start even when the per-rank memory estimate exceeds a device's memory."))
+    trust_remote_code: bool = Field(False, description=(
+        "Allow model/tokenizer code from the model directory or hub repository to run."))
 
-# %% ../nbs/12_config.ipynb #627bcdd4
-class _MachineFields(_MemoryFields):
+# %% ../nbs/12_config.ipynb #a14e0c4b
+class _MachineFields(_FieldGroup):
     "How the run is launched: accelerate's options, several machines, the SLURM backend."
-    accelerate_config: str | None = _f("accelerate_config", None)
-    launcher_args: list[str] = _f("launcher_args", [])
-    num_machines: int = _f("num_machines", 1, ge=1)
-    machine_rank: int = _f("machine_rank", 0, ge=0)
-    main_process_ip: str | None = _f("main_process_ip", None)
-    main_process_port: int | None = _f("main_process_port", None, ge=1, lt=65536)
-    rdzv_backend: Literal["static", "c10d"] = _f("rdzv_backend", "static")
-    ddp_timeout: int = _f("ddp_timeout", 1800, ge=1)
-    backend: Literal["local", "slurm"] = _f("backend", "local")
-    slurm: SlurmOptions | None = _f("slurm", None)
+    accelerate_config: str | None = Field(None, description=(
+        "Path to your own `accelerate` config YAML passed to `accelerate launch --config_file`."))
+    launcher_args: list[str] = Field([], description=(
+        "Extra arguments for `accelerate launch` (a list, or one string split like a shell)."))
+    num_machines: int = Field(1, ge=1, description=(
+        "Number of machines (nodes) the run spans; num_processes is the total over all of them."))
+    machine_rank: int = Field(0, ge=0, description=(
+        "Rank of the machine this launch is for (0 = the main machine at main_process_ip); SLURM sets it per node."))
+    main_process_ip: str | None = Field(None, description=(
+        "Address of the machine of rank 0 (multi-machine runs); SLURM takes it from the allocation."))
+    main_process_port: int | None = Field(None, ge=1, lt=65536, description=(
+        "Rendezvous port on the main machine; None = a free port chosen at launch."))
+    rdzv_backend: Literal["static", "c10d"] = Field("static", description=(
+        "torchrun rendezvous across machines: static (accelerate's default) or c10d."))
+    ddp_timeout: int = Field(1800, ge=1, description=(
+        "Seconds a rank waits in a collective (a barrier, a broadcast) for the others before the run fails: the "
+        "process group's timeout (TrainingArguments' name and default). Work one rank does alone between collectives "
+        "must fit in it."))
+    backend: Literal["local", "slurm"] = Field("local", description=(
+        "Who runs the processes: local (this machine, ilab_nb's FIFO queue) or slurm (sbatch on a SLURM cluster)."))
+    slurm: SlurmOptions | None = Field(None, description=(
+        "SLURM job options (partition, account, time, nodes, gpus_per_node, ...); only with backend='slurm'."))
 
-# %% ../nbs/12_config.ipynb #0becc796
-class _ExperimentFields(_MachineFields):
+# %% ../nbs/12_config.ipynb #c88e3c02
+class _ExperimentFields(_FieldGroup):
     "Sample answers while training, the evaluation after it, and the trackers the metrics also go to."
-    eval_prompts: list[str | list[dict[str, str]]] | None = _f("eval_prompts", None, min_length=1)
-    eval_max_new_tokens: int = _f("eval_max_new_tokens", 32, ge=1)
-    eval_tasks: list[str] = _f("eval_tasks", [])
-    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = _f("report_to", [])
-    logging_dir: str | None = _f("logging_dir", None)
+    eval_prompts: list[str | list[dict[str, str]]] | None = Field(None, min_length=1, description=(
+        "Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), written as "
+        "`samples` records."))
+    eval_max_new_tokens: int = Field(32, ge=1, description=(
+        "Longest answer, in new tokens, generated for each of eval_prompts."))
+    eval_tasks: list[str] = Field([], description=(
+        "Evaluate the final model beside the starting one when the run completes: lm-eval task names, or the run's "
+        "own 'heldout' (its held-out chat turns) and 'heldout_preference' (its held-out pairs); see "
+        "FineTuneSession.evaluate."))
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field([], description=(
+        "Trackers that also get the train/eval records: none, tensorboard, mlflow, wandb, or a list (as in "
+        "TrainingArguments)."))
+    logging_dir: str | None = Field(None, description=(
+        "TensorBoard's event-file directory; None = `tensorboard/` in the run directory."))
 
-# %% ../nbs/12_config.ipynb #4f562c4b
-class _AdapterFields(_ExperimentFields):
+# %% ../nbs/12_config.ipynb #4e3c0722
+class _AdapterFields(_FieldGroup):
     "Full fine-tuning or LoRA adapters, and what a LoRA run leaves as its final model."
-    lora: dict[str, Any] | None = _f("lora", None)
-    merge_lora: bool = _f("merge_lora", True)
+    lora: dict[str, Any] | None = Field(None, description=(
+        "Train LoRA adapters instead of every weight: a mapping of peft.LoraConfig fields (r, lora_alpha, "
+        "lora_dropout, target_modules: all linear layers of the blocks by default, use_rslora, ...) or a "
+        "peft.LoraConfig; None = full fine-tuning."))
+    merge_lora: bool = Field(True, description=(
+        "After a LoRA run, merge the adapters into the base and write the merged model as final/ (the adapters stay "
+        "in final/adapter/)."))
 
-# %% ../nbs/12_config.ipynb #55cf8e7e
-class _MethodFields(_AdapterFields):
+# %% ../nbs/12_config.ipynb #c7ab193e
+class _MethodFields(_FieldGroup):
     "The training objective and its settings."
-    method: Literal["sft", "dpo"] = _f("method", "sft")
-    beta: float = _f("beta", 0.1, gt=0)
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = _f("loss_type", "sigmoid")
+    method: Literal["sft", "dpo"] = Field("sft", description=(
+        "What to train on: sft (chat conversations: the assistant turns; plain text: every token) or dpo (preference "
+        "pairs, against the starting model as the reference)."))
+    beta: float = Field(0.1, gt=0, description=(
+        "DPO's beta (TRL's name): how far the trained model may move from the reference; higher stays closer."))
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description=(
+        "DPO's loss (TRL's names): sigmoid (the DPO paper's), ipo or hinge."))
+
+# %% ../nbs/12_config.ipynb #6e210eb8
+class _Fields(_MethodFields, _AdapterFields, _ExperimentFields, _MachineFields, _MemoryFields, _BatchFields,
+              _ScheduleFields, _DeviceFields, _DataFields):
+    "Every field of a run, in its groups' order."
 
 # %% ../nbs/12_config.ipynb #a09466ad
 def _as_list(v): return [v] if isinstance(v, (str, os.PathLike)) else v
@@ -591,8 +588,8 @@ def config_problems(c) -> list:
         p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
     return p + _method_problems(c) + _machine_problems(c)
 
-# %% ../nbs/12_config.ipynb #c8f80c23
-class TrainConfig(_MethodFields):
+# %% ../nbs/12_config.ipynb #38542519
+class TrainConfig(_Fields):
     "Every setting of one fine-tuning run, validated."
     _lists = field_validator("data", "eval_data", mode="before")(_as_list)
     _paths = field_validator("data", "eval_data", "model", "accelerate_config", "logging_dir", mode="before")(_fspaths)
@@ -621,6 +618,15 @@ class TrainConfig(_MethodFields):
         except ValidationError as e:
             if name in self.__dict__: self.__dict__[name] = old   # pydantic keeps the value when a model validator fails
             raise ConfigError.from_validation_error(e) from None
+
+# %% ../nbs/12_config.ipynb #2c6171d9
+def fields_table(model: type[BaseModel]) -> str:
+    "`model`'s fields as a Markdown table: name, default (or required) and description, in the fields' order."
+    rows = [f"| `{n}` | {'required' if f.is_required() else f'`{f.default!r}`'} | {f.description} |"
+            for n, f in model.model_fields.items()]
+    return "\n".join(["| field | default | description |", "|---|---|---|", *rows])
+
+TrainConfig.__doc__ += "\n\n" + fields_table(TrainConfig)
 
 # %% ../nbs/12_config.ipynb #b609b6dc
 @patch(cls_method=True)

@@ -600,7 +600,8 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     except RuntimeError as e: raise PreflightError(str(e)) from None
     check_runs_root(runs_root)
     destinations = check_destinations(cfg, runs_root)
-    model_id, cfg.model = cfg.model, resolve_hub_model(cfg.model)   # a cached hub model becomes its local snapshot
+    model_id = cfg.model
+    cfg = cfg.model_copy(update=dict(model=resolve_hub_model(model_id)))   # a cached hub model: its local snapshot; the caller's cfg stays
     records, evals = load_run_data(cfg)
     remote_code = check_remote_code(cfg, trust_owner)
     mp = check_model_dir(cfg)
@@ -622,5 +623,5 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
             "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]),
             "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}),
-            **({"model_id": model_id} if model_id != cfg.model else {}), "model": built, "memory": memory, "data": data,
+            **({"model_id": model_id, "model_path": cfg.model} if model_id != cfg.model else {}), "model": built, "memory": memory, "data": data,
             **({"remote_code": remote_code} if remote_code is not None else {}), **cpus, **disk, **backend_preflight(cfg, runs_root)}

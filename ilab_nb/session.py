@@ -25,7 +25,7 @@ from .models import model_files_problem
 # %% auto #0
 __all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError']
 
-# %% ../nbs/61_session.ipynb #a826efa4
+# %% ../nbs/61_session.ipynb #27d43401
 class FineTuneSession:
     """One background fine-tuning run of a Hugging Face causal LM.
 
@@ -51,6 +51,7 @@ class FineTuneSession:
         except PreflightError as e:            # about a field of a config file: its line there too
             if not (e.field and isinstance(config, (str, os.PathLike)) and (n := config_line(config, e.field, fields))): raise
             raise PreflightError(f"{e} ({config}, line {n})", e.field) from None
+        self.config = _with_model_path(self.config, self.preflight)
         self._init_common()
 
     def _init_common(self):
@@ -62,6 +63,11 @@ class FineTuneSession:
 def _resolve_paths(cfg, config):
     if isinstance(config, (str, os.PathLike)): cfg = cfg.resolved(Path(config).expanduser().absolute().parent)
     return cfg.resolved(Path.cwd())
+
+# %% ../nbs/61_session.ipynb #517c1856
+def _with_model_path(cfg, pf: dict):
+    "`cfg` with `model` the local folder its preflight `pf` resolved a hub id to; `cfg` itself when there was none."
+    return cfg.model_copy(update=dict(model=pf["model_path"])) if "model_path" in pf else cfg
 
 # %% ../nbs/61_session.ipynb #a2fa0cba
 @patch(cls_method=True)
@@ -289,7 +295,7 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None, *, trust_o
     self.store.append_event(self.run_id, Event.cancelled, by=f"stop() in pid {os.getpid()}", forced=True)
     return self.status
 
-# %% ../nbs/61_session.ipynb #3855edde
+# %% ../nbs/61_session.ipynb #5e4ef9d3
 @patch
 def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=None, trust_owner: bool = False) -> tuple:
     "`(config, diff, preflight)` of the run going on from `ckpt` with `changes` to `base` (default: its config now)."
@@ -302,8 +308,9 @@ def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=No
         why = ("num_train_epochs", cfg.num_train_epochs, f"num_train_epochs={cfg.num_train_epochs:g} (the checkpoint is at epoch {epoch:g})")
     if why: raise ConfigError([dict(field=why[0], type="resume", input=why[1], msg=f"{what}: {why[2]} ends at or before the "
                                     f"checkpoint of step {step}; give a larger {why[0]} to go on from it")])
-    pf = preflight(cfg, self.store.root, trust_owner) if diff else self.preflight
-    return cfg, diff, pf
+    if not diff: return cfg, diff, self.preflight
+    pf = preflight(cfg, self.store.root, trust_owner)
+    return _with_model_path(cfg, pf), diff, pf
 
 # %% ../nbs/61_session.ipynb #326f3925
 @patch
@@ -411,7 +418,7 @@ def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig) -> tup
     _link_tree(Path(ck["path"]), tmp); os.replace(tmp, at)                 # complete or absent, like any checkpoint
     return cfg, at
 
-# %% ../nbs/61_session.ipynb #efcdfb5a
+# %% ../nbs/61_session.ipynb #061d0291
 @patch
 @gated(Action.code, doing="fork it")
 def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False, **changes) -> FineTuneSession:
@@ -420,7 +427,8 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
     ck, base = self.checkpoint_at(step)
     self._may_act("fork it", ck, trust_owner)
     cfg, diff, pf = self._changed(changes, ck, "fork", base, trust_owner)
-    pf = pf or preflight(cfg, self.store.root, trust_owner)          # the fork's own devices and memory, as a new run's
+    if not pf:                                                       # the fork's own devices and memory, as a new run's
+        pf = preflight(cfg, self.store.root, trust_owner); cfg = _with_model_path(cfg, pf)
     new = type(self).__new__(type(self))
     new.store, new.queue, new.preflight = self.store, queue, pf
     new.run_id = validate_run_id(run_id) if run_id is not None else new_run_id(name or "fork")
