@@ -4,14 +4,13 @@
 
 # %% auto #0
 __all__ = ['STATUS_COLOURS', 'run_curves', 'smooth_ema', 'LRFormatter', 'nice_ceiling', 'LossPlot', 'round_limits',
-           'format_number', 'render_text', 'latest_samples', 'samples_html', 'Dashboard', 'LossComparison', 'compare']
+           'format_number', 'render_text', 'latest_samples', 'samples_html', 'Dashboard']
 
 # %% ../nbs/40_dashboard.ipynb #2a5ba047
 import html
 import io
 import math
 import threading
-from pathlib import Path
 
 import ipywidgets as W
 import PIL.Image
@@ -21,11 +20,11 @@ from matplotlib.ticker import Formatter, MaxNLocator
 from tqdm import tqdm
 
 from .core import html_join, html_of, patch
-from .evaluations import Evaluation, evaluations_of, latest_scores
+from .evaluations import Evaluation, evaluations_of
 from .live import Refresher, in_kernel, note_html, show_live
-from .monitor import RunMonitor, data_notes
+from .monitor import data_notes
 from .trackers import tracker_notes
-from .rundir import ACTIVE, TERMINAL, RunPaths, State, read_json, standing_records, status_of
+from .rundir import ACTIVE, TERMINAL, RunPaths, State, standing_records, status_of
 
 # %% ../nbs/40_dashboard.ipynb #f41ab6c6
 STATUS_COLOURS = {
@@ -701,101 +700,3 @@ def _ipython_display_(self:Dashboard):
     if self.record is not None: show_live(self.monitor.run_id, self, self.record); return
     from IPython.display import display
     display(self._repr_mimebundle_(), raw=True)
-
-# %% ../nbs/40_dashboard.ipynb #6c25a410
-def _as_monitor(run):
-    if hasattr(run, "poll") and hasattr(run, "records"):
-        return run
-    if hasattr(run, "monitor") and hasattr(run.monitor, "poll"):
-        return run.monitor
-    if hasattr(run, "run_dir"):
-        return RunMonitor(run.run_dir)
-    if isinstance(run, (str, Path)):
-        if not Path(run).is_dir():
-            raise FileNotFoundError(f"compare(): {run} is not a run directory; pass sessions, RunMonitors or run directory paths.")
-        return RunMonitor(run)
-    raise TypeError(f"compare() cannot read a run from {type(run).__name__}; pass sessions, RunMonitors or run directory paths.")
-
-# %% ../nbs/40_dashboard.ipynb #0dca3917
-class LossComparison:
-    "Overlaid loss curves of several runs: displays as PNG in a notebook, as a table in a terminal; `.figure` is the Figure."
-
-    def __init__(self, figure: Figure, summary: list[dict]):
-        self.figure, self.summary = figure, summary
-
-    def png(self) -> bytes:
-        "The figure as PNG bytes."
-        buf = io.BytesIO()
-        self.figure.savefig(buf, format="png", metadata={"Software": None})
-        return buf.getvalue()
-
-# %% ../nbs/40_dashboard.ipynb #0457b8cb
-@patch
-def _repr_png_(self:LossComparison):
-    return self.png()
-
-# %% ../nbs/40_dashboard.ipynb #2fe31e96
-@patch
-def __repr__(self:LossComparison):
-    evals = sorted({k for r in self.summary for k in r if "/" in k})          # evaluation scores, `task/metric`
-    rows = [f"{'run':<28} {'steps':>7} {'final loss':>11} {'best eval':>10}" + "".join(f" {k:>24}" for k in evals)]
-    rows += [f"{r['label'][:28]:<28} {r['steps']:>7} {format_number(r['final_loss'], '.4f'):>11} "
-             f"{format_number(r['best_eval_loss'], '.4f'):>10}" + "".join(f" {format_number(r.get(k), '.4f'):>24}" for k in evals)
-             for r in self.summary]
-    return "\n".join(rows)
-
-# %% ../nbs/40_dashboard.ipynb #7ef91b4b
-_COLOURS = ["#1a73e8", "#e8710a", "#188038", "#d93025", "#9334e6", "#12b5cb", "#5f6368", "#f538a0"]
-
-def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
-    m.poll()
-    c = run_curves(m.records)
-    fork = read_json(RunPaths(m.run_dir).fork, None)
-    if fork and Path(fork["run_dir"]).resolve() not in {Path(d).resolve() for d in shown} and Path(fork["run_dir"]).is_dir():
-        p = RunMonitor(fork["run_dir"]); p.poll(); pc = run_curves(p.records)
-        upto = [(k, v) for k, v in zip(pc["steps"], pc["loss"]) if k <= fork["step"]]
-        ax.plot([k for k, _ in upto], [v for _, v in upto], color=col, lw=1.2, ls="--", alpha=0.7)
-    changed = sorted({h["resumed_from_step"] for h in m.records if h.get("kind") == "header" and h.get("changes")}
-                     | ({fork["step"]} if fork else set()))
-    for k in changed: ax.axvline(k, color=col, ls=":", lw=1.2, alpha=0.8)
-    ax.plot(c["steps"], c["loss"], color=col, lw=0.8, alpha=0.3)
-    ax.plot(c["steps"], smooth_ema(c["loss"], smooth) if smooth else c["loss"], color=col, lw=2.2, label=label)
-    if c["eval_steps"]:
-        ax.plot(c["eval_steps"], c["eval_loss"], "o--", color=col, lw=1, ms=5, alpha=0.9)
-    finite = [v for v in c["eval_loss"] if math.isfinite(v)]
-    return {"label": label, "run_id": m.run_id, "steps": c["steps"][-1] if c["steps"] else 0,
-            "final_loss": c["loss"][-1] if c["loss"] else math.nan, "best_eval_loss": min(finite) if finite else math.nan,
-            "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed, **_scores(m.run_dir)}
-
-def _scores(run_dir) -> dict:
-    "The run's newest evaluation's scores (16_evaluations' `latest_scores`): what `compare()` sets beside the curves."
-    return latest_scores(run_dir)
-
-# %% ../nbs/40_dashboard.ipynb #fabd5029
-def _style_comparison(ax):
-    ax.set_title("Training loss (smoothed; faint: raw; points: eval loss)", fontsize=11, loc="left")
-    ax.set_xlabel("step", fontsize=10)
-    ax.set_ylabel("loss", fontsize=10)
-    ax.tick_params(labelsize=9)
-    ax.grid(True, color="#e8eaed", lw=0.8)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.legend(fontsize=9, frameon=False, loc="upper right")
-
-# %% ../nbs/40_dashboard.ipynb #0f7b409f
-def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, height_in: float = 3.6) -> LossComparison:
-    "Overlay the loss curves (raw, smoothed, eval) of several runs: sessions, `RunMonitor`s or run directories."
-    monitors = [_as_monitor(r) for r in runs]
-    if not monitors:
-        raise ValueError("compare() needs at least one run.")
-    labels = list(labels) if labels is not None else [str(m.run_id) for m in monitors]
-    if len(labels) != len(monitors):
-        raise ValueError(f"compare(): {len(labels)} labels for {len(monitors)} runs; give one label per run.")
-    fig = Figure(figsize=(width_in, height_in), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    shown = [m.run_dir for m in monitors]
-    summary = [_plot_run(ax, m, label, _COLOURS[i % len(_COLOURS)], smooth, shown) for i, (m, label) in enumerate(zip(monitors, labels))]
-    _style_comparison(ax)
-    return LossComparison(fig, summary)

@@ -586,8 +586,8 @@ def export(self:FineTuneSession, format: str = "gguf", dtype: str = "q8_0", chec
 # %% ../nbs/61_session.ipynb #29362335
 @patch(cls_method=True)
 def compare(cls:FineTuneSession, runs, labels=None, **kwargs):
-    "Overlay the loss curves of several runs (sessions, run dirs or monitors): see `ilab_nb.dashboard.compare`."
-    from ilab_nb.dashboard import compare
+    "Overlay the loss curves of several runs (sessions, run dirs or monitors): see `ilab_nb.compare.compare`."
+    from ilab_nb.compare import compare
     return compare(runs, labels=labels, **kwargs)
 
 # %% ../nbs/61_session.ipynb #3272f887

@@ -238,8 +238,8 @@ def stop(self:Sweep, wait: bool = True, timeout=None, grace_s=None) -> list:
 # %% ../nbs/62_sweep.ipynb #f267fcd1
 @patch
 def compare(self:Sweep, **kwargs):
-    "The runs' loss curves overlaid (`ilab_nb.dashboard.compare`), labelled by their varied values."
-    from ilab_nb.dashboard import compare
+    "The runs' loss curves overlaid (`ilab_nb.compare.compare`), labelled by their varied values."
+    from ilab_nb.compare import compare
     pairs = [(s, r) for s, r in zip(self.sessions, self.spec["runs"]) if s.status != MISSING]   # a deleted run has no curve
     labels = [", ".join(f"{k}={v}" for k, v in r["values"].items()) for _, r in pairs]
     return compare([s for s, _ in pairs], labels=labels, **kwargs)

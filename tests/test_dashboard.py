@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ilab_nb.dashboard import Dashboard, LossComparison, compare, render_text, run_curves
+from ilab_nb.compare import LossComparison, compare
+from ilab_nb.dashboard import Dashboard, render_text, run_curves
 from ilab_nb.monitor import RunMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
