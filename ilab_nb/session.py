@@ -20,7 +20,6 @@ from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError,
 from .slots import DeviceSlots, device_request
 from .launcher import spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight
-from .models import model_files_problem
 
 # %% auto #0
 __all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError']
@@ -482,6 +481,7 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
 def _load(self:FineTuneSession, p: Path, **kwargs):
     from transformers import AutoTokenizer
     from ilab_nb.lora import load_trained
+    from ilab_nb.models import model_files_problem     # with torch: imported by what loads a model, not by `ilab-nb ls`
     if (why := model_files_problem(p, kwargs.get("base_model"))) is not None: raise ValueError(why)   # not safetensors' own words
     trc = bool(self.config and self.config.trust_remote_code)
     with no_hf_progress_bars():        # no tqdm widget in the output a saved notebook keeps (10_core)

@@ -110,6 +110,16 @@ def assert_followed(followed, run_id, attempt):
     assert followed.rstrip().splitlines()[-1].startswith(f"--- run {run_id} cancelled (attempt {attempt})"), followed[-3000:]
 
 
+def test_the_commands_on_runs_import_neither_torch_nor_datasets(runs_root):
+    """`ls`, `status`, `logs`, `stop`, `report` read and write files only: the command line and FineTuneSession's module
+    load without torch, transformers or datasets (each seconds to import), which only a launch, a load or a chat needs."""
+    code = ("import sys, ilab_nb.cli, ilab_nb.session; ilab_nb.cli.main(['ls', '--runs-root', sys.argv[1]]); "
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'pandas') if m in sys.modules))")
+    r = subprocess.run([CLI[0], "-c", code, str(runs_root)], capture_output=True, text=True, timeout=60, env=cli_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
 def test_bad_input_exits_2_with_the_reason(config_file, runs_root):
     r = ilab("run", config_file, "--runs-root", runs_root, "learning_rat=1e-4", check=2)
     assert "learning_rate" in r.stderr and not runs_root.exists()
