@@ -126,14 +126,14 @@ def check_model(cfg):
 def check_remote_code(cfg, trust_owner: bool = False) -> list | None:
     "With `trust_remote_code`: the model's own code files and their owners (warned); another user's refused. None without it."
     import warnings
-    from ilab_nb.rundir import OwnerError, _user, refuse_foreign
+    from ilab_nb.rundir import Action, OwnerError, _user, gate
     if not cfg.trust_remote_code: return None
     mp = Path(cfg.model).expanduser()
     if not mp.is_dir():
         warnings.warn(f"trust_remote_code=True: the Python code of the hub repository {cfg.model} will run in this process and in "
                       "every rank of the run"); return [cfg.model]
     files = sorted(mp.rglob("*.py"))
-    try: refuse_foreign([mp, *files], "run its code", trust_owner)
+    try: gate(None, Action.code, "run its code", trust_owner, also=[mp])       # the folder's every file: its config names the code too
     except OwnerError as e: raise PreflightError(f"trust_remote_code: {e}", "trust_remote_code") from None
     code = [f"{f.relative_to(mp)} ({_user(f.stat().st_uid)})" for f in files]
     warnings.warn(f"trust_remote_code=True: the model's own code will run in this process and in every rank of the run: "

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .config import TrainConfig
 from .core import patch, require_torch
 from .rundir import (TRAINER_STATE, Event, RankState, RunPaths, complete_checkpoints,
-                            open_append, refuse_links)
+                            open_append, gate, Action)
 from .rankfiles import MetricsWriter, is_collective_error, record_rank       # 19_rankfiles
 from .trackers import open_trackers
 from . import data as D
@@ -571,7 +571,7 @@ def main(argv=None):
     "One rank: its own log first, then the run; the process exits 0, or 1 with the traceback in the log."
     a = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    refuse_links(a.run_dir, "train in it")      # one made since the launch's own check: nothing is written through it
+    gate(a.run_dir, Action.write, "train in it", trust_owner=True)   # a link made since the launch: nothing written through it (its owner: judged at the launch)
     redirect_output(RunPaths(a.run_dir).rank_log(rank))
     quiet_progress_bars()
     print(f"[ilab_nb.worker] rank {rank} pid {os.getpid()} attempt {a.attempt} run_dir {a.run_dir}", flush=True)

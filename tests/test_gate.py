@@ -114,6 +114,23 @@ def test_every_entry_point_is_gated_and_swept():
     assert public - set(API) == set(), "gated, not in this sweep"
     assert set(COMMANDS) - {"run", "ls", "demo"} - set(CLI) == set(), "a command on a run that the sweep does not run"
     assert ENTRY_POINTS["Evaluation.stop"] == (Action.write,)
+    assert rules_applied_outside_the_gate() == [], "applies the gate's rules itself: call ilab_nb.rundir.gate"
+
+
+RULE_PARTS = {"refuse_links", "refuse_foreign", "links_in", "owner_problem", "hard_links_in"}   # the gate's own parts (11_rundir)
+
+def rules_applied_outside_the_gate() -> list:
+    "`module:line name` for every import or call of one of the gate's parts in a module of ilab_nb other than rundir."
+    import ast, ilab_nb
+    out = []
+    for f in sorted(Path(ilab_nb.__file__).parent.glob("*.py")):
+        if f.name in ("rundir.py", "_modidx.py"): continue
+        for n in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in n.names] if isinstance(n, ast.ImportFrom) else
+                     [n.func.id] if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) else
+                     [n.func.attr] if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) else [])
+            out += [f"{f.stem}:{n.lineno} {x}" for x in names if x in RULE_PARTS]
+    return out
 
 
 # --- the sweep: every entry point x every rule -----------------------------------------------------------------------
