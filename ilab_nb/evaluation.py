@@ -14,9 +14,9 @@ from .evaluations import Evaluation
 
 # %% auto #0
 __all__ = ['OWN_TASKS', 'HELDOUT_METRICS', 'heldout_records', 'turn_end', 'heldout_docs', 'write_heldout_task', 'preference_docs',
-           'write_preference_task', 'EvalError', 'check_tasks', 'write_own_tasks', 'eval_spec', 'load_for_eval',
-           'evaluate_task', 'task_scores', 'run_evaluation', 'main', 'check_limit', 'check_model', 'hold_checkpoint',
-           'check_heldout_unchanged', 'start_evaluation']
+           'write_preference_task', 'EvalError', 'check_tasks', 'heldout_changed', 'check_heldout_unchanged',
+           'write_own_tasks', 'eval_spec', 'load_for_eval', 'evaluate_task', 'task_scores', 'run_evaluation', 'main',
+           'check_limit', 'check_model', 'hold_checkpoint', 'start_evaluation']
 
 # %% ../nbs/53_evaluation.ipynb #88966d24
 OWN_TASKS = {"heldout": "chat", "heldout_preference": "preference"}     # task -> the kind of records it is made from
@@ -146,6 +146,37 @@ def check_tasks(tasks, held: list) -> list[str]:
             raise EvalError(f"task {bad[0]!r} is neither one of the run's own ({', '.join(OWN_TASKS)}) nor an lm-eval task"
                             + (f"; did you mean {', '.join(map(repr, near))}?" if near else ""))
     return tasks
+
+# %% ../nbs/53_evaluation.ipynb #f39a20e5
+def heldout_changed(header, held: list) -> bool | None:
+    "Whether `held` differs from what the run held out, by its header's fingerprint (`data_stats.heldout`); None without one."
+    from ilab_nb.data import records_sha256
+    ran = ((header or {}).get("data_stats") or {}).get("heldout")
+    if not (isinstance(ran, dict) and isinstance(ran.get("sha256"), str)): return None
+    return records_sha256(held) != ran["sha256"]
+
+# %% ../nbs/53_evaluation.ipynb #e8200ee1
+def check_heldout_unchanged(session, cfg, tasks, held: list):
+    "Refuse the run's own tasks when the held-out records read now are not those the run held out."
+    if not any(t in OWN_TASKS for t in tasks): return
+    srcs = [Path(q) for q in (cfg.eval_data or cfg.data or []) if isinstance(q, (str, os.PathLike))]
+    session.monitor.poll()
+    hdr = session.monitor.header
+    if changed := heldout_changed(hdr, held):
+        ran = hdr["data_stats"]["heldout"]
+        raise EvalError(f"evaluate: {', '.join(map(str, srcs))} changed since run {session.run_id} read it: the {len(held)} "
+                        f"held-out records read now are not the {ran.get('rows')} the run held out (their sha256 differs); "
+                        "put the file back as it was, or evaluate lm-eval tasks only")
+    if changed is None: _check_heldout_times(session, srcs)
+
+def _check_heldout_times(session, srcs):
+    "A run from before the fingerprint: its held-out files must not have been modified after it started."
+    since = (session.state or {}).get("created_at")
+    files = [f for q in srcs for f in ([q] if q.is_file() else sorted(q.rglob("*")) if q.is_dir() else []) if f.is_file()]
+    if since and (late := [f for f in files if f.stat().st_mtime > since and not f.is_relative_to(session.run_dir)]):
+        raise EvalError(f"evaluate: {late[0]} changed after run {session.run_id} started (modified "
+                        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(late[0].stat().st_mtime))}), so its records may "
+                        "not be what the run held out; put the file back as it was, or evaluate lm-eval tasks only")
 
 # %% ../nbs/53_evaluation.ipynb #9ec37941
 def write_own_tasks(task_dir, tasks: list, held: list, tok, max_gen_toks: int | None = None) -> list[Path]:
@@ -280,7 +311,7 @@ def main(argv=None):
 
 if __name__ == "__main__" and "IPython" not in sys.modules: main()
 
-# %% ../nbs/53_evaluation.ipynb #8abbbda9
+# %% ../nbs/53_evaluation.ipynb #56103d34
 def check_limit(limit):
     "`limit` as lm-eval takes it: None, a number of documents (>= 1), or a fraction of them (0 < limit < 1)."
     ok = limit is None or (not isinstance(limit, bool) and isinstance(limit, (int, float))
@@ -306,17 +337,6 @@ def hold_checkpoint(tuned: Path, eval_dir: Path) -> Path:
     with held(tuned, eval_dir) as h: os.replace(h, eval_dir / "model")
     return eval_dir / "model"
 
-def check_heldout_unchanged(session, cfg, tasks):
-    "Refuse the run's own tasks when the files its held-out records come from changed after the run started."
-    if not any(t in OWN_TASKS for t in tasks): return
-    since = (session.state or {}).get("created_at")
-    srcs = [Path(q) for q in (cfg.eval_data or cfg.data or []) if isinstance(q, (str, os.PathLike))]
-    files = [f for q in srcs for f in ([q] if q.is_file() else sorted(q.rglob("*")) if q.is_dir() else []) if f.is_file()]
-    if since and (late := [f for f in files if f.stat().st_mtime > since and not f.is_relative_to(session.run_dir)]):
-        raise EvalError(f"evaluate: {late[0]} changed after run {session.run_id} started (modified "
-                        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(late[0].stat().st_mtime))}), so its records may "
-                        "not be what the run held out; put the file back as it was, or evaluate lm-eval tasks only")
-
 def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None,
                      batch_size: int = 16, queue: bool = True, base_model=None):
     "Queue an evaluation of `session`'s run (its trained model, and its starting one with `base`); returns it, started."
@@ -335,7 +355,7 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
                         "or say where it is now: evaluate(..., base_model=PATH)")
     held = heldout_records(cfg)
     tasks = check_tasks(tasks, held)
-    check_heldout_unchanged(session, cfg, tasks)
+    check_heldout_unchanged(session, cfg, tasks, held)
     store = RunStore(RunPaths(session.run_dir).evals); eid = new_run_id("eval")
     d = store.create_run(eid)
     spec = eval_spec(session, tasks, checkpoint, base, limit, batch_size, base_model, hold_checkpoint(tuned, Path(d)))

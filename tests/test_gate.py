@@ -375,16 +375,23 @@ def _without_template(demo, out: Path) -> Path:
 
 
 def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
-    "The run's eval_data file modified after the run started: the 'heldout' task is refused before anything is queued."
+    """The run's header holds the sha256 of the held-out records it read (data_stats.heldout): eval_data edited since,
+    its modification time set back so that no time tells, is refused before anything is queued, naming the file; a
+    file only touched since holds the run's records and passes."""
+    from ilab_nb.data import load_records, records_sha256
+    from ilab_nb.evaluation import check_heldout_unchanged
     root = tmp_path / "runs"; d = built_run(root, demo)
-    held = tmp_path / "held.jsonl"; held.write_text("".join(Path(demo.eval_file).read_text().splitlines(keepends=True)[:4]))
-    p = RunPaths(d); cfg = TrainConfig.read_json(p.config)
-    cfg.model_copy(update=dict(eval_data=[str(held)])).to_json(p.config)
-    created = RunStore(root).read_state("r")["created_at"]
-    os.utime(held, (created - 60, created - 60))                       # as it was when the run started
+    lines = Path(demo.eval_file).read_text().splitlines(keepends=True)
+    held = tmp_path / "held.jsonl"; held.write_text("".join(lines[:4]))
+    p = RunPaths(d); cfg = TrainConfig.read_json(p.config).model_copy(update=dict(eval_data=[str(held)])); cfg.to_json(p.config)
+    ran = dict(rows=4, sha256=records_sha256(load_records([str(held)])))         # as the worker writes it (31_worker)
+    with open(p.metrics, "a") as f: f.write(_record("header", **{**HEADER, "data_stats": {"heldout": ran}}))
     s = FineTuneSession.attach("r", runs_root=root)
-    with open(held, "a") as f: f.write(Path(demo.eval_file).read_text().splitlines(keepends=True)[5])
-    with pytest.raises(ValueError, match="held.jsonl changed after run r started .* may not be what the run held out"):
+    os.utime(held)                                                               # touched after the run: its records are the run's
+    check_heldout_unchanged(s, s.config, ["heldout"], load_records([str(held)]))
+    st = held.stat(); held.write_text("".join(lines[:3] + lines[5:6])); os.utime(held, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ValueError, match=f"{held} changed since run r read it: the 4 held-out records read now are not the 4 "
+                                         "the run held out .their sha256 differs.; put the file back"):
         s.evaluate(["heldout"])
     assert not p.evals.exists() or not list(p.evals.iterdir())
 
