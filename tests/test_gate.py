@@ -396,6 +396,28 @@ def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
     assert not p.evals.exists() or not list(p.evals.iterdir())
 
 
+def test_evaluate_refuses_an_lm_eval_task_whose_data_set_is_not_here_offline(demo, tmp_path, monkeypatch):
+    """evaluate(['arc_easy']) with no network and no copy in the datasets cache: refused before anything is queued,
+    naming the task and its data set (read from lm-eval's task index: here a one-task index, as cheap stand-in for
+    lm-eval's fifteen thousand task files); with a prepared copy in the cache, the check passes."""
+    import datasets
+    from lm_eval.tasks import TaskManager
+    import ilab_nb.evaluation as E
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "arc_easy.yaml").write_text("task: arc_easy\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\n"
+                                                       "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_target: 0\ndoc_to_choice: [a, b]\n")
+    monkeypatch.setattr(E, "lm_eval_tasks", lambda: TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1"); monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    root = tmp_path / "runs"; d = built_run(root, demo)
+    s = FineTuneSession.attach("r", runs_root=root)
+    with pytest.raises(ValueError, match="task 'arc_easy' reads the data set allenai/ai2_arc .ARC-Easy., which is not in the Hugging "
+                                         "Face datasets cache .*HF_HUB_OFFLINE is set: load it once where there is network"):
+        s.evaluate(["arc_easy"])
+    assert not RunPaths(d).evals.exists() or not list(RunPaths(d).evals.iterdir())
+    (tmp_path / "cache" / "allenai___ai2_arc" / "ARC-Easy" / "0.0.0" / "0123abcd").mkdir(parents=True)
+    assert E.check_tasks(["arc_easy"], []) == ["arc_easy"]
+
+
 @pytest.mark.processes
 def test_a_modelfile_that_would_render_differently_from_the_models_template_is_warned(demo, tmp_path, caplog):
     "A chat template that trims each message: the Modelfile's template writes them as they are, so the export warns, saying where."
