@@ -19,7 +19,7 @@ __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 
            'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file', 'check_disk',
            'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri',
            'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted', 'lora_problem',
-           'check_model_build', 'check_eval_tasks', 'check_data', 'preflight']
+           'check_model_build', 'check_vocab', 'check_eval_tasks', 'check_data', 'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -523,7 +523,7 @@ def lora_problem(model, cfg) -> PreflightError | None:
                               "(8 to 64 is usual)", "lora.r")
     return None
 
-# %% ../nbs/60_preflight.ipynb #6e76d8b2
+# %% ../nbs/60_preflight.ipynb #15f688d2
 def check_model_build(cfg, kind: str) -> dict:
     "Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they would refuse."
     from ilab_nb import batching as B, lora as L, models as M
@@ -547,10 +547,20 @@ def check_model_build(cfg, kind: str) -> dict:
                              "not be the adapted one; leave it out ('all-linear' does)", "lora.target_modules")
     mp = Path(cfg.model).expanduser()
     plan = M.weight_plan(model, mp) if mp.is_dir() and any(mp.glob("*.safetensors")) else None
-    if plan is not None and (err := M.missing_weights_error(plan)): raise PreflightError(err)
+    if plan is not None and (err := M.missing_weights_error(plan) or M.wrong_shapes_error(plan, model)): raise PreflightError(err)
     info = L.finetuning_info(model, cfg)
     return dict(model_class=type(L.base_of(model)).__name__, layout=layout, attn_implementation=attn, **info,
+                embedding_rows=L.base_of(model).get_input_embeddings().num_embeddings,
                 weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with from_pretrained")
+
+# %% ../nbs/60_preflight.ipynb #939aba7c
+def check_vocab(tok, rows: int, model_dir):
+    "A `PreflightError` when the tokenizer gives token ids past the model's `rows` embedding rows."
+    top = max(tok.get_vocab().values(), default=-1)
+    if top >= rows:
+        raise PreflightError(f"the tokenizer gives token ids up to {top}, but the model has {rows} embedding rows (vocab_size in "
+                             f"{Path(model_dir) / 'config.json'}): ids {rows}..{top} would index past it; use the model's own "
+                             "tokenizer, or resize its embeddings (model.resize_token_embeddings(len(tokenizer))) and save it again")
 
 # %% ../nbs/60_preflight.ipynb #13d712dd
 def check_eval_tasks(cfg, records, evals) -> list[str]:
@@ -591,7 +601,7 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
             out.update(total_steps=steps if exact else math.ceil(steps * len(rs) / len(sample)), estimated=not exact)
     return out
 
-# %% ../nbs/60_preflight.ipynb #66e0e42c
+# %% ../nbs/60_preflight.ipynb #319d51aa
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 10_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`: 11_rundir."
@@ -612,6 +622,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     built = check_model_build(cfg, kind)
+    check_vocab(tok, built["embedding_rows"], mp)
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     data = check_data(cfg, records, evals, tok, built["layout"])
     if no_template: data["chat_template"] = no_template
