@@ -419,6 +419,24 @@ def test_evaluate_refuses_an_lm_eval_task_whose_data_set_is_not_here_offline(dem
 
 
 @pytest.mark.processes
+def test_a_killed_exports_unfinished_file_is_removed_by_the_next_export_saying_so(demo, tmp_path, capsys):
+    """export/<name>.gguf's temporary file (named by its writer's pid and start) whose writer was killed (SIGKILL) is
+    removed by the next export into that folder, which says so; the file of a writer still alive is left alone."""
+    import subprocess
+    from ilab_nb.export import main, tmp_path as tmp_of
+    from ilab_nb.runstore import ProcessRef
+    root = tmp_path / "runs"; d = built_run(root, demo); ex = RunPaths(d).exports; ex.mkdir()
+    w = subprocess.Popen(["sleep", "60"])                 # the writer, as cheap as a process gets
+    left = tmp_of(ex / "r-final-f32.gguf", ProcessRef.of(w.pid)); left.write_bytes(b"GGUF"); w.kill(); w.wait()
+    live = tmp_of(ex / "other.gguf", ProcessRef.of()); live.write_bytes(b"GGUF")
+    assert left.exists() and left.name.startswith(f".r-final-f32.gguf.tmp-{w.pid}-")
+    assert main([str(demo.model_dir), str(ex / "r-final-f32.gguf"), "--dtype", "f32"]) == 0      # `python -m ilab_nb.export`, in this process
+    assert (ex / "r-final-f32.gguf").exists() and not left.exists() and live.exists()
+    said = f"warning: removed {left}, the unfinished file of an export process (pid {w.pid}) that is gone"
+    assert said in capsys.readouterr().err                # what run_export (session.export) relays as a warning
+
+
+@pytest.mark.processes
 def test_a_modelfile_that_would_render_differently_from_the_models_template_is_warned(demo, tmp_path, caplog):
     "A chat template that trims each message: the Modelfile's template writes them as they are, so the export warns, saying where."
     from ilab_nb.export import run_export
