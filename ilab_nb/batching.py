@@ -411,6 +411,8 @@ def attention_refusal(name: str, model_class=None, device_type: str = "cpu", pre
         if device_type != "cuda": return "FlashAttention 2 runs on CUDA only"
         if precision != "bf16": return "FlashAttention 2 computes in bf16 or fp16 only: set precision='bf16'"
         if not _flash_attn_2_available(): return "the flash_attn package is not installed (pip install flash-attn)"
+    if name == "flex_attention" and device_type != "cuda":
+        return "torch's FlexAttention trains on CUDA only (it has no backward pass on CPU)"
     return None
 
 # %% ../nbs/21_batching.ipynb #dbac7036

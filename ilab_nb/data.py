@@ -27,7 +27,7 @@ from .core import patch
 __all__ = ['MAX_DATA_ERRORS', 'ROLES', 'SHAREGPT_ROLES', 'SHAPES', 'DATA_SUFFIXES', 'KIND_NAMES', 'KIND_PLURALS', 'METHOD_KINDS',
            'DEFAULT_CHAT_TEMPLATE', 'write_chat_jsonl', 'DataError', 'load_records', 'check_method',
            'load_chat_records', 'ensure_chat_template', 'template_note', 'render_chat', 'tokenize_chat', 'length_note',
-           'build_dataset', 'split_records', 'write_records_jsonl', 'load_tokenizer']
+           'build_dataset', 'split_records', 'records_sha256', 'write_records_jsonl', 'load_tokenizer']
 
 # %% ../nbs/20_data.ipynb #7df1773c
 MAX_DATA_ERRORS = 5
@@ -624,6 +624,13 @@ def split_records(records: list[dict], fraction: float, seed: int) -> tuple[list
     idx = list(range(n)); random.Random(seed).shuffle(idx)
     held = set(idx[:n_eval])
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+# %% ../nbs/20_data.ipynb #c27128f5
+def records_sha256(records) -> str:
+    "sha256 of `records`' content in order (each record without `source`, the file and line it came from)."
+    h = hashlib.sha256()
+    for r in records: h.update(json.dumps({k: v for k, v in r.items() if k != "source"}, sort_keys=True, default=str).encode() + b"\n")
+    return h.hexdigest()
 
 # %% ../nbs/20_data.ipynb #68553a54
 _ROW_KEYS = {"chat": ("messages",), "text": ("text",), "preference": ("prompt", "chosen", "rejected")}

@@ -13,7 +13,7 @@ from .runstore import (RunStore, ProcessRef, StateError, HEARTBEAT_S, RUN_ENV,
                               kill_run_processes, read_json, write_json_atomic)
 from .monitor import MetricsReader
 from .core import no_space, patch
-from .rundir import Event, RankState, RunPaths, State, no_follow, refuse_links, tail_lines
+from .rundir import Event, RankState, RunPaths, State, Action, gate, no_follow, tail_lines
 from .config import TrainConfig
 from .slots import DeviceSlots, device_request, locks_dir
 from .diagnosis import (LAUNCHER_SIGNALS, classify_exit, describe_exit, failing_rank, memory_cgroup, rank_records,
@@ -458,7 +458,8 @@ def run(self:Supervisor) -> int:
 def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None, worker_module=None) -> ProcessRef:
     "Start the detached supervisor of one attempt of the run in `run_dir`; returns its `ProcessRef`."
     run_dir = Path(run_dir).absolute()
-    refuse_links(run_dir, "start its processes")         # its shell appends to supervisor.log, its ranks write everywhere (11_rundir)
+    gate(run_dir, Action.write, "start its processes", trust_owner=True)   # its shell appends to supervisor.log, its ranks write everywhere;
+                                                                            # its owner was judged by the entry point (start made it, resume gated it)
     args = [sys.executable, "-m", "ilab_nb.supervisor", str(run_dir), "--attempt", str(attempt),
             "--locks", str(locks_dir(locks))]
     if resume: args += ["--resume", str(resume)]

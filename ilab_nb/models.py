@@ -16,8 +16,8 @@ from . import lora as L
 
 # %% auto #0
 __all__ = ['model_config', 'causal_lm_class', 'attention_for', 'build_empty_model', 'tied_duplicates', 'base_weights',
-           'WeightPlan', 'weight_plan', 'plan_summary', 'missing_weights_error', 'read_fused', 'safetensors_problem',
-           'model_files_problem']
+           'WeightPlan', 'weight_plan', 'plan_summary', 'missing_weights_error', 'wrong_shapes_error', 'read_fused',
+           'safetensors_problem', 'model_files_problem']
 
 # %% ../nbs/26_models.ipynb #e3932ef7
 def model_config(cfg: TrainConfig):
@@ -140,6 +140,21 @@ def missing_weights_error(plan: WeightPlan) -> str | None:
     return (f"{len(plan.missing)} weight(s) of the model are in none of the safetensors files of {plan.model_dir}: "
             f"{', '.join(plan.missing[:3])}{more} (names as transformers converts the files' names{near}); "
             "training would start from uninitialised memory, so the run stops before step 1")
+
+# %% ../nbs/26_models.ipynb #faf2cf33
+def wrong_shapes_error(plan: WeightPlan, model) -> str | None:
+    "The sentence that refuses file tensors whose shape is not the model's (read from the safetensors headers), or None."
+    from safetensors import safe_open
+    want, bad = {**base_weights(model), **_persistent_buffers(model)}, []
+    for f in sorted(set(plan.files[k] for k in plan.direct.values())):
+        with safe_open(str(f), "pt") as h:
+            bad += [(t, k, f, list(h.get_slice(k).get_shape())) for t, k in plan.direct.items()
+                    if plan.files[k] == f and list(h.get_slice(k).get_shape()) != list(want[t].shape)]
+    if not bad: return None
+    t, k, f, got = bad[0]
+    return (f"{f.name}: {k} has shape {got}, but the model that {plan.model_dir / 'config.json'} describes has "
+            f"{list(want[t].shape)}" + (f" ({len(bad) - 1} more tensor(s) differ)" if len(bad) > 1 else "")
+            + "; the weights are not of this config: use the config saved with them")
 
 # %% ../nbs/26_models.ipynb #5478c7e0
 def _shard_op(p):

@@ -13,13 +13,14 @@ from .slots import cpu_slots
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model',
-           'load_run_data', 'check_model', 'check_remote_code', 'check_model_dir', 'query_gpus', 'used_gpus',
-           'check_bf16', 'preflight_device', 'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'count_params',
-           'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'check_memory', 'read_json_file', 'check_disk',
+__all__ = ['CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'PREFLIGHT_ROWS', 'PreflightError', 'mount_of',
+           'check_destination', 'check_runs_root', 'resolve_hub_model', 'load_run_data', 'check_model',
+           'check_remote_code', 'check_model_dir', 'query_gpus', 'used_gpus', 'check_bf16', 'preflight_device',
+           'check_cpu_slots', 'tensor_shapes', 'tensor_sizes', 'count_params', 'count_params_of', 'memory_estimate',
+           'kv_cache_bytes', 'check_memory', 'read_json_file', 'tokenizer_bytes', 'checkpoint_bytes', 'check_disk',
            'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri',
            'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted', 'lora_problem',
-           'check_model_build', 'check_eval_tasks', 'check_data', 'preflight']
+           'check_model_build', 'check_vocab', 'check_eval_tasks', 'check_data', 'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -126,14 +127,14 @@ def check_model(cfg):
 def check_remote_code(cfg, trust_owner: bool = False) -> list | None:
     "With `trust_remote_code`: the model's own code files and their owners (warned); another user's refused. None without it."
     import warnings
-    from ilab_nb.rundir import OwnerError, _user, refuse_foreign
+    from ilab_nb.rundir import Action, OwnerError, _user, gate
     if not cfg.trust_remote_code: return None
     mp = Path(cfg.model).expanduser()
     if not mp.is_dir():
         warnings.warn(f"trust_remote_code=True: the Python code of the hub repository {cfg.model} will run in this process and in "
                       "every rank of the run"); return [cfg.model]
     files = sorted(mp.rglob("*.py"))
-    try: refuse_foreign([mp, *files], "run its code", trust_owner)
+    try: gate(None, Action.code, "run its code", trust_owner, also=[mp])       # the folder's every file: its config names the code too
     except OwnerError as e: raise PreflightError(f"trust_remote_code: {e}", "trust_remote_code") from None
     code = [f"{f.relative_to(mp)} ({_user(f.stat().st_uid)})" for f in files]
     warnings.warn(f"trust_remote_code=True: the model's own code will run in this process and in every rank of the run: "
@@ -324,18 +325,35 @@ def _free_bytes(path) -> int:
     while not p.exists(): p = p.parent
     return shutil.disk_usage(p).free
 
-# %% ../nbs/60_preflight.ipynb #2ce05cf0
-def check_disk(cfg, runs_root, total_steps: int | None = None, trainable: int | None = None) -> dict:
+# %% ../nbs/60_preflight.ipynb #6fd9be1c
+CKPT_TENSOR_BYTES = 8_300   # per trained tensor: its 4 entries (weight, 2 moments, step) in distributed/ and .metadata
+CKPT_RANK_BYTES = 16_000    # per rank: extra/rank-N.pt, the schedule and RNG states (14.6 kB measured)
+CKPT_FILES_BYTES = 8_000    # the marker, trainer_state.json, a LoRA adapter's config and README (6.5 kB measured)
+
+def tokenizer_bytes(model_dir) -> int:
+    "The bytes of the tokenizer's files in `model_dir`: every checkpoint holds a copy."
+    p = Path(model_dir)
+    pats = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.*", "merges.txt")
+    return sum(f.stat().st_size for pat in pats for f in p.glob(pat) if f.is_file()) if p.is_dir() else 0
+
+def checkpoint_bytes(params: int, tensors: int, tokenizer: int, ranks: int) -> int:
+    "One checkpoint: 16 bytes a trained parameter, the framing of each trained tensor, each rank's extras, the tokenizer, small files."
+    return 16 * params + CKPT_TENSOR_BYTES * tensors + CKPT_RANK_BYTES * ranks + tokenizer + CKPT_FILES_BYTES
+
+# %% ../nbs/60_preflight.ipynb #4add0726
+def check_disk(cfg, runs_root, total_steps: int | None = None, trainable: int | None = None, trainable_tensors: int | None = None) -> dict:
     """Estimate the disk the run's checkpoints and final model need and compare it to what is free under `runs_root`.
-    `total_steps`: the plan's (`check_data`); `trainable`: the parameters a LoRA run trains (`check_model_build`)."""
+    `total_steps`: the plan's (`check_data`); `trainable`, `trainable_tensors`: what a LoRA run trains (`check_model_build`)."""
     w = _weights_bytes(cfg.model)
-    try: n = sum(tensor_sizes(cfg.model).values()) or w // 2
-    except Exception: n = w // 2                 # .bin files or an unreadable header: assume 16-bit files (the common case)
+    try: sizes = tensor_sizes(cfg.model)
+    except Exception: sizes = {}                 # .bin files or an unreadable header: assume 16-bit files (the common case)
+    n = sum(sizes.values()) or w // 2
     steps = cfg.max_steps if cfg.max_steps > 0 else total_steps
     written = ((steps - 1) // cfg.save_steps + 1 if cfg.save_steps else 1) if steps else (cfg.save_total_limit or 3)
     on_disk = min((cfg.save_total_limit or written) + 1, written)   # the newest is written before the oldest is pruned
     a = trainable if cfg.lora is not None and trainable else 0
-    per_ckpt, final = 16 * (a or n), (4 * n if not a or cfg.merge_lora else 0) + 4 * a
+    per_ckpt = checkpoint_bytes(a or n, (trainable_tensors or 0) if a else len(sizes), tokenizer_bytes(cfg.model), cfg.num_processes)
+    final = (4 * n if not a or cfg.merge_lora else 0) + 4 * a
     need, free = final + on_disk * per_ckpt, _free_bytes(runs_root)
     if need > free:
         raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {size_text(need)} for {on_disk} checkpoint(s) "
@@ -523,7 +541,7 @@ def lora_problem(model, cfg) -> PreflightError | None:
                               "(8 to 64 is usual)", "lora.r")
     return None
 
-# %% ../nbs/60_preflight.ipynb #6e76d8b2
+# %% ../nbs/60_preflight.ipynb #ea459882
 def check_model_build(cfg, kind: str) -> dict:
     "Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they would refuse."
     from ilab_nb import batching as B, lora as L, models as M
@@ -547,10 +565,21 @@ def check_model_build(cfg, kind: str) -> dict:
                              "not be the adapted one; leave it out ('all-linear' does)", "lora.target_modules")
     mp = Path(cfg.model).expanduser()
     plan = M.weight_plan(model, mp) if mp.is_dir() and any(mp.glob("*.safetensors")) else None
-    if plan is not None and (err := M.missing_weights_error(plan)): raise PreflightError(err)
+    if plan is not None and (err := M.missing_weights_error(plan) or M.wrong_shapes_error(plan, model)): raise PreflightError(err)
     info = L.finetuning_info(model, cfg)
     return dict(model_class=type(L.base_of(model)).__name__, layout=layout, attn_implementation=attn, **info,
+                embedding_rows=L.base_of(model).get_input_embeddings().num_embeddings,
+                trainable_tensors=sum(1 for p in model.parameters() if p.requires_grad),
                 weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with from_pretrained")
+
+# %% ../nbs/60_preflight.ipynb #939aba7c
+def check_vocab(tok, rows: int, model_dir):
+    "A `PreflightError` when the tokenizer gives token ids past the model's `rows` embedding rows."
+    top = max(tok.get_vocab().values(), default=-1)
+    if top >= rows:
+        raise PreflightError(f"the tokenizer gives token ids up to {top}, but the model has {rows} embedding rows (vocab_size in "
+                             f"{Path(model_dir) / 'config.json'}): ids {rows}..{top} would index past it; use the model's own "
+                             "tokenizer, or resize its embeddings (model.resize_token_embeddings(len(tokenizer))) and save it again")
 
 # %% ../nbs/60_preflight.ipynb #13d712dd
 def check_eval_tasks(cfg, records, evals) -> list[str]:
@@ -591,7 +620,7 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
             out.update(total_steps=steps if exact else math.ceil(steps * len(rs) / len(sample)), estimated=not exact)
     return out
 
-# %% ../nbs/60_preflight.ipynb #66e0e42c
+# %% ../nbs/60_preflight.ipynb #10185012
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 10_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`: 11_rundir."
@@ -613,12 +642,13 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     built = check_model_build(cfg, kind)
+    check_vocab(tok, built["embedding_rows"], mp)
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     data = check_data(cfg, records, evals, tok, built["layout"])
     if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0), adapters=built["trainable_params"])
-    disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"])
+    disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"], built["trainable_tensors"])
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
             "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]),

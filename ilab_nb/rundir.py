@@ -295,14 +295,16 @@ def hard_links_in(root) -> list:
 class RunGoneError(FileNotFoundError):
     "The run directory an action was on was removed."
 
-def gate(run_dir, action: Action, doing: str, trust_owner: bool = False, also=()) -> RunPaths:
-    """The one check before `doing` something of kind `action` to the run in `run_dir` (and the files `also`, a model
-    folder it loads): links and owners for code and writes, nothing for reads. Returns the run's paths."""
-    p = RunPaths(run_dir)
+def gate(run_dir, action: Action, doing: str, trust_owner: bool = False, also=()) -> RunPaths | None:
+    """The one check before `doing` something of kind `action` to the run in `run_dir` (and the files `also`: a model
+    folder it loads, a config file; with `run_dir` None, those alone): links and owners for code and writes, nothing
+    for reads. Returns the run's paths."""
+    p = RunPaths(run_dir) if run_dir is not None else None
     if Action(action) == Action.read: return p
+    extra = [q for a in also if a for q in (Path(a), *(sorted(Path(a).rglob("*")) if Path(a).is_dir() else []))]
+    if p is None: return refuse_foreign(extra, doing, trust_owner)
     if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed (or never created); there is nothing to {doing}")
     if os.path.islink(p.root): raise RunDirLinkError(f"{p.root} is a symbolic link; ilab_nb will not {doing} through it")
-    extra = [q for a in also if a for q in (Path(a), *(sorted(Path(a).rglob("*")) if Path(a).is_dir() else []))]
     refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *extra], doing, trust_owner)
     refuse_links(p.root, doing)
     if hard := hard_links_in(p.root):

@@ -16,7 +16,7 @@ from .core import no_hf_progress_bars, patch, require_torch
 from .live import finalize_displays
 from .monitor import RunMonitor
 from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated, read_json,
-                            refuse_foreign, refuse_links, status_of)
+                            status_of)
 from .slots import DeviceSlots, device_request
 from .launcher import spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight
@@ -37,7 +37,7 @@ class FineTuneSession:
     def __init__(self, model=None, data=None, *, config=None, runs_root=None, run_id=None, name=None, queue=True,
                  trust_owner=False, **config_fields):
         fields = {**({"model": model} if model is not None else {}), **({"data": data} if data is not None else {}), **config_fields}
-        if isinstance(config, (str, os.PathLike)): refuse_foreign([config], "use it as a config", trust_owner)
+        if isinstance(config, (str, os.PathLike)): gate(None, Action.code, "use it as a config", trust_owner, also=[config])
         cfg = load_config(config if config is not None else {}, **fields)
         self.config = _resolve_paths(cfg, config)
         self.store = RunStore(runs_root)
@@ -380,14 +380,14 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
     return self
 
 # %% ../nbs/61_session.ipynb #1c3cbc80
-def _link_tree(src: Path, dst: Path, only: str | None = None):
+def _link_tree(src: Path, dst: Path, only: str | None = None, trust_owner: bool = False):
     "Copy the tree `src` (or its one file `only`) to `dst` as hard links (a plain copy where links are refused): regular files only."
     def link(a, b):
         if not stat.S_ISREG(os.lstat(a).st_mode): raise RunDirLinkError(f"{a} is not a regular file; a fork copies only those")
         try: os.link(a, b)
         except OSError: shutil.copy2(a, b)
     if only is not None: return link(Path(src) / only, Path(dst) / only)
-    refuse_links(src, "copy it into a fork")
+    gate(src, Action.code, "copy it into a fork", trust_owner)     # what the fork will unpickle: no link followed out
     shutil.copytree(src, dst, copy_function=link)
 
 # %% ../nbs/61_session.ipynb #f9adf7c3
@@ -406,15 +406,15 @@ def checkpoint_at(self:FineTuneSession, step=None) -> tuple[dict, TrainConfig]:
     return ck, TrainConfig.read_json(self.paths.config_for(wrote))
 
 # %% ../nbs/61_session.ipynb #d7fa9e66
-def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig) -> tuple[TrainConfig, Path]:
+def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig, trust_owner: bool = False) -> tuple[TrainConfig, Path]:
     "Link the fork's starting files from `src` into `dst`; returns the config with its data paths moved, and the checkpoint."
     if src.data.exists():                     # data written from memory into the parent: the fork's own copy
-        _link_tree(src.data, dst.data)
+        _link_tree(src.data, dst.data, trust_owner=trust_owner)
         moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data) else q for q in ps]
         cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
     if src.reference_logps.exists(): dst.cache.mkdir(exist_ok=True); _link_tree(src.cache, dst.cache, only=src.reference_logps.name)
     at, tmp = dst.checkpoint(ck["step"]), dst.checkpoint_tmp(ck["step"])
-    _link_tree(Path(ck["path"]), tmp); os.replace(tmp, at)                 # complete or absent, like any checkpoint
+    _link_tree(Path(ck["path"]), tmp, trust_owner=trust_owner); os.replace(tmp, at)                 # complete or absent, like any checkpoint
     return cfg, at
 
 # %% ../nbs/61_session.ipynb #061d0291
@@ -434,7 +434,7 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
     if self.store.run_dir(new.run_id).exists(): raise FileExistsError(f"Run {new.run_id!r} already exists in {self.store.root}.")
     new._init_common()
     src, dst = self.paths, RunPaths(self.store.create_run(new.run_id))
-    try: cfg, at = _fork_files(src, dst, ck, cfg)
+    try: cfg, at = _fork_files(src, dst, ck, cfg, trust_owner)
     except OSError as e:          # the parent pruned that checkpoint meanwhile, a full disk, ...: no half-made fork is left
         shutil.rmtree(dst.root, ignore_errors=True)
         raise RuntimeError(f"Could not fork run {self.run_id} at step {ck['step']}: {type(e).__name__}: {e}") from None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
-from .rundir import CKPT_MARKER, Event, RankState, RunDirLinkError, RunPaths, State, refuse_links
+from .rundir import CKPT_MARKER, Event, RankState, RunDirLinkError, RunPaths, State, Action, gate
 from .monitor import tail_lines
 from .launcher import accelerate_command, write_accelerate_config, STOP_GRACE_S
 from .diagnosis import cause_of, describe_exit, torchrun_failures, rank_records
@@ -433,7 +433,7 @@ def submit_attempt(store: RunStore, run_id, cfg: TrainConfig, attempt=1, resume=
     "Submit attempt `attempt` of SLURM run `run_id` and record its job id; returns the job id."
     rd = store.run_dir(run_id)
     store.write_state(run_id, backend="slurm")
-    try: refuse_links(rd, "submit it")                  # SLURM would write its output through them (11_rundir)
+    try: gate(rd, Action.write, "submit it", trust_owner=True)   # SLURM would write its output through a link (its owner: judged by start/resume)
     except RunDirLinkError as e: _finish(store, run_id, State.failed, f"Run {run_id} failed: {e}"); raise
     try: job = submit(cfg, rd, attempt, resume)
     except SlurmError as e:

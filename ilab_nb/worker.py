@@ -69,7 +69,8 @@ def load_data(cfg: TrainConfig, tokenizer, method: Method, cache: Path):
     train, train_stats = method.build(train_r, tokenizer, cache_dir=cache / "train")
     evals, eval_stats = method.build(eval_r, tokenizer, cache_dir=cache / "eval") if eval_r else (None, None)
     if len(train) == 0: raise RuntimeError(f"No training sample is left after tokenization: {train_stats}")
-    return train, evals, dict(train=train_stats, eval=eval_stats)
+    held = dict(rows=len(eval_r), sha256=D.records_sha256(eval_r))   # in the header: an evaluation compares its own (53_evaluation)
+    return train, evals, dict(train=train_stats, eval=eval_stats, **({"heldout": held} if eval_r else {}))
 
 # %% ../nbs/31_worker.ipynb #a2fe0b91
 def chunked_loss_head(hf):

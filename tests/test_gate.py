@@ -114,6 +114,23 @@ def test_every_entry_point_is_gated_and_swept():
     assert public - set(API) == set(), "gated, not in this sweep"
     assert set(COMMANDS) - {"run", "ls", "demo"} - set(CLI) == set(), "a command on a run that the sweep does not run"
     assert ENTRY_POINTS["Evaluation.stop"] == (Action.write,)
+    assert rules_applied_outside_the_gate() == [], "applies the gate's rules itself: call ilab_nb.rundir.gate"
+
+
+RULE_PARTS = {"refuse_links", "refuse_foreign", "links_in", "owner_problem", "hard_links_in"}   # the gate's own parts (11_rundir)
+
+def rules_applied_outside_the_gate() -> list:
+    "`module:line name` for every import or call of one of the gate's parts in a module of ilab_nb other than rundir."
+    import ast, ilab_nb
+    out = []
+    for f in sorted(Path(ilab_nb.__file__).parent.glob("*.py")):
+        if f.name in ("rundir.py", "_modidx.py"): continue
+        for n in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in n.names] if isinstance(n, ast.ImportFrom) else
+                     [n.func.id] if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) else
+                     [n.func.attr] if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) else [])
+            out += [f"{f.stem}:{n.lineno} {x}" for x in names if x in RULE_PARTS]
+    return out
 
 
 # --- the sweep: every entry point x every rule -----------------------------------------------------------------------
@@ -358,18 +375,65 @@ def _without_template(demo, out: Path) -> Path:
 
 
 def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
-    "The run's eval_data file modified after the run started: the 'heldout' task is refused before anything is queued."
+    """The run's header holds the sha256 of the held-out records it read (data_stats.heldout): eval_data edited since,
+    its modification time set back so that no time tells, is refused before anything is queued, naming the file; a
+    file only touched since holds the run's records and passes."""
+    from ilab_nb.data import load_records, records_sha256
+    from ilab_nb.evaluation import check_heldout_unchanged
     root = tmp_path / "runs"; d = built_run(root, demo)
-    held = tmp_path / "held.jsonl"; held.write_text("".join(Path(demo.eval_file).read_text().splitlines(keepends=True)[:4]))
-    p = RunPaths(d); cfg = TrainConfig.read_json(p.config)
-    cfg.model_copy(update=dict(eval_data=[str(held)])).to_json(p.config)
-    created = RunStore(root).read_state("r")["created_at"]
-    os.utime(held, (created - 60, created - 60))                       # as it was when the run started
+    lines = Path(demo.eval_file).read_text().splitlines(keepends=True)
+    held = tmp_path / "held.jsonl"; held.write_text("".join(lines[:4]))
+    p = RunPaths(d); cfg = TrainConfig.read_json(p.config).model_copy(update=dict(eval_data=[str(held)])); cfg.to_json(p.config)
+    ran = dict(rows=4, sha256=records_sha256(load_records([str(held)])))         # as the worker writes it (31_worker)
+    with open(p.metrics, "a") as f: f.write(_record("header", **{**HEADER, "data_stats": {"heldout": ran}}))
     s = FineTuneSession.attach("r", runs_root=root)
-    with open(held, "a") as f: f.write(Path(demo.eval_file).read_text().splitlines(keepends=True)[5])
-    with pytest.raises(ValueError, match="held.jsonl changed after run r started .* may not be what the run held out"):
+    os.utime(held)                                                               # touched after the run: its records are the run's
+    check_heldout_unchanged(s, s.config, ["heldout"], load_records([str(held)]))
+    st = held.stat(); held.write_text("".join(lines[:3] + lines[5:6])); os.utime(held, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ValueError, match=f"{held} changed since run r read it: the 4 held-out records read now are not the 4 "
+                                         "the run held out .their sha256 differs.; put the file back"):
         s.evaluate(["heldout"])
     assert not p.evals.exists() or not list(p.evals.iterdir())
+
+
+def test_evaluate_refuses_an_lm_eval_task_whose_data_set_is_not_here_offline(demo, tmp_path, monkeypatch):
+    """evaluate(['arc_easy']) with no network and no copy in the datasets cache: refused before anything is queued,
+    naming the task and its data set (read from lm-eval's task index: here a one-task index, as cheap stand-in for
+    lm-eval's fifteen thousand task files); with a prepared copy in the cache, the check passes."""
+    import datasets
+    from lm_eval.tasks import TaskManager
+    import ilab_nb.evaluation as E
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "arc_easy.yaml").write_text("task: arc_easy\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\n"
+                                                       "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_target: 0\ndoc_to_choice: [a, b]\n")
+    monkeypatch.setattr(E, "lm_eval_tasks", lambda: TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1"); monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    root = tmp_path / "runs"; d = built_run(root, demo)
+    s = FineTuneSession.attach("r", runs_root=root)
+    with pytest.raises(ValueError, match="task 'arc_easy' reads the data set allenai/ai2_arc .ARC-Easy., which is not in the Hugging "
+                                         "Face datasets cache .*HF_HUB_OFFLINE is set: load it once where there is network"):
+        s.evaluate(["arc_easy"])
+    assert not RunPaths(d).evals.exists() or not list(RunPaths(d).evals.iterdir())
+    (tmp_path / "cache" / "allenai___ai2_arc" / "ARC-Easy" / "0.0.0" / "0123abcd").mkdir(parents=True)
+    assert E.check_tasks(["arc_easy"], []) == ["arc_easy"]
+
+
+@pytest.mark.processes
+def test_a_killed_exports_unfinished_file_is_removed_by_the_next_export_saying_so(demo, tmp_path, capsys):
+    """export/<name>.gguf's temporary file (named by its writer's pid and start) whose writer was killed (SIGKILL) is
+    removed by the next export into that folder, which says so; the file of a writer still alive is left alone."""
+    import subprocess
+    from ilab_nb.export import main, tmp_path as tmp_of
+    from ilab_nb.runstore import ProcessRef
+    root = tmp_path / "runs"; d = built_run(root, demo); ex = RunPaths(d).exports; ex.mkdir()
+    w = subprocess.Popen(["sleep", "60"])                 # the writer, as cheap as a process gets
+    left = tmp_of(ex / "r-final-f32.gguf", ProcessRef.of(w.pid)); left.write_bytes(b"GGUF"); w.kill(); w.wait()
+    live = tmp_of(ex / "other.gguf", ProcessRef.of()); live.write_bytes(b"GGUF")
+    assert left.exists() and left.name.startswith(f".r-final-f32.gguf.tmp-{w.pid}-")
+    assert main([str(demo.model_dir), str(ex / "r-final-f32.gguf"), "--dtype", "f32"]) == 0      # `python -m ilab_nb.export`, in this process
+    assert (ex / "r-final-f32.gguf").exists() and not left.exists() and live.exists()
+    said = f"warning: removed {left}, the unfinished file of an export process (pid {w.pid}) that is gone"
+    assert said in capsys.readouterr().err                # what run_export (session.export) relays as a warning
 
 
 @pytest.mark.processes

@@ -116,6 +116,27 @@ def test_read_only_destinations_are_refused_at_construction(read_only_dir, demo,
     assert listing(d) == [] and not runs_root.exists()
 
 
+def test_what_the_ranks_would_fail_on_in_the_model_is_refused_at_construction(demo, small_train, runs_root, tmp_path):
+    """Issue 38: a weight file whose tensor has another shape than config.json makes, a tokenizer with token ids past
+    the embedding, flex_attention without CUDA: each a PreflightError naming the file or field, before anything is written."""
+    import re
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+    shape = tmp_path / "shape"; shutil.copytree(demo.model_dir, shape)
+    sd = load_file(shape / "model.safetensors"); k = "model.layers.0.self_attn.q_proj.weight"
+    sd[k] = sd[k][:-4].clone(); save_file(sd, shape / "model.safetensors", metadata={"format": "pt"})
+    vocab = tmp_path / "vocab"; shutil.copytree(demo.model_dir, vocab)
+    tok = AutoTokenizer.from_pretrained(vocab); tok.add_tokens(["<extra_1>", "<extra_2>"]); tok.save_pretrained(vocab)
+    model = lambda d, **kw: (lambda: FineTuneSession(d, small_train, runs_root=runs_root, **{**FIELDS, **kw}))
+    cases = [(model(shape), f"model.safetensors: {k} has shape [124, 128], but the model that {shape}/config.json describes has [128, 128]"),
+             (model(vocab), f"the tokenizer gives token ids up to 801, but the model has 800 embedding rows (vocab_size in {vocab}/config.json)"),
+             (model(demo.model_dir, attn_implementation="flex_attention"),
+              "attn_implementation='flex_attention' cannot be used: torch's FlexAttention trains on CUDA only")]
+    for make, said in cases:
+        with pytest.raises(PreflightError, match=re.escape(said)): make()
+    assert not runs_root.exists()
+
+
 def test_eval_prompts_are_bounded_by_the_model_at_construction(demo, small_train, runs_root):
     "Issue 20 item 3: a prompt past max_seq_len (was: accepted; the first evaluation grew a rank until the OOM killer ended it)."
     with pytest.raises(PreflightError) as e:
