@@ -573,11 +573,12 @@ def check_model_build(cfg, kind: str) -> dict:
                 weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with from_pretrained")
 
 # %% ../nbs/60_preflight.ipynb #939aba7c
-def check_vocab(tok, rows: int, model_dir):
-    "A `PreflightError` when the tokenizer gives token ids past the model's `rows` embedding rows."
-    top = max(tok.get_vocab().values(), default=-1)
+def check_vocab(tok, rows: int, model_dir, data_top: int):
+    "A `PreflightError` when the data's token ids (`data_top`, its largest) or the pad/EOS/BOS ids reach past the model's `rows` embedding rows."
+    special = {n: i for n in ("pad_token_id", "eos_token_id", "bos_token_id") if isinstance(i := getattr(tok, n, None), int)}
+    top, what = max([(data_top, "the data's tokens reach id")] + [(i, f"the tokenizer's {n} is") for n, i in special.items()])
     if top >= rows:
-        raise PreflightError(f"the tokenizer gives token ids up to {top}, but the model has {rows} embedding rows (vocab_size in "
+        raise PreflightError(f"{what} {top}, but the model has {rows} embedding rows (vocab_size in "
                              f"{Path(model_dir) / 'config.json'}): ids {rows}..{top} would index past it; use the model's own "
                              "tokenizer, or resize its embeddings (model.resize_token_embeddings(len(tokenizer))) and save it again")
 
@@ -613,6 +614,8 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
                    f"{len(rs):,} records)" if len(sample) < len(rs) else "")
             raise PreflightError(f"{said}: {e}", "max_seq_len" if "max_seq_len" in str(e) or "too long" in str(e) else None) from None
         out[what] = dict(records=len(rs), checked=len(sample), samples=stats["samples"], note=stats.get("note"))
+        out["top_token_id"] = max([out.get("top_token_id", -1)] + [max(map(max, filter(None, ds[c])), default=-1)
+                                                                  for c in ds.column_names if c.endswith("input_ids")])
         if what == "train":
             try: steps = len(plan_steps(method.lengths(ds, layout), cfg, cfg.num_processes, layout, method.budget(layout)))
             except (RuntimeError, ValueError) as e: raise PreflightError(f"the training data: {e}") from None
@@ -642,9 +645,9 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     built = check_model_build(cfg, kind)
-    check_vocab(tok, built["embedding_rows"], mp)
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     data = check_data(cfg, records, evals, tok, built["layout"])
+    check_vocab(tok, built["embedding_rows"], mp, data.pop("top_token_id"))
     if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0), adapters=built["trainable_params"])

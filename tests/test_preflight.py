@@ -2,7 +2,7 @@
 more CPU processes than CPU slots (unless oversubscribe_cpus), a runs_root that cannot hold runs, a hub id that
 neither the local cache nor the network can serve — and the over-subscribed run that is allowed, with real
 processes."""
-import os, shutil, subprocess, sys, textwrap
+import json, os, shutil, subprocess, sys, textwrap
 from pathlib import Path
 
 import pytest
@@ -127,14 +127,19 @@ def test_what_the_ranks_would_fail_on_in_the_model_is_refused_at_construction(de
     sd[k] = sd[k][:-4].clone(); save_file(sd, shape / "model.safetensors", metadata={"format": "pt"})
     vocab = tmp_path / "vocab"; shutil.copytree(demo.model_dir, vocab)
     tok = AutoTokenizer.from_pretrained(vocab); tok.add_tokens(["<extra_1>", "<extra_2>"]); tok.save_pretrained(vocab)
+    uses = tmp_path / "uses.jsonl"      # a conversation whose answer holds the added tokens, ids 800 and 801
+    uses.write_text(small_train.read_text() + json.dumps({"messages": [{"role": "user", "content": "Say it"},
+                                                                       {"role": "assistant", "content": "<extra_1><extra_2>"}]}) + "\n")
     model = lambda d, **kw: (lambda: FineTuneSession(d, small_train, runs_root=runs_root, **{**FIELDS, **kw}))
     cases = [(model(shape), f"model.safetensors: {k} has shape [124, 128], but the model that {shape}/config.json describes has [128, 128]"),
-             (model(vocab), f"the tokenizer gives token ids up to 801, but the model has 800 embedding rows (vocab_size in {vocab}/config.json)"),
+             (lambda: FineTuneSession(vocab, uses, runs_root=runs_root, **FIELDS),
+              f"the data's tokens reach id 801, but the model has 800 embedding rows (vocab_size in {vocab}/config.json)"),
              (model(demo.model_dir, attn_implementation="flex_attention"),
               "attn_implementation='flex_attention' cannot be used: torch's FlexAttention trains on CUDA only")]
     for make, said in cases:
         with pytest.raises(PreflightError, match=re.escape(said)): make()
     assert not runs_root.exists()
+    model(vocab)()          # the same tokenizer on data that never gives those ids: nothing indexes past the embedding
 
 
 def test_eval_prompts_are_bounded_by_the_model_at_construction(demo, small_train, runs_root):
