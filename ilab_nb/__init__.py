@@ -10,7 +10,8 @@ __all__ = ['FineTuneSession', 'Sweep', 'PreflightError', 'DevicesBusyError', 'Tr
 _PUBLIC = {"FineTuneSession": "ilab_nb.session", "Sweep": "ilab_nb.sweep", "PreflightError": "ilab_nb.preflight",
            "DevicesBusyError": "ilab_nb.session", "TrainConfig": "ilab_nb.config", "ConfigError": "ilab_nb.config",
            "DataError": "ilab_nb.data"}
-_all_ = ["FineTuneSession", "Sweep", "PreflightError", "DevicesBusyError", "TrainConfig", "ConfigError", "DataError"]  # nbdev's __all__
+# nbdev's __all__
+_all_ = ["FineTuneSession", "Sweep", "PreflightError", "DevicesBusyError", "TrainConfig", "ConfigError", "DataError"]
 _GROWN_BY = {"FineTuneSession": "ilab_nb.sweep"}      # modules that grow methods onto a public class (`.sweep`)
 
 def __getattr__(name):

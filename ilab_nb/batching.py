@@ -55,7 +55,8 @@ def _bucket_starts(sorted_lengths: np.ndarray, cap: int) -> list[int]:
     "Where each padded batch of cost `<= cap` starts, in samples sorted by decreasing length."
     starts, s, n = [], 0, len(sorted_lengths)
     while s < n:
-        starts.append(s); s += max(1, cap // int(sorted_lengths[s]))
+        starts.append(s)
+        s += max(1, cap // int(sorted_lengths[s]))
     return starts
 
 # %% ../nbs/21_batching.ipynb #64fb7ef1
@@ -67,7 +68,8 @@ def _bucket_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int, wor
     n_batches = _round_up(len(fewest), world_size)
     if n_batches > len(order):                           # too few samples to give every rank one: drop the cheapest
         ends = fewest[1:] + [len(order)]
-        batches = sorted((order[a:b].tolist() for a, b in zip(fewest, ends)), key=lambda b: -batch_cost(lengths[b], "bucketed"))
+        batches = sorted((order[a:b].tolist() for a, b in zip(fewest, ends)),
+                         key=lambda b: -batch_cost(lengths[b], "bucketed"))
         return batches[:len(batches) // world_size * world_size]
     lo, hi = int(sl[0]), max_tokens                      # the smallest cap needing <= n_batches batches
     while lo < hi:
@@ -92,7 +94,8 @@ def _lpt_rows(order: np.ndarray, lengths: np.ndarray, max_tokens: int, n_rows: i
         if load + int(lengths[i]) > max_tokens:
             if strict: return None
             continue                                      # dropped: it fits no row
-        rows[r].append(i); heapq.heapreplace(heap, (load + int(lengths[i]), r))
+        rows[r].append(i)
+        heapq.heapreplace(heap, (load + int(lengths[i]), r))
     return rows
 
 # %% ../nbs/21_batching.ipynb #079e54f7
@@ -104,7 +107,8 @@ def _pack_rows(order: np.ndarray, lengths: np.ndarray, max_tokens: int, world_si
     n = min(most, _round_up(-(-int(lengths.sum()) // max_tokens), world_size))
     rows, step, bad = fits(n), world_size, None
     while rows is None and n < most:                     # doubling: find some row count that works
-        bad, n = n, min(most, n + step); step *= 2
+        bad, n = n, min(most, n + step)
+        step *= 2
         rows = fits(n)
     if rows is None: return _lpt_rows(order, lengths, max_tokens, most, strict=False)   # drops what fits nowhere
     while bad is not None and n - bad > world_size:      # bisect between the last failure and success
@@ -158,7 +162,8 @@ def plan_epoch(lengths: Sequence[int], max_tokens: int, world_size: int, layout:
 # %% ../nbs/21_batching.ipynb #ca9c4bc6
 def plan_stats(plan: list[list[list[int]]], lengths: Sequence[int], layout: str, real: Sequence[int] | None = None,
                rows: int = 1) -> dict:
-    "Tokens, efficiency, rank imbalance and sample counts of a plan from `plan_epoch` (`real`, `rows`: a unit's own tokens and rows)."
+    """Tokens, efficiency, rank imbalance and sample counts of a plan from `plan_epoch` (`real`, `rows`: a unit's own
+    tokens and rows)."""
     _check_layout(layout)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     own = lengths if real is None else np.asarray(real, dtype=np.int64).reshape(-1)
@@ -244,13 +249,15 @@ def _chunk_token_logps(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -
     return -F.cross_entropy((h @ weight.t()).float(), y, reduction="none")
 
 def linear_sequence_logps(hidden, weight, labels, seq, n_seq: int, chunk_tokens: int | None = None) -> torch.Tensor:
-    "Summed log-probability of each sequence's labelled tokens (`seq`: the sequence of each token), never all logits at once."
+    """Summed log-probability of each sequence's labelled tokens (`seq`: the sequence of each token), never all logits
+    at once."""
     h, y = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1).to(hidden.device)
     s = seq[:, 1:].reshape(-1).to(hidden.device)
     keep = (y != -100).nonzero().squeeze(1)
     h, y, s = h.index_select(0, keep), y.index_select(0, keep), s.index_select(0, keep)
     n = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
-    out = hidden.sum().float() * 0 + torch.zeros(n_seq, device=hidden.device)    # connected even without labelled tokens
+    # connected even without labelled tokens
+    out = hidden.sum().float() * 0 + torch.zeros(n_seq, device=hidden.device)
     for i in range(0, len(y), n):
         lp = (_chunk_token_logps(h[i:i + n], weight, y[i:i + n]) if len(y) <= n else
               _checkpoint(_chunk_token_logps, h[i:i + n], weight, y[i:i + n], use_reentrant=False))
@@ -269,7 +276,8 @@ def packed_seq_info(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 # %% ../nbs/21_batching.ipynb #851f1ea9
 def _seq_attention(q, k, v, scale, window) -> torch.Tensor:
-    "sdpa of one sequence, `[H, Lq, D]` queries aligned to the end of `[H, Lk, D]` keys, within `window` = (left, right)."
+    """sdpa of one sequence, `[H, Lq, D]` queries aligned to the end of `[H, Lk, D]` keys, within `window` = (left,
+    right)."""
     left, right = window
     if left < 0 and right == 0 and q.shape[1] == k.shape[1]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -304,7 +312,8 @@ def varlen_signature_ok(fn) -> bool:
 
 # %% ../nbs/21_batching.ipynb #cd192015
 def varlen_kernel(device_type: str):
-    "The variable-length attention kernel for `device_type` (torch's on CUDA, torch >= 2.11, capability >= 8.0), else None."
+    """The variable-length attention kernel for `device_type` (torch's on CUDA, torch >= 2.11, capability >= 8.0), else
+    None."""
     if device_type in VARLEN_KERNELS: return VARLEN_KERNELS[device_type]
     if device_type != "cuda": return None
     try: from torch.nn.attention.varlen import varlen_attn
@@ -325,10 +334,12 @@ def _refuse_packed(what: str):
 # %% ../nbs/21_batching.ipynb #69f2530f
 def _check_packed_call(query, key, attention_mask, dropout, kwargs):
     "Refuse what one packed causal row cannot compute, naming it."
-    if query.shape[0] != 1: _refuse_packed(f"takes one packed row, got a batch of {query.shape[0]} (generation uses sdpa)")
+    if query.shape[0] != 1:
+        _refuse_packed(f"takes one packed row, got a batch of {query.shape[0]} (generation uses sdpa)")
     if attention_mask is not None: _refuse_packed("takes no attention mask (a padded batch, or generation, uses sdpa)")
-    if query.shape[2] != key.shape[2]: _refuse_packed(f"needs as many keys as queries, got {query.shape[2]} queries and "
-                                                       f"{key.shape[2]} keys (a KV cache: generation uses sdpa)")
+    if query.shape[2] != key.shape[2]:
+        _refuse_packed(f"needs as many keys as queries, got {query.shape[2]} queries and "
+                        f"{key.shape[2]} keys (a KV cache: generation uses sdpa)")
     if dropout: _refuse_packed(f"has no attention dropout, and this model asks for {dropout}")
     if kwargs.get("softcap") is not None: _refuse_packed("has no logit soft-capping, which this model uses")
     if kwargs.get("s_aux") is not None: _refuse_packed("has no attention sinks (s_aux), which this model uses")
@@ -341,7 +352,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if cu is None: cu, longest = packed_seq_info(kwargs["position_ids"])
     dev = query.device.type
     if torch.is_autocast_enabled(dev):                 # rotary gives q, k in float32 under autocast: the compute dtype
-        dt = torch.get_autocast_dtype(dev); query, key, value = query.to(dt), key.to(dt), value.to(dt)
+        dt = torch.get_autocast_dtype(dev)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     kernel = varlen_kernel(dev) if query.dtype in (torch.bfloat16, torch.float16) else None    # flash: half types only
     kernel = kernel or reference_varlen_attn
     gqa = "enable_gqa" in inspect.signature(kernel).parameters
@@ -350,7 +362,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))      # [T, H, D]
     window = (kwargs["sliding_window"] - 1, 0) if kwargs.get("sliding_window") else (-1, 0)   # (left, 0): causal
     cu = cu.to(q.device)
-    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, **({"enable_gqa": True} if gqa else {}))
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window,
+                 **({"enable_gqa": True} if gqa else {}))
     return out[None], None                                             # [1, T, H, D], no attention weights
 
 # %% ../nbs/21_batching.ipynb #d1365cff
@@ -363,10 +376,14 @@ def register_packed_attention() -> str:
 # %% ../nbs/21_batching.ipynb #27525a64
 @contextmanager
 def generation_attention(model):
-    "While inside, a model that trains with packed attention attends as `generate` needs (sdpa, else eager); restored after."
+    """While inside, a model that trains with packed attention attends as `generate` needs (sdpa, else eager); restored
+    after."""
     was = model.config._attn_implementation
-    if was != PACKED_ATTENTION: yield model; return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model        # a peft model: its transformers model
+    if was != PACKED_ATTENTION:
+        yield model
+        return
+    # a peft model: its transformers model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     model.set_attn_implementation(attn_implementation_for("bucketed", "cpu", type(base)))
     try: yield model
     finally: model.set_attn_implementation(was)
@@ -377,9 +394,11 @@ _SINK_MODELS = {"gpt_oss"}             # attention sinks (s_aux) in every layer
 def packed_refusal(model_config) -> str | None:
     "Why packed attention cannot compute this model's attention (soft-capping, sinks, dropout), or None."
     if model_config is None: return None
-    if getattr(model_config, "attn_logit_softcapping", None): return "it soft-caps attention logits (attn_logit_softcapping)"
+    if getattr(model_config, "attn_logit_softcapping", None):
+        return "it soft-caps attention logits (attn_logit_softcapping)"
     if getattr(model_config, "model_type", None) in _SINK_MODELS: return "its attention has sinks (s_aux)"
-    if getattr(model_config, "attention_dropout", 0.0): return f"it uses attention dropout ({model_config.attention_dropout})"
+    if getattr(model_config, "attention_dropout", 0.0):
+        return f"it uses attention dropout ({model_config.attention_dropout})"
     return None
 
 # %% ../nbs/21_batching.ipynb #8cd00c17
@@ -390,17 +409,20 @@ def _flash_attn_2_available() -> bool:
 
 # %% ../nbs/21_batching.ipynb #e075bf9b
 def choose_layout(requested: str, device_type: str, precision: str = "bf16", model_config=None) -> str:
-    "`packed` or `bucketed` as requested; `auto`: packed on CUDA with a variable-length kernel (bf16 compute), else bucketed."
+    """`packed` or `bucketed` as requested; `auto`: packed on CUDA with a variable-length kernel (bf16 compute), else
+    bucketed."""
     _check_layout(requested, ("auto",) + LAYOUTS)
     why = packed_refusal(model_config)
     if requested == "packed" and why: _refuse_packed(f"cannot compute this model's attention: {why}")
     if requested != "auto": return requested
-    fast = device_type == "cuda" and precision == "bf16" and (varlen_available(device_type) or _flash_attn_2_available())
+    fast = device_type == "cuda" and precision == "bf16" and (varlen_available(device_type)
+                                                              or _flash_attn_2_available())
     return "packed" if fast and not why else "bucketed"
 
 # %% ../nbs/21_batching.ipynb #02c44fd6
 ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flex_attention")     # what `attn_implementation` may ask for
-_CLASS_FLAG = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn", "flex_attention": "_supports_flex_attn",
+_CLASS_FLAG = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+               "flex_attention": "_supports_flex_attn",
                PACKED_ATTENTION: "_supports_attention_backend"}
 
 def attention_refusal(name: str, model_class=None, device_type: str = "cpu", precision: str = "fp32") -> str | None:
@@ -418,23 +440,26 @@ def attention_refusal(name: str, model_class=None, device_type: str = "cpu", pre
 # %% ../nbs/21_batching.ipynb #dbac7036
 def attn_implementation_for(layout: str, device_type: str, model_class=None, requested: str = "auto",
                             precision: str = "bf16") -> str:
-    "The attention to build `model_class` with for `layout` on `device_type`: `requested`, or (auto) the best it supports."
+    """The attention to build `model_class` with for `layout` on `device_type`: `requested`, or (auto) the best it
+    supports."""
     _check_layout(layout)
     if requested != "auto":
         if why := attention_refusal(requested, model_class, device_type, precision):
             ok = [a for a in ATTENTIONS if attention_refusal(a, model_class, device_type, precision) is None]
-            raise ValueError(f"attn_implementation={requested!r} cannot be used: {why}; use {' or '.join(map(repr, ok))}, "
-                             "or 'auto' to let ilab_nb choose")
+            raise ValueError(f"attn_implementation={requested!r} cannot be used: {why}; use "
+                             f"{' or '.join(map(repr, ok))}, or 'auto' to let ilab_nb choose")
         return requested
     if layout == "packed":
         if varlen_available(device_type) and attention_refusal(PACKED_ATTENTION, model_class) is None:
             return register_packed_attention()              # float32 falls back to the reference
-        if attention_refusal("flash_attention_2", model_class, device_type, precision) is None: return "flash_attention_2"
+        if attention_refusal("flash_attention_2", model_class, device_type, precision) is None:
+            return "flash_attention_2"
     return "sdpa" if attention_refusal("sdpa", model_class) is None else "eager"
 
 # %% ../nbs/21_batching.ipynb #56f5beb4
 def _epoch_micro(lengths, cfg, world_size, layout, budget, epoch, epochs_wanted, ga, world_of_plan=None) -> tuple:
-    "The micro-steps of `epoch` as planned for `world_of_plan` ranks (default: `world_size`), cut for a fractional last epoch."
+    """The micro-steps of `epoch` as planned for `world_of_plan` ranks (default: `world_size`), cut for a fractional
+    last epoch."""
     w = world_of_plan or world_size
     micro = plan_epoch(lengths, budget, w, layout, cfg.seed, epoch)
     if not micro: raise RuntimeError("The batch plan is empty: too few samples for this many ranks and token budget.")
@@ -472,13 +497,16 @@ def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: 
         rest = [b for ms in micro_e for b in ms][start:]               # none: the epoch ended at the position
         micro, extra = _regroup(lengths, rest, world_size, layout, budget, cfg.seed, epoch)
         chunks = [micro[i:i + ga] for i in range(0, len(micro), ga)] if rest else []
-        if extra: chunks = (chunks or [[]])[:-1] + [(chunks or [[]])[-1] + extra]   # a left-over re-plan: in the last step
+        # a left-over re-plan: in the last step
+        if extra: chunks = (chunks or [[]])[:-1] + [(chunks or [[]])[-1] + extra]
         done = start
         for j, ch in enumerate(chunks):
             done += sum(len(ms) for ms in ch)
             if j == len(chunks) - 1: pos = dict(epoch=epoch + 1, batches=0, world_size=plan_w, epoch_float=epoch + 1.0)
-            else: pos = dict(epoch=epoch, batches=done, world_size=plan_w, epoch_float=epoch + (j + 1) / len(chunks) if ef0 is None
-                             else ef0 + (epoch + 1 - ef0) * (j + 1) / len(chunks))
+            else:
+                pos = dict(epoch=epoch, batches=done, world_size=plan_w, epoch_float=epoch + (j + 1) / len(chunks)
+                           if ef0 is None
+                           else ef0 + (epoch + 1 - ef0) * (j + 1) / len(chunks))
             steps.append(dict(epoch=epoch, epoch_float=pos["epoch_float"], micro=ch, pos=pos))
             if full(): return steps[:cfg.max_steps]
         epoch, start, ef0 = epoch + 1, 0, None

@@ -36,7 +36,8 @@ class ContextFull(ValueError):
     "The conversation already fills the model's positions: there is no room left for an answer."
 
 def model_positions(model) -> int | None:
-    "The positions the model can attend over (`max_position_embeddings`, or `n_positions`), None when its config does not say."
+    """The positions the model can attend over (`max_position_embeddings`, or `n_positions`), None when its config does
+    not say."""
     cfg = getattr(model, "config", None)
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
@@ -44,16 +45,18 @@ def fit_new_tokens(prompt_tokens: int, max_new_tokens: int, positions: int | Non
     "`(max new tokens that fit, a note saying it was cut or None)`; `ContextFull` when the prompt leaves no position."
     if positions is None or prompt_tokens + max_new_tokens <= positions: return int(max_new_tokens), None
     if prompt_tokens >= positions:
-        raise ContextFull(f"the conversation is {prompt_tokens} tokens after the chat template, and the model has {positions} "
-                          "positions: no room is left for an answer; start a new conversation (Clear, /reset) or send less.")
+        raise ContextFull(f"the conversation is {prompt_tokens} tokens after the chat template, and the model has "
+                          f"{positions} positions: no room is left for an answer; start a new conversation (Clear, "
+                          f"/reset) or send less.")
     left = positions - prompt_tokens
-    return left, (f"max_new_tokens={max_new_tokens} cut to {left}: the conversation is {prompt_tokens} tokens and the model "
-                  f"has {positions} positions")
+    return left, (f"max_new_tokens={max_new_tokens} cut to {left}: the conversation is {prompt_tokens} tokens and the "
+                  f"model has {positions} positions")
 
 # %% ../nbs/42_chat.ipynb #80eb5d62
 def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                  stop: threading.Event | None = None, notes: list | None = None):
-    "Yield the assistant's answer to `messages` piece by piece (greedy when `temperature` is 0); `notes` gets what was cut."
+    """Yield the assistant's answer to `messages` piece by piece (greedy when `temperature` is 0); `notes` gets what was
+    cut."""
     from transformers import TextIteratorStreamer
     stop = stop or threading.Event()
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -66,8 +69,10 @@ def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 1
         try:
             with torch.no_grad(): model.generate(**x, streamer=streamer, **kwargs)
         except BaseException as e:
-            failed.append(e); streamer.end()
-    t = threading.Thread(target=work, daemon=True, name="ilab-chat-generate"); t.start()
+            failed.append(e)
+            streamer.end()
+    t = threading.Thread(target=work, daemon=True, name="ilab-chat-generate")
+    t.start()
     for piece in streamer:
         if piece: yield piece
     t.join()
@@ -76,25 +81,33 @@ def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 1
 # %% ../nbs/42_chat.ipynb #a1572a16
 class Chat:
     "A multi-turn conversation with a model: `ask(text)` yields the answer's pieces and records both turns."
-    def __init__(self, model, tokenizer, system: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0):
+    def __init__(self, model, tokenizer, system: str | None = None, max_new_tokens: int = 128,
+                 temperature: float = 0.0):
         self.model, self.tokenizer, self.system = model.eval(), tokenizer, system
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.messages: list[dict] = []; self.stop_event = threading.Event()
+        self.messages: list[dict] = []
+        self.stop_event = threading.Event()
 
 # %% ../nbs/42_chat.ipynb #52e65923
 @patch
 def ask(self:Chat, text: str):
     "Yield the answer to `text` piece by piece; the turn is added to `messages` when the answer ends."
-    self.stop_event.clear(); self.notes = []
-    msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages + [{"role": "user", "content": text}]
+    self.stop_event.clear()
+    self.notes = []
+    msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages + [{"role": "user",
+            "content": text}]
     answer, refused = "", False
     try:
-        for piece in stream_reply(self.model, self.tokenizer, msgs, self.max_new_tokens, self.temperature, self.stop_event, self.notes):
-            answer += piece; yield piece
+        for piece in stream_reply(self.model, self.tokenizer, msgs, self.max_new_tokens, self.temperature,
+                                  self.stop_event, self.notes):
+            answer += piece
+            yield piece
     except ContextFull:
-        refused = True; raise           # nothing was asked: the conversation stays as it was
+        refused = True   # nothing was asked: the conversation stays as it was
+        raise
     finally:
-        if not refused: self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.strip()}]
+        if not refused:
+            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.strip()}]
 
 # %% ../nbs/42_chat.ipynb #3f834225
 @patch
@@ -111,7 +124,8 @@ def transcript_html(messages: list[dict], pending: str | None = None) -> str:
     "The conversation as HTML bubbles (`pending`: the answer being streamed)."
     msgs = list(messages) + ([{"role": "assistant", "content": pending + " ▌"}] if pending is not None else [])
     return html_join(html_of("<div class='ilab-chat-{r}' style='{b};padding:6px 10px;border-radius:8px;margin:4px 0;"
-                             "white-space:pre-wrap'>{c}</div>", r=m["role"], b=_BUBBLE.get(m["role"], ""), c=m["content"]) for m in msgs)
+                             "white-space:pre-wrap'>{c}</div>", r=m["role"], b=_BUBBLE.get(m["role"], ""),
+                             c=m["content"]) for m in msgs)
 
 # %% ../nbs/42_chat.ipynb #7834509c
 def _buttons() -> tuple:
@@ -121,14 +135,16 @@ def _buttons() -> tuple:
 
 # %% ../nbs/42_chat.ipynb #1a56bde6
 def _sliders(max_new_tokens: int, temperature: float) -> tuple:
-    return (W.IntSlider(value=max_new_tokens, min=1, max=1024, description="max new tokens", style={"description_width": "initial"}),
+    return (W.IntSlider(value=max_new_tokens, min=1, max=1024, description="max new tokens",
+                        style={"description_width": "initial"}),
             W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05, description="temperature",
                           style={"description_width": "initial"}))
 
 # %% ../nbs/42_chat.ipynb #03a4e81e
 class ChatBox(W.VBox):
     "An ipywidgets chat with a model: transcript, input, Send / Stop / Clear, max new tokens and temperature."
-    def __init__(self, model, tokenizer, title: str = "", system: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0):
+    def __init__(self, model, tokenizer, title: str = "", system: str | None = None, max_new_tokens: int = 128,
+                 temperature: float = 0.0):
         super().__init__(layout=W.Layout(width="100%", max_width="800px"))
         self.add_class("ilab-chat")
         self.chat = Chat(model, tokenizer, system, max_new_tokens, temperature)
@@ -144,7 +160,8 @@ class ChatBox(W.VBox):
         self.input.observe(lambda ch: self.send() if ch["new"] else None, names="value")
         self.stop_button.on_click(lambda _: self.chat.stop())
         self.clear_button.on_click(lambda _: self.clear())
-        self.children = (self.title, self.transcript, W.HBox([self.input, self.send_button, self.stop_button, self.clear_button]),
+        self.children = (self.title, self.transcript, W.HBox([self.input, self.send_button, self.stop_button,
+                                                              self.clear_button]),
                          W.HBox([self.max_new_tokens, self.temperature]), self.status)
 
 # %% ../nbs/42_chat.ipynb #c75c694a
@@ -172,7 +189,9 @@ def _answer(self:ChatBox, text: str):
 @patch
 def clear(self:ChatBox):
     "Forget the conversation."
-    self.chat.reset(); self.transcript.value = ""; self.status.value = ""
+    self.chat.reset()
+    self.transcript.value = ""
+    self.status.value = ""
 
 # %% ../nbs/42_chat.ipynb #52d9b018
 @patch
@@ -188,15 +207,18 @@ def send(self:ChatBox, text: str | None = None):
     "Ask `text` (default: the input box's text) and stream the answer into the transcript."
     text = (text if text is not None else self.input.value).strip()
     if not text or self.busy.is_set(): return
-    self.busy.set(); self.error = None
-    self.input.value = ""; self.send_button.disabled, self.stop_button.disabled = True, False
+    self.busy.set()
+    self.error = None
+    self.input.value = ""
+    self.send_button.disabled, self.stop_button.disabled = True, False
     self.chat.max_new_tokens, self.chat.temperature = self.max_new_tokens.value, self.temperature.value
     threading.Thread(target=self._answer, args=(text,), daemon=True, name="ilab-chat").start()
 
 # %% ../nbs/42_chat.ipynb #2e5bac03
 @patch(cls_method=True)
 def from_session(cls:ChatBox, session, checkpoint=None, trust_owner: bool = False, **kwargs) -> ChatBox:
-    "A chat box over `session`'s final model or `checkpoint` (step, 'latest' or path); `trust_owner`: as `load_model`'s."
+    """A chat box over `session`'s final model or `checkpoint` (step, 'latest' or path); `trust_owner`: as
+    `load_model`'s."""
     model, tokenizer = session.load_model(checkpoint, trust_owner=trust_owner)
     box = cls(model, tokenizer, title=f"{session.run_id} · {session.model_path(checkpoint).name}", **kwargs)
     box.key = session.run_id                 # `snapshot()` of the session ends it too
@@ -209,13 +231,16 @@ def record_bundle(self:ChatBox) -> dict:
     body = transcript_html(self.chat.messages) or html_of("<i>(no message yet)</i>")
     text = "\n".join(f"{m['role']}> {m['content']}" for m in self.chat.messages)
     from markupsafe import Markup
-    return {"text/html": html_of("<div class='ilab-chat-record' style='max-width:800px'>{}{}</div>", Markup(self.title.value), body),   # the title: made by html_of
+    # the title: made by html_of
+    return {"text/html": html_of("<div class='ilab-chat-record' style='max-width:800px'>{}{}</div>",
+                                 Markup(self.title.value), body),
             "text/plain": (self.title.value and html.unescape(re.sub("<[^>]+>", "", self.title.value)) + "\n") + text}
 
 @patch
 def _ipython_display_(self:ChatBox):
     from ilab_nb.live import show_live
-    self.live = show_live(getattr(self, "key", None) or f"chat-{id(self)}", self, self.record_bundle, ends_with_run=False)
+    self.live = show_live(getattr(self, "key", None) or f"chat-{id(self)}", self, self.record_bundle,
+                          ends_with_run=False)
 
 @patch
 def snapshot(self:ChatBox) -> dict:
@@ -225,14 +250,19 @@ def snapshot(self:ChatBox) -> dict:
 
 # %% ../nbs/42_chat.ipynb #9941fc82
 def _reply(chat, text: str, out):
-    out.write("model> "); out.flush()
+    out.write("model> ")
+    out.flush()
     try:
-        for piece in chat.ask(text): out.write(piece); out.flush()
+        for piece in chat.ask(text):
+            out.write(piece)
+            out.flush()
         for n in chat.notes: out.write(f" [{n}]")
     except KeyboardInterrupt:
-        chat.stop(); out.write(" [stopped]")
+        chat.stop()
+        out.write(" [stopped]")
     except ContextFull as e: out.write(f"[refused: {e}]")
-    out.write("\n"); out.flush()
+    out.write("\n")
+    out.flush()
 
 # %% ../nbs/42_chat.ipynb #139a794c
 def terminal_chat(model, tokenizer, max_new_tokens: int = 128, temperature: float = 0.0, system: str | None = None,
@@ -242,11 +272,16 @@ def terminal_chat(model, tokenizer, max_new_tokens: int = 128, temperature: floa
     chat = Chat(model, tokenizer, system, max_new_tokens, temperature)
     interactive = hasattr(inp, "isatty") and inp.isatty()
     while True:
-        if interactive: out.write("you> "); out.flush()
+        if interactive:
+            out.write("you> ")
+            out.flush()
         line = inp.readline()
         if not line: return 0
         text = line.strip()
         if not text: continue
         if text in ("/quit", "/exit"): return 0
-        if text == "/reset": chat.reset(); out.write("(conversation reset)\n"); continue
+        if text == "/reset":
+            chat.reset()
+            out.write("(conversation reset)\n")
+            continue
         _reply(chat, text, out)

@@ -45,7 +45,8 @@ def _join_files(out_dir: Path):
     shutil.rmtree(out_dir / "sharded", ignore_errors=True)
     files = sorted(out_dir.glob("model-*.safetensors"))
     if len(files) == 1:
-        os.replace(files[0], out_dir / "model.safetensors"); (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
+        os.replace(files[0], out_dir / "model.safetensors")
+        (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
 
 # %% ../nbs/29_checkpoints.ipynb #3c1ca461
 def _save_configs(hf, tokenizer, out_dir: Path):
@@ -59,7 +60,8 @@ def _save_configs(hf, tokenizer, out_dir: Path):
 
 # %% ../nbs/29_checkpoints.ipynb #9079c872
 def save_hf(model, tokenizer, out_dir: Path, env):
-    "Write the model in Hugging Face format from the shards (each rank its slices, rank 0 joins them); every rank must call."
+    """Write the model in Hugging Face format from the shards (each rank its slices, rank 0 joins them); every rank must
+    call."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -69,11 +71,14 @@ def save_hf(model, tokenizer, out_dir: Path, env):
     dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(out_dir), fqn_to_index_mapping=_file_index(sd),
                                                          save_distributed=True, enable_consolidation=True))
     _barrier(env)
-    if env.rank == 0: _join_files(out_dir); _save_configs(hf, tokenizer, out_dir)
+    if env.rank == 0:
+        _join_files(out_dir)
+        _save_configs(hf, tokenizer, out_dir)
 
 # %% ../nbs/29_checkpoints.ipynb #10f2e983
 def save_weights(model, tokenizer, out_dir: Path, env):
-    "The model's files in `out_dir`: the whole model (`save_hf`), or a LoRA model's adapters (peft's format); every rank calls."
+    """The model's files in `out_dir`: the whole model (`save_hf`), or a LoRA model's adapters (peft's format); every
+    rank calls."""
     if not L.is_adapted(unwrap(model)): return save_hf(model, tokenizer, out_dir, env)
     L.save_adapter(unwrap(model), out_dir, env.rank)
     if env.rank == 0: tokenizer.save_pretrained(out_dir)
@@ -87,7 +92,9 @@ def _rng_state(env):
 # %% ../nbs/29_checkpoints.ipynb #bdc7876a
 def _set_rng_state(s, env):
     "Restore `_rng_state`; a GPU state goes to this rank's own GPU (old checkpoints kept a list of every GPU's)."
-    random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
     cuda = s.get("cuda")
     if isinstance(cuda, (list, tuple)): cuda = cuda[env.local_rank] if env.local_rank < len(cuda) else None
     if cuda is not None and env.device_type == "cuda": torch.cuda.set_rng_state(cuda, env.device)
@@ -101,7 +108,8 @@ def _seal(tmp: Path, final: Path, step: int, trainer_state: dict):
     os.replace(tmp, final)
 
 # %% ../nbs/29_checkpoints.ipynb #cc3e1014
-def save_checkpoint(paths: RunPaths, step: int, model, optimizer, scheduler, tokenizer, env, trainer_state: dict) -> Path:
+def save_checkpoint(paths: RunPaths, step: int, model, optimizer, scheduler, tokenizer, env,
+                    trainer_state: dict) -> Path:
     "Write `checkpoints/step-N` atomically: HF model, sharded model+optimizer state, per-rank extras, marker."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -109,13 +117,15 @@ def save_checkpoint(paths: RunPaths, step: int, model, optimizer, scheduler, tok
     if env.rank == 0:
         if tmp.exists(): shutil.rmtree(tmp)
         paths.checkpoints.mkdir(exist_ok=True)              # no parents: a deleted run directory is not re-created
-        tmp.mkdir(); (tmp / "extra").mkdir()
+        tmp.mkdir()
+        (tmp / "extra").mkdir()
     _barrier(env)
     with writing(f"{final}/"):                              # a full disk is named as this checkpoint's
         save_weights(model, tokenizer, tmp, env)
         msd, osd = get_state_dict(model, optimizer)
         dcp.save({"model": L.without_frozen(unwrap(model), msd), "optim": osd}, checkpoint_id=str(tmp / "distributed"))
-        torch.save(dict(scheduler=scheduler.state_dict(), step=step, rng=_rng_state(env)), tmp / "extra" / f"rank-{env.rank}.pt")
+        torch.save(dict(scheduler=scheduler.state_dict(), step=step, rng=_rng_state(env)),
+                   tmp / "extra" / f"rank-{env.rank}.pt")
         _barrier(env)
         if env.rank == 0: _seal(tmp, final, step, trainer_state)
     _barrier(env)
@@ -126,7 +136,9 @@ def prune_checkpoints(paths: RunPaths, limit: int | None):
     "Keep the newest `limit` complete checkpoints (`save_total_limit`); None keeps all."
     if not limit: return []
     old = complete_checkpoints(paths.root)[:-limit]
-    for p in old: (p / CKPT_MARKER).unlink(); shutil.rmtree(p)     # incomplete to any reader before its files go
+    for p in old:   # incomplete to any reader before its files go
+        (p / CKPT_MARKER).unlink()
+        shutil.rmtree(p)
     return old
 
 # %% ../nbs/29_checkpoints.ipynb #57dd5a98
@@ -135,7 +147,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
     ckpt = Path(ckpt)
-    if not (ckpt / CKPT_MARKER).exists(): raise RuntimeError(f"{ckpt} is not a complete checkpoint (no {CKPT_MARKER} marker).")
+    if not (ckpt / CKPT_MARKER).exists():
+        raise RuntimeError(f"{ckpt} is not a complete checkpoint (no {CKPT_MARKER} marker).")
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": L.without_frozen(unwrap(model), msd), "optim": osd}    # a LoRA checkpoint holds no frozen base
     dcp.load(state, checkpoint_id=str(ckpt / "distributed"))
@@ -144,21 +157,25 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     extra_path = ckpt / "extra" / f"rank-{env.rank}.pt"
     if not extra_path.exists(): extra_path = ckpt / "extra" / "rank-0.pt"   # resumed with another world size
     extra = torch.load(extra_path, weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"]); _set_rng_state(extra["rng"], env)
+    scheduler.load_state_dict(extra["scheduler"])
+    _set_rng_state(extra["rng"], env)
     return int(extra["step"])
 
 # %% ../nbs/29_checkpoints.ipynb #74e760aa
 def retarget_schedule(optimizer, scheduler, cfg: TrainConfig) -> float:
-    "After a restore: the config's peak learning rate and this scheduler's shape from the restored step on; returns the lr now."
+    """After a restore: the config's peak learning rate and this scheduler's shape from the restored step on; returns
+    the lr now."""
     scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
     for g, lam in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        g["initial_lr"] = cfg.learning_rate; g["lr"] = cfg.learning_rate * lam(scheduler.last_epoch)
+        g["initial_lr"] = cfg.learning_rate
+        g["lr"] = cfg.learning_rate * lam(scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     return scheduler._last_lr[0]
 
 # %% ../nbs/29_checkpoints.ipynb #213b7dcf
 def write_final(paths: RunPaths, model, tokenizer, env) -> Path:
-    "Every rank: the finished model in Hugging Face format into `final/`'s temporary folder (LoRA: the adapters in its `adapter/`)."
+    """Every rank: the finished model in Hugging Face format into `final/`'s temporary folder (LoRA: the adapters in its
+    `adapter/`)."""
     tmp, final = paths.final_tmp, paths.final
     if env.rank == 0:
         if tmp.exists(): shutil.rmtree(tmp)
@@ -172,7 +189,8 @@ def write_final(paths: RunPaths, model, tokenizer, env) -> Path:
     return tmp
 
 def seal_final(paths: RunPaths, merge: bool = False) -> Path:
-    "Rank 0 alone: the adapters of `final/`'s temporary folder merged into their base (`merge`), then the folder renamed `final/`."
+    """Rank 0 alone: the adapters of `final/`'s temporary folder merged into their base (`merge`), then the folder
+    renamed `final/`."""
     tmp, final = paths.final_tmp, paths.final
     with writing(f"{final}/"):
         if merge: L.merge_adapter(tmp / "adapter", tmp)              # in the base's dtype, in this one process

@@ -27,7 +27,9 @@ def parse_overrides(items) -> dict:
         if isinstance(val, str):          # YAML 1.1 reads 1e-4 as a string
             try: val = float(val)
             except ValueError: pass
-        if k.strip() in out: raise ValueError(f"override {k.strip()!r} is given twice ({k.strip()}={out[k.strip()]!r} and {it!r}); give it once")
+        if k.strip() in out:
+            raise ValueError(f"override {k.strip()!r} is given twice ({k.strip()}={out[k.strip()]!r} and {it!r}); give "
+                             f"it once")
         out[k.strip()] = val
     return out
 
@@ -37,7 +39,8 @@ def _fmt_time(t): return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) i
 # %% ../nbs/63_cli.ipynb #2adc9ecc
 def _fmt_s(s):
     if s is None: return "-"
-    s = int(s); return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 # %% ../nbs/63_cli.ipynb #f413c6ee
 def _lineage_cell(r) -> str:
@@ -86,7 +89,8 @@ def _detail_lines(st: dict) -> list:
 # %% ../nbs/63_cli.ipynb #f706a831
 def format_status(s) -> str:
     "A few lines on where the run of session `s` stands."
-    st, pr = s.state, s.progress(); status = status_of(st)
+    st, pr = s.state, s.progress()
+    status = status_of(st)
     shown = "state unreadable" if status == State.unreadable else status
     lines = [f"run:      {s.run_id}", f"status:   {shown}  (attempt {st.get('attempt', 1)})",
              f"dir:      {s.run_dir}"]
@@ -101,7 +105,8 @@ def _new_lines(path, pos: int) -> tuple:
         with open(path, "rb", opener=no_follow) as f:
             size = f.seek(0, 2)
             if size < pos: pos = 0
-            f.seek(pos); data = f.read()
+            f.seek(pos)
+            data = f.read()
     except OSError: return "", pos
     end = data.rfind(b"\n") + 1
     return data[:end].decode("utf-8", "replace"), pos + end
@@ -115,10 +120,13 @@ def follow_log(s, n=50, rank=None, poll_s=0.5, out=None):
     follow = [paths.supervisor_log] + ([] if rank == "supervisor" else [paths.rank_log(0 if rank is None else rank)])
     pos = {p: (p.stat().st_size if p.exists() else 0) for p in follow}
     while True:
-        status = s.status; done = status in TERMINAL          # read once more after the run ended: its last lines
+        status = s.status   # read once more after the run ended: its last lines
+        done = status in TERMINAL
         for p in follow:
             text, pos[p] = _new_lines(p, pos[p])
-            if text: out.write(text); out.flush()
+            if text:
+                out.write(text)
+                out.flush()
         if done: break
         time.sleep(poll_s)
     st = s.monitor.state()
@@ -160,7 +168,8 @@ def _throughput_lines(tr: list, h: dict) -> list:
 # %% ../nbs/63_cli.ipynb #2e420985
 def demo_summary(s, acc_before, acc_after) -> str:
     "What the demo run changed, from its metrics."
-    m = s.monitor; m.poll()
+    m = s.monitor
+    m.poll()
     tr, ev, h = m.train_records, m.eval_records, m.header or {}
     return "\n".join(f"  {l}" for l in _learning_lines(tr, ev, acc_before, acc_after) + _throughput_lines(tr, h))
 
@@ -168,7 +177,8 @@ def demo_summary(s, acc_before, acc_after) -> str:
 def _wait_foreground(s) -> str:
     try: return s.wait(progress=True)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: stopping run {s.run_id} (a checkpoint is written; resume with: ilab-nb resume {s.run_id})",
+        print(f"\ninterrupted: stopping run {s.run_id} (a checkpoint is written; resume with: ilab-nb resume "
+              f"{s.run_id})",
               file=sys.stderr)
         return s.stop()
 
@@ -181,14 +191,18 @@ def run_demo(path=None, runs_root=None, eval_limit=None, out=None, **overrides) 
     out = out or sys.stdout
     a = demo_assets(path)
     print(f"demo assets in {a.root}", file=out)
-    cfg = {"model": str(a.model_dir), "data": [str(a.train_file)], "eval_data": [str(a.eval_file)], **DEMO_CONFIG, **overrides}
+    cfg = {"model": str(a.model_dir), "data": [str(a.train_file)], "eval_data": [str(a.eval_file)], **DEMO_CONFIG,
+           **overrides}
     s = FineTuneSession(config=cfg, runs_root=runs_root, name="demo")
     before = evaluate_answers(str(a.model_dir), load_tokenizer(a.model_dir), a.eval_file, limit=eval_limit)
     print(f"before: held-out accuracy {before['accuracy']:.1%} on {before['n']} questions", file=out)
-    s.start(); print(f"run {s.run_id} started in {s.run_dir}", file=out); out.flush()
+    s.start()
+    print(f"run {s.run_id} started in {s.run_dir}", file=out)
+    out.flush()
     status = _wait_foreground(s)
     if status != State.completed:
-        print(format_status(s), file=out); return 1
+        print(format_status(s), file=out)
+        return 1
     model, tok = s.load_model()
     after = evaluate_answers(model, tok, a.eval_file, limit=eval_limit)
     print(f"after {s.progress()['step']} steps (run {s.run_id}):", file=out)
@@ -209,20 +223,24 @@ def _command(sub, name, help, run_arg=True):
 
 # %% ../nbs/63_cli.ipynb #36331b35
 def _add_run(sub):
-    c = _command(sub, "run", "start a fine-tuning run from a config file (in the background unless --foreground)", run_arg=False)
+    c = _command(sub, "run", "start a fine-tuning run from a config file (in the background unless --foreground)",
+                 run_arg=False)
     c.add_argument("config", metavar="CONFIG", help="YAML or JSON config file")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="config fields to override")
     c.add_argument("--foreground", action="store_true", help="wait for the run with a progress bar (Ctrl-C stops it)")
-    c.add_argument("--run-id"); c.add_argument("--name", help="a name to put in the generated run id")
+    c.add_argument("--run-id")
+    c.add_argument("--name", help="a name to put in the generated run id")
     c.add_argument("--no-queue", action="store_true", help="fail at once if the devices are busy instead of queueing")
     c.add_argument("--trust-owner", action="store_true", help=_TRUST)
 
 # %% ../nbs/63_cli.ipynb #570013e4
 def _add_watching(sub):
     _command(sub, "ls", "list runs with status and progress", run_arg=False)
-    c = _command(sub, "status", "show where a run stands"); c.add_argument("--json", action="store_true", help="print state.json")
+    c = _command(sub, "status", "show where a run stands")
+    c.add_argument("--json", action="store_true", help="print state.json")
     c = _command(sub, "logs", "print the tail of a run's log (the failing rank's, else rank 0's)")
-    c.add_argument("-n", type=int, default=50, help="lines (default 50)"); c.add_argument("-f", "--follow", action="store_true")
+    c.add_argument("-n", type=int, default=50, help="lines (default 50)")
+    c.add_argument("-f", "--follow", action="store_true")
     c.add_argument("--rank", help="a rank number, or 'supervisor'")
     _command(sub, "watch", "follow a run's progress until it ends")
 
@@ -233,37 +251,46 @@ def _add_control(sub):
     c.add_argument("--no-wait", action="store_true", help="return after asking")
     c = _command(sub, "resume", "continue a run from its latest complete checkpoint (with --set: changed settings)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
-                   help="a setting to change as the run goes on (max_steps, learning_rate, num_processes, ...); repeatable")
+                   help="a setting to change as the run goes on (max_steps, learning_rate, num_processes, ...); "
+                        "repeatable")
     c.add_argument("--foreground", action="store_true")
-    c = _command(sub, "fork", "start a new run from a run's complete checkpoint (weights, optimizer, schedule, data position)")
+    c = _command(sub, "fork", "start a new run from a run's complete checkpoint (weights, optimizer, schedule, data "
+                              "position)")
     c.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
                    help="a setting of the new run that differs (learning_rate, max_steps, ...); repeatable")
-    c.add_argument("--run-id"); c.add_argument("--name", help="a name to put in the generated run id")
+    c.add_argument("--run-id")
+    c.add_argument("--name", help="a name to put in the generated run id")
     c.add_argument("--foreground", action="store_true")
 
 # %% ../nbs/63_cli.ipynb #31a35f47
 def _add_demo_chat(sub):
-    c = _command(sub, "demo", "build the demo model and data, fine-tune in the foreground, print before/after", run_arg=False)
+    c = _command(sub, "demo", "build the demo model and data, fine-tune in the foreground, print before/after",
+                 run_arg=False)
     c.add_argument("--path", help="where to build the demo assets (default: a cache directory)")
     c.add_argument("--eval-limit", type=int, help="evaluate accuracy on at most this many held-out questions")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="config fields to override")
     c = _command(sub, "chat", "chat with a run's model in the terminal (one message per line; /reset, /quit)")
     c.add_argument("--checkpoint", help="a checkpoint step, 'latest', or a model directory (default: the final model)")
-    c.add_argument("--max-new-tokens", type=int, default=128); c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--system", help="a system message for the conversation")
 
 # %% ../nbs/63_cli.ipynb #3dedae8a
 def _add_outputs(sub):
-    _command(sub, "report", "write a run's report.html (its record: status, figures, loss plot, samples) and print its path")
-    c = _command(sub, "eval", "evaluate a run's model beside the model it started from with lm-evaluation-harness tasks")
-    c.add_argument("--tasks", required=True, help="comma-separated: lm-eval task names, or the run's own heldout / heldout_preference")
+    _command(sub, "report", "write a run's report.html (its record: status, figures, loss plot, samples) and print its "
+                            "path")
+    c = _command(sub, "eval", "evaluate a run's model beside the model it started from with lm-evaluation-harness "
+                              "tasks")
+    c.add_argument("--tasks", required=True, help="comma-separated: lm-eval task names, or the run's own heldout / "
+                                                  "heldout_preference")
     c.add_argument("--checkpoint", type=int, help="a checkpoint's step (default: the final model)")
     c.add_argument("--no-base", action="store_true", help="do not evaluate the starting model")
     c.add_argument("--base-model", help="the run's starting model where it is now (it moved since training)")
     c.add_argument("--limit", type=int, help="at most this many documents per task")
     c.add_argument("--foreground", action="store_true", help="wait for it and print the results table")
-    c = _command(sub, "export", "write a run's model as a GGUF file for llama.cpp and Ollama, with an Ollama Modelfile beside it")
+    c = _command(sub, "export", "write a run's model as a GGUF file for llama.cpp and Ollama, with an Ollama Modelfile "
+                                "beside it")
     c.add_argument("--format", default="gguf", help="gguf (default)")
     c.add_argument("--dtype", default="q8_0", help="f32, f16, bf16 or q8_0 (default)")
     c.add_argument("--checkpoint", help="a checkpoint step, 'latest', or a model directory (default: the final model)")
@@ -274,7 +301,8 @@ def _add_outputs(sub):
 
 # %% ../nbs/63_cli.ipynb #ceb077cb
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ilab-nb", description="Background multi-process fine-tuning of Hugging Face causal LMs.")
+    p = argparse.ArgumentParser(prog="ilab-nb", description="Background multi-process fine-tuning of Hugging Face "
+                                                            "causal LMs.")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for add in (_add_run, _add_watching, _add_control, _add_demo_chat, _add_outputs): add(sub)
     return p
@@ -287,18 +315,22 @@ def _fts():
 
 # %% ../nbs/63_cli.ipynb #03081620
 def _waited(s) -> int:
-    status = _wait_foreground(s); print(format_status(s)); return 0 if status == State.completed else 1
+    status = _wait_foreground(s)
+    print(format_status(s))
+    return 0 if status == State.completed else 1
 
 # %% ../nbs/63_cli.ipynb #459e6d2d
 def _cmd_run(a) -> int:
     s = _fts()(config=a.config, runs_root=a.runs_root, run_id=a.run_id, name=a.name, queue=not a.no_queue,
                     trust_owner=getattr(a, "trust_owner", False), **parse_overrides(a.overrides))
-    s.start(); print(f"{s.run_id} started ({s.run_dir})", flush=True)
+    s.start()
+    print(f"{s.run_id} started ({s.run_dir})", flush=True)
     return _waited(s) if a.foreground else 0
 
 # %% ../nbs/63_cli.ipynb #1850c598
 def _cmd_ls(a) -> int:
-    print(format_runs(_fts().list_runs(a.runs_root))); return 0
+    print(format_runs(_fts().list_runs(a.runs_root)))
+    return 0
 
 # %% ../nbs/63_cli.ipynb #eb0ac516
 def _cmd_demo(a) -> int:
@@ -309,7 +341,9 @@ def _attached(a): return _fts().attach(a.run, runs_root=a.runs_root)
 
 # %% ../nbs/63_cli.ipynb #7785b876
 def _cmd_status(a) -> int:
-    s = _attached(a); print(json.dumps(s.state, indent=1) if a.json else format_status(s)); return 0
+    s = _attached(a)
+    print(json.dumps(s.state, indent=1) if a.json else format_status(s))
+    return 0
 
 # %% ../nbs/63_cli.ipynb #085a1070
 def _cmd_logs(a) -> int:
@@ -322,16 +356,22 @@ def _cmd_logs(a) -> int:
 
 # %% ../nbs/63_cli.ipynb #c02d7367
 def _cmd_watch(a) -> int:
-    s = _attached(a); status = s.wait(progress=True); print(format_status(s)); return 0 if status == State.completed else 1
+    s = _attached(a)
+    status = s.wait(progress=True)
+    print(format_status(s))
+    return 0 if status == State.completed else 1
 
 # %% ../nbs/63_cli.ipynb #43ade4b8
 def _cmd_stop(a) -> int:
-    s = _attached(a); status = s.stop(wait=not a.no_wait, grace_s=a.grace, trust_owner=getattr(a, "trust_owner", False))
-    print(f"{s.run_id}: {status}"); return 0
+    s = _attached(a)
+    status = s.stop(wait=not a.no_wait, grace_s=a.grace, trust_owner=getattr(a, "trust_owner", False))
+    print(f"{s.run_id}: {status}")
+    return 0
 
 # %% ../nbs/63_cli.ipynb #972d7410
 def _cmd_resume(a) -> int:
-    s = _attached(a); changes = parse_overrides(a.changes)
+    s = _attached(a)
+    changes = parse_overrides(a.changes)
     s.resume(trust_owner=getattr(a, "trust_owner", False), **changes)
     said = f" with {', '.join(f'{k}={v!r}' for k, v in changes.items())}" if changes else ""
     print(f"{s.run_id} resumed (attempt {s.state.get('attempt')}){said}", flush=True)
@@ -339,7 +379,8 @@ def _cmd_resume(a) -> int:
 
 def _cmd_fork(a) -> int:
     s = _attached(a)
-    f = s.fork(a.step, run_id=a.run_id, name=a.name, trust_owner=getattr(a, "trust_owner", False), **parse_overrides(a.changes))
+    f = s.fork(a.step, run_id=a.run_id, name=a.name, trust_owner=getattr(a, "trust_owner", False),
+               **parse_overrides(a.changes))
     print(f"{f.run_id} forked from {s.run_id} at step {f.state['forked_from']['step']} ({f.run_dir})", flush=True)
     return _waited(f) if a.foreground else 0
 
@@ -356,11 +397,13 @@ def _cmd_chat(a) -> int:
 
 # %% ../nbs/63_cli.ipynb #9693df75
 def _cmd_report(a) -> int:
-    print(_attached(a).report(trust_owner=getattr(a, "trust_owner", False)).path); return 0
+    print(_attached(a).report(trust_owner=getattr(a, "trust_owner", False)).path)
+    return 0
 
 
 def _cmd_export(a) -> int:
-    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile, base_model=getattr(a, "base_model", None),
+    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile,
+                            base_model=getattr(a, "base_model", None),
                             overwrite=getattr(a, "overwrite", False), trust_owner=getattr(a, "trust_owner", False))
     print(f)
     if f.modelfile: print(f"Ollama: ollama create {Path(f).stem.lower()} -f {f.modelfile}")
@@ -369,10 +412,12 @@ def _cmd_export(a) -> int:
 
 def _cmd_eval(a) -> int:
     ev = _attached(a).evaluate([t.strip() for t in a.tasks.split(",") if t.strip()], checkpoint=a.checkpoint,
-                               base=not a.no_base, limit=a.limit, base_model=getattr(a, "base_model", None), trust_owner=getattr(a, "trust_owner", False))
+                               base=not a.no_base, limit=a.limit, base_model=getattr(a, "base_model", None),
+                               trust_owner=getattr(a, "trust_owner", False))
     print(f"{ev.eval_id} queued ({ev.dir})", flush=True)
     if not a.foreground: return 0
-    status = ev.wait(); print(f"{ev.eval_id}: {status}" + (f": {ev.reason}" if ev.reason else ""))
+    status = ev.wait()
+    print(f"{ev.eval_id}: {status}" + (f": {ev.reason}" if ev.reason else ""))
     if status == State.completed: print(ev.results().to_string(index=False))
     return 0 if status == State.completed else 1
 
@@ -390,7 +435,8 @@ def main(argv=None) -> int:
     if extra: a.overrides = a.overrides + extra
     try: return COMMANDS[a.cmd](a)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as e:
-        print(f"ilab-nb {a.cmd}: error: {e}", file=sys.stderr); return 2
+        print(f"ilab-nb {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 # %% ../nbs/63_cli.ipynb #0eee40bf
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs

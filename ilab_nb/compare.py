@@ -29,13 +29,16 @@ def _as_monitor(run):
         return RunMonitor(run.run_dir)
     if isinstance(run, (str, Path)):
         if not Path(run).is_dir():
-            raise FileNotFoundError(f"compare(): {run} is not a run directory; pass sessions, RunMonitors or run directory paths.")
+            raise FileNotFoundError(f"compare(): {run} is not a run directory; pass sessions, RunMonitors or run "
+                                    f"directory paths.")
         return RunMonitor(run)
-    raise TypeError(f"compare() cannot read a run from {type(run).__name__}; pass sessions, RunMonitors or run directory paths.")
+    raise TypeError(f"compare() cannot read a run from {type(run).__name__}; pass sessions, RunMonitors or run "
+                    f"directory paths.")
 
 # %% ../nbs/43_compare.ipynb #b5e4e661
 class LossComparison:
-    "Overlaid loss curves of several runs: displays as PNG in a notebook, as a table in a terminal; `.figure` is the Figure."
+    """Overlaid loss curves of several runs: displays as PNG in a notebook, as a table in a terminal; `.figure` is the
+    Figure."""
 
     def __init__(self, figure: Figure, summary: list[dict]):
         self.figure, self.summary = figure, summary
@@ -57,7 +60,8 @@ def __repr__(self:LossComparison):
     evals = sorted({k for r in self.summary for k in r if "/" in k})          # evaluation scores, `task/metric`
     rows = [f"{'run':<28} {'steps':>7} {'final loss':>11} {'best eval':>10}" + "".join(f" {k:>24}" for k in evals)]
     rows += [f"{r['label'][:28]:<28} {r['steps']:>7} {format_number(r['final_loss'], '.4f'):>11} "
-             f"{format_number(r['best_eval_loss'], '.4f'):>10}" + "".join(f" {format_number(r.get(k), '.4f'):>24}" for k in evals)
+             f"{format_number(r['best_eval_loss'], '.4f'):>10}" + "".join(f" {format_number(r.get(k), '.4f'):>24}"
+                                                                          for k in evals)
              for r in self.summary]
     return "\n".join(rows)
 
@@ -68,8 +72,11 @@ def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
     m.poll()
     c = run_curves(m.records)
     fork = read_json(RunPaths(m.run_dir).fork, None)
-    if fork and Path(fork["run_dir"]).resolve() not in {Path(d).resolve() for d in shown} and Path(fork["run_dir"]).is_dir():
-        p = RunMonitor(fork["run_dir"]); p.poll(); pc = run_curves(p.records)
+    if fork and Path(fork["run_dir"]).resolve() not in {Path(d).resolve()
+                                                        for d in shown} and Path(fork["run_dir"]).is_dir():
+        p = RunMonitor(fork["run_dir"])
+        p.poll()
+        pc = run_curves(p.records)
         upto = [(k, v) for k, v in zip(pc["steps"], pc["loss"]) if k <= fork["step"]]
         ax.plot([k for k, _ in upto], [v for _, v in upto], color=col, lw=1.2, ls="--", alpha=0.7)
     changed = sorted({h["resumed_from_step"] for h in m.records if h.get("kind") == "header" and h.get("changes")}
@@ -81,8 +88,10 @@ def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
         ax.plot(c["eval_steps"], c["eval_loss"], "o--", color=col, lw=1, ms=5, alpha=0.9)
     finite = [v for v in c["eval_loss"] if math.isfinite(v)]
     return {"label": label, "run_id": m.run_id, "steps": c["steps"][-1] if c["steps"] else 0,
-            "final_loss": c["loss"][-1] if c["loss"] else math.nan, "best_eval_loss": min(finite) if finite else math.nan,
-            "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed, **_scores(m.run_dir)}
+            "final_loss": c["loss"][-1] if c["loss"] else math.nan,
+            "best_eval_loss": min(finite) if finite else math.nan,
+            "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed,
+            **_scores(m.run_dir)}
 
 def _scores(run_dir) -> dict:
     "The run's newest evaluation's scores (16_evaluations' `latest_scores`): what `compare()` sets beside the curves."
@@ -113,6 +122,7 @@ def compare(runs, labels=None, smooth: float = 0.6, width_in: float = 9.0, heigh
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     shown = [m.run_dir for m in monitors]
-    summary = [_plot_run(ax, m, label, _COLOURS[i % len(_COLOURS)], smooth, shown) for i, (m, label) in enumerate(zip(monitors, labels))]
+    summary = [_plot_run(ax, m, label, _COLOURS[i % len(_COLOURS)], smooth, shown) for i,
+               (m, label) in enumerate(zip(monitors, labels))]
     _style_comparison(ax)
     return LossComparison(fig, summary)

@@ -42,7 +42,8 @@ class ConfigError(ValueError):
         self.errors, self.source, self.key_lines = list(errors), source, dict(key_lines or {})
         lines = []
         for e in self.errors:
-            line = self.key_lines.get(e.get("at")) or self.key_lines.get(e.get("field"))   # `at`: the key inside a field
+            # `at`: the key inside a field
+            line = self.key_lines.get(e.get("at")) or self.key_lines.get(e.get("field"))
             where = f" (line {line})" if line else ""
             lines.append(f"{e['msg']}{where}" if e["type"] in ("unknown_field", "file")
                          else f"{e['field'] or 'config'}: {e['msg']}{where}")
@@ -72,7 +73,8 @@ def _yaml_key_lines(text: str) -> dict[str, int]:
 # %% ../nbs/12_config.ipynb #2043aff6
 def _yaml_duplicate(node, prefix: str = "") -> tuple | None:
     "The first key given twice in one mapping of a composed YAML document: `(key, first line, second line)`, or None."
-    if isinstance(node, yaml.SequenceNode): return next(filter(None, (_yaml_duplicate(v, prefix) for v in node.value)), None)
+    if isinstance(node, yaml.SequenceNode):
+        return next(filter(None, (_yaml_duplicate(v, prefix) for v in node.value)), None)
     if not isinstance(node, yaml.MappingNode): return None
     seen = {}
     for k, v in node.value:
@@ -133,8 +135,9 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
         lines = _json_key_lines(text)
     else:
         raise _file_error(path, f"{path}: unknown config file type '{p.suffix}'; use .yaml, .yml or .json")
-    if dup: raise _file_error(path, f"{path}, line {dup[2]}: '{dup[0]}' is given twice (first on line {dup[1]}); only one "
-                               "would be used, so remove the other")
+    if dup:
+        raise _file_error(path, f"{path}, line {dup[2]}: '{dup[0]}' is given twice (first on line {dup[1]}); only one "
+                           "would be used, so remove the other")
     if d is None: d = {}
     if not isinstance(d, dict):
         raise _file_error(path, f"{path}: the top level must be a mapping of field: value, not {type(d).__name__}")
@@ -142,7 +145,8 @@ def _read_config_file(path, fmt: str | None = None) -> tuple[dict, dict[str, int
 
 # %% ../nbs/12_config.ipynb #78b9d601
 def config_line(path, key: str, overrides=()) -> int | None:
-    "The line of `key` (a field or a dotted `lora.r`: its own line, else its field's) in the config file `path`; None if overridden."
+    """The line of `key` (a field or a dotted `lora.r`: its own line, else its field's) in the config file `path`; None
+    if overridden."""
     if key.split(".")[0] in overrides: return None
     try: lines = _read_config_file(path)[1]
     except ConfigError: return None
@@ -169,7 +173,8 @@ def _memory_kind(v) -> str | None:
     if ds is None: return None
     if isinstance(v, ds.Dataset): return "Dataset"
     if isinstance(v, ds.DatasetDict):
-        raise ValueError(f"a DatasetDict with splits {list(v)}; give one split, e.g. data=dd['train'], eval_data=dd['test']")
+        raise ValueError(f"a DatasetDict with splits {list(v)}; give one split, e.g. data=dd['train'], "
+                         f"eval_data=dd['test']")
     if isinstance(v, ds.IterableDataset):
         raise ValueError("a streamed IterableDataset cannot be validated before the run; materialize it first, "
                          "e.g. datasets.Dataset.from_list(list(it.take(n)))")
@@ -189,16 +194,19 @@ def data_sources(v, field: str = "data") -> list:
     for i, x in enumerate(v):
         if isinstance(x, (str, InMemoryData)): out.append(x)
         elif isinstance(x, os.PathLike): out.append(os.fspath(x))
-        elif (kind := _memory_kind(x)) is not None: out.append(InMemoryData(x, kind, f"{label}{kind} (item {i} of the list)"))
-        else: raise ValueError(f"item {i} of the list is {type(x).__name__}; give file paths, glob patterns, directories, "
-                               "a datasets.Dataset, a pandas DataFrame or a list of dicts")
+        elif (kind := _memory_kind(x)) is not None:
+            out.append(InMemoryData(x, kind, f"{label}{kind} (item {i} of the list)"))
+        else:
+            raise ValueError(f"item {i} of the list is {type(x).__name__}; give file paths, glob patterns, "
+                             f"directories, a datasets.Dataset, a pandas DataFrame or a list of dicts")
     return out
 
 # %% ../nbs/12_config.ipynb #8ea8403f
 DataSources = Annotated[list[str | InMemoryData], BeforeValidator(lambda v, info: data_sources(v, info.field_name))]
 
 # %% ../nbs/12_config.ipynb #219c7503
-_TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+_TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
+                    "wandb": ("wandb", "wandb")}
 
 def _check_trackers_installed(names: list[str]) -> list[str]:
     "`names` if every tracker's package is importable, else a ValueError saying which extra to install."
@@ -206,7 +214,8 @@ def _check_trackers_installed(names: list[str]) -> list[str]:
     missing = [n for n in names if importlib.util.find_spec(_TRACKER_MODULES[n][0]) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)} asked for but not installed; install it with "
-                         f"pip install 'ilab_nb[{','.join(_TRACKER_MODULES[n][1] for n in missing)}]', or drop it from report_to")
+                         f"pip install 'ilab_nb[{','.join(_TRACKER_MODULES[n][1] for n in missing)}]', or drop it from "
+                         f"report_to")
     if len(set(names)) != len(names): raise ValueError("a tracker is named twice")
     return names
 
@@ -220,7 +229,8 @@ def _check_eval_prompts(prompts):
             continue
         roles = [m.get("role") for m in p]
         if not p or any(r not in ("system", "user", "assistant") for r in roles) or any("content" not in m for m in p):
-            raise ValueError(f"prompt {i} must be a string or a list of {{'role': system|user|assistant, 'content': ...}} messages")
+            raise ValueError(f"prompt {i} must be a string or a list of {{'role': system|user|assistant, 'content': "
+                             f"...}} messages")
         if roles[-1] != "user": raise ValueError(f"prompt {i} must end with a user message (the model answers it)")
     return prompts
 
@@ -235,15 +245,16 @@ class SlurmOptions(BaseModel):
     account: str | None = Field(None, description="Account to charge (-A).")
     time: str | None = Field(None, description="Time limit (-t), in SLURM's form: minutes, MM:SS, HH:MM:SS, D-HH:MM.")
     nodes: int | None = Field(None, ge=1, description="Nodes (-N); None = num_machines.")
-    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node (--gpus-per-node); then num_processes = nodes x GPUs.")
+    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node (--gpus-per-node); then num_processes = "
+                                                              "nodes x GPUs.")
     cpus_per_task: int | None = Field(None, ge=1, description="CPUs for each node's task (--cpus-per-task).")
     mem: str | None = Field(None, description="Memory per node (--mem), e.g. '64G'.")
     qos: str | None = Field(None, description="Quality of service (--qos).")
     sbatch_lines: list[str] = Field([], description="Extra #SBATCH options, e.g. ['--exclusive', '--constraint=a100'].")
     setup: list[str] = Field([], description="Shell lines run before training on the head node and on every node "
                                              "(module load, venv activate).")
-    requeue: bool = Field(False, description="Let SLURM requeue the job on preemption or node failure; it resumes from the "
-                                             "latest complete checkpoint.")
+    requeue: bool = Field(False, description="Let SLURM requeue the job on preemption or node failure; it resumes from "
+                                             "the latest complete checkpoint.")
     python: str | None = Field(None, description="Python on the nodes; None = the interpreter that submits the job.")
 
     @field_validator("sbatch_lines", "setup", mode="before")
@@ -262,24 +273,27 @@ def _machine_problems(c) -> list:
     "Cross-field problems of the multi-machine and SLURM fields of config `c`: `[(field, message)]`."
     p, m = [], c.num_machines
     if c.num_processes % m:
-        p.append(("num_processes", f"num_processes={c.num_processes} is the total over num_machines={m} machines and must split "
-                  f"evenly; use a multiple of {m}"))
+        p.append(("num_processes", f"num_processes={c.num_processes} is the total over num_machines={m} machines and "
+                  f"must split evenly; use a multiple of {m}"))
     if c.machine_rank >= m: p.append(("machine_rank", f"machine_rank={c.machine_rank} must be below num_machines={m}"))
-    if m > 1 and c.strategy == "single": p.append(("strategy", "'single' runs one process; several machines need fsdp or ddp"))
+    if m > 1 and c.strategy == "single":
+        p.append(("strategy", "'single' runs one process; several machines need fsdp or ddp"))
     if m > 1 and c.backend == "local" and not c.main_process_ip:
-        p.append(("main_process_ip", f"num_machines={m} needs the address of the machine of rank 0 (or backend='slurm', "
-                  "which takes it from the allocation)"))
+        p.append(("main_process_ip", f"num_machines={m} needs the address of the machine of rank 0 (or "
+                  f"backend='slurm', which takes it from the allocation)"))
     if c.slurm is not None and c.backend != "slurm":
         p.append(("slurm", "SLURM options are given but backend is 'local'; set backend='slurm' or drop slurm"))
     if c.backend == "slurm" and c.eval_tasks:
-        p.append(("eval_tasks", "runs on this machine's device queue when a local run completes, and a SLURM run's job ends "
-                  "without it; evaluate the completed run with FineTuneSession.evaluate(tasks) or `ilab-nb eval RUN --tasks ...`"))
+        p.append(("eval_tasks", "runs on this machine's device queue when a local run completes, and a SLURM run's job "
+                  "ends without it; evaluate the completed run with FineTuneSession.evaluate(tasks) or `ilab-nb eval "
+                  "RUN --tasks ...`"))
     if c.slurm is not None and c.slurm.nodes is not None and c.slurm.nodes != m:
         p.append(("slurm", f"slurm.nodes={c.slurm.nodes} but num_machines={m}: one SLURM node is one machine; "
                   f"set num_machines={c.slurm.nodes}"))
     if c.slurm is not None and c.slurm.gpus_per_node and c.num_processes != m * c.slurm.gpus_per_node:
-        p.append(("num_processes", f"num_processes={c.num_processes} but {m} node(s) x slurm.gpus_per_node={c.slurm.gpus_per_node} "
-                  f"= {m * c.slurm.gpus_per_node} GPUs: one process per GPU; set num_processes={m * c.slurm.gpus_per_node}"))
+        p.append(("num_processes", f"num_processes={c.num_processes} but {m} node(s) x "
+                  f"slurm.gpus_per_node={c.slurm.gpus_per_node} = {m * c.slurm.gpus_per_node} GPUs: one process per "
+                  f"GPU; set num_processes={m * c.slurm.gpus_per_node}"))
     return p
 
 # %% ../nbs/12_config.ipynb #d392f141
@@ -372,7 +386,8 @@ class _MemoryFields(_FieldGroup):
         "CUDA only."))
     torch_compile: bool = Field(False, description=(
         "Compile each transformer block with torch.compile (faster steps after a compile at start-up)."))
-    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flex_attention"] = Field("auto", description=(
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flex_attention"] = Field("auto",
+            description=(
         "The attention to build the model with (transformers' names): eager, sdpa, flash_attention_2, "
         "flex_attention, or auto (what the model's class supports: sdpa, else eager; packed rows get packed "
         "attention where there is a kernel)."))
@@ -484,16 +499,20 @@ def _distinct_gpus(v):
 # %% ../nbs/12_config.ipynb #2b20bbfb
 _LORA_REFUSED = {
     "task_type": "a causal LM always gets CAUSAL_LM",
-    "modules_to_save": "fully trained extra modules (embeddings, head) are not supported with lora= yet; train every weight instead",
+    "modules_to_save": "fully trained extra modules (embeddings, head) are not supported with lora= yet; train every "
+                       "weight instead",
     "use_dora": "DoRA's magnitude vectors are not supported with lora= yet",
-    "bias": None,                      # only its default, "none": trainable biases would sit in the frozen base's FSDP units
-    "init_lora_weights": None,         # True, False or "gaussian": the others (pissa, olora, loftq, ...) read the base's weights
+    # only its default, "none": trainable biases would sit in the frozen base's FSDP units
+    "bias": None,
+    # True, False or "gaussian": the others (pissa, olora, loftq, ...) read the base's weights
+    "init_lora_weights": None,
 }
 
 _LORA_INTERNAL = {"peft_type", "peft_version", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping"}
 _LORA_COMMON = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
 _LORA_ALIASES = {"rank": "r", "lora_r": "r", "lora_rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
-                 "target": "target_modules", "lora_target": "target_modules", "targets": "target_modules"}  # other tools' names
+                 # other tools' names
+                 "target": "target_modules", "lora_target": "target_modules", "targets": "target_modules"}
 
 def _lora_problem(key: str, msg: str) -> PydanticCustomError:
     "A problem with the key `key` of `lora=`: a ValueError whose message is `msg`, naming the key for the file's line."
@@ -506,9 +525,11 @@ def _lora_fields(v):
     from dataclasses import fields
     from peft import LoraConfig
     if isinstance(v, LoraConfig):
-        v = {f.name: getattr(v, f.name) for f in fields(LoraConfig) if f.init and getattr(v, f.name) != getattr(LoraConfig(), f.name)}
+        v = {f.name: getattr(v, f.name) for f in fields(LoraConfig) if f.init
+             and getattr(v, f.name) != getattr(LoraConfig(), f.name)}
         v.pop("task_type", None)
-    if not isinstance(v, dict): raise ValueError("must be a mapping of peft.LoraConfig fields, e.g. lora={'r': 16}, or a peft.LoraConfig")
+    if not isinstance(v, dict):
+        raise ValueError("must be a mapping of peft.LoraConfig fields, e.g. lora={'r': 16}, or a peft.LoraConfig")
     known = sorted(f.name for f in fields(LoraConfig) if f.init and f.name not in _LORA_INTERNAL)
     for k in v:
         if k in known: continue
@@ -517,14 +538,16 @@ def _lora_fields(v):
                             f" (e.g. {', '.join(_LORA_COMMON)}; see peft.LoraConfig)"))
     if v.get("bias", "none") != "none": raise _lora_problem("bias", "bias: only 'none' (the base's biases stay frozen)")
     if v.get("layers_to_transform") is not None and isinstance(v.get("target_modules", "all-linear"), str):
-        raise _lora_problem("layers_to_transform", "layers_to_transform needs target_modules as a list of layer names, e.g. "
-                            "['q_proj', 'v_proj'] (peft cannot limit a pattern such as the default 'all-linear' to some layers)")
+        raise _lora_problem("layers_to_transform", "layers_to_transform needs target_modules as a list of layer names, "
+                            "e.g. ['q_proj', 'v_proj'] (peft cannot limit a pattern such as the default 'all-linear' "
+                            "to some layers)")
     if v.get("init_lora_weights", True) not in (True, False, "gaussian"):
-        raise _lora_problem("init_lora_weights", f"init_lora_weights={v['init_lora_weights']!r}: use True, False or 'gaussian' "
-                            "(the others read the base's weights)")
+        raise _lora_problem("init_lora_weights", f"init_lora_weights={v['init_lora_weights']!r}: use True, False or "
+                            f"'gaussian' (the others read the base's weights)")
     for k, why in _LORA_REFUSED.items():
         if why and k in v and v[k] not in (None, False): raise _lora_problem(k, f"{k}: {why}")
-    for k, ok, want in (("r", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "a whole number >= 1"),
+    for k, ok, want in (("r", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1,
+                         "a whole number >= 1"),
                         ("lora_alpha", lambda x: isinstance(x, (int, float)) and x > 0, "a number > 0"),
                         ("lora_dropout", lambda x: isinstance(x, (int, float)) and 0 <= x < 1, "in [0, 1)")):
         if k in v and not ok(v[k]): raise _lora_problem(k, f"{k}={v[k]!r}: must be {want}")
@@ -536,7 +559,8 @@ def _lora_fields(v):
 # %% ../nbs/12_config.ipynb #562ac8e2
 def _existing_file(v):
     if v is not None and not Path(v).expanduser().is_file():
-        raise ValueError(f"file not found (looked in {Path.cwd()}); give the path of an existing accelerate config YAML")
+        raise ValueError(f"file not found (looked in {Path.cwd()}); give the path of an existing accelerate config "
+                         f"YAML")
     return v
 
 # %% ../nbs/12_config.ipynb #b4829517
@@ -544,12 +568,14 @@ def _device_problems(c) -> list:
     "Problems of the strategy, the number of processes and the GPU indices taken together."
     p = []
     if c.strategy == "single" and c.num_processes != 1:
-        p.append(("strategy", f"'single' runs one process but num_processes is {c.num_processes}; use fsdp or ddp, or num_processes=1"))
+        p.append(("strategy", f"'single' runs one process but num_processes is {c.num_processes}; use fsdp or ddp, or "
+                              f"num_processes=1"))
     if c.strategy == "ddp" and c.num_processes < 2:
         p.append(("strategy", "'ddp' needs num_processes >= 2; use strategy='single' for one process"))
     if c.devices is not None:
         if len(c.devices) != c.num_processes:
-            p.append(("devices", f"{len(c.devices)} GPU indices given for num_processes={c.num_processes}; give one per process"))
+            p.append(("devices", f"{len(c.devices)} GPU indices given for num_processes={c.num_processes}; give one "
+                                 f"per process"))
         if c.device == "cpu":
             p.append(("devices", "GPU indices given but device is 'cpu'; use device='cuda' or 'auto', or drop devices"))
     return p
@@ -572,15 +598,18 @@ def config_problems(c) -> list:
     if c.eval_data is not None and c.eval_split > 0:
         p.append(("eval_split", "set either eval_data or eval_split, not both"))
     if c.eval_steps is not None and c.eval_data is None and c.eval_split == 0 and not c.eval_prompts:
-        p.append(("eval_steps", "there is no eval data to evaluate: set eval_data, eval_split or eval_prompts, or leave eval_steps unset"))
+        p.append(("eval_steps", "there is no eval data to evaluate: set eval_data, eval_split or eval_prompts, or "
+                                "leave eval_steps unset"))
     p += _device_problems(c)
     if c.warmup_steps > 0 and c.warmup_ratio > 0:
         p.append(("warmup_ratio", "set either warmup_steps or warmup_ratio, not both"))
     if (c.warmup_steps > 0 or c.warmup_ratio > 0) and c.lr_scheduler_type == "constant":
-        p.append(("lr_scheduler_type", "'constant' has no warm-up; use 'constant_with_warmup' or drop warmup_steps/warmup_ratio"))
+        p.append(("lr_scheduler_type", "'constant' has no warm-up; use 'constant_with_warmup' or drop "
+                                       "warmup_steps/warmup_ratio"))
     if c.max_seq_len > c.max_tokens_per_batch:
-        p.append(("max_seq_len", f"max_seq_len ({c.max_seq_len}) must be <= max_tokens_per_batch ({c.max_tokens_per_batch}): "
-                  "a micro-batch must hold the longest sample; raise max_tokens_per_batch or lower max_seq_len"))
+        p.append(("max_seq_len", f"max_seq_len ({c.max_seq_len}) must be <= max_tokens_per_batch "
+                  f"({c.max_tokens_per_batch}): a micro-batch must hold the longest sample; raise max_tokens_per_batch "
+                  f"or lower max_seq_len"))
     if c.cpu_offload and c.strategy != "fsdp":
         p.append(("cpu_offload", f"offloading moves FSDP's shards to host memory; strategy is {c.strategy!r}: "
                   "use strategy='fsdp' or drop cpu_offload"))
@@ -616,7 +645,8 @@ class TrainConfig(_Fields):
         old = self.__dict__.get(name)
         try: super().__setattr__(name, value)
         except ValidationError as e:
-            if name in self.__dict__: self.__dict__[name] = old   # pydantic keeps the value when a model validator fails
+            # pydantic keeps the value when a model validator fails
+            if name in self.__dict__: self.__dict__[name] = old
             raise ConfigError.from_validation_error(e) from None
 
 # %% ../nbs/12_config.ipynb #2c6171d9
@@ -630,7 +660,8 @@ TrainConfig.__doc__ += "\n\n" + fields_table(TrainConfig)
 
 # %% ../nbs/12_config.ipynb #b609b6dc
 @patch(cls_method=True)
-def from_validation_error(cls:ConfigError, err: ValidationError, source: str | None = None, key_lines=None) -> "ConfigError":
+def from_validation_error(cls:ConfigError, err: ValidationError, source: str | None = None,
+                          key_lines=None) -> "ConfigError":
     "Translate pydantic's errors into `field: message` problems."
     valid = list(TrainConfig.model_fields)
     out = []
@@ -638,11 +669,13 @@ def from_validation_error(cls:ConfigError, err: ValidationError, source: str | N
         field = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             names = [f"slurm.{k}" for k in SlurmOptions.model_fields] if field.startswith("slurm.") else valid
-            out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, names), input=e.get("input")))
+            out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, names),
+                            input=e.get("input")))
         elif e["type"] == "config_conflict":   # raised by TrainConfig._check_combinations: one entry per problem
             out += [dict(field=f, type="conflict", msg=m, input=None) for f, m in e["ctx"]["problems"]]
         elif e["type"] == "lora_field":       # a key inside lora=: its own line in a file
-            out.append(dict(field=field, at=f"{field}.{e['ctx']['key']}", type=e["type"], msg=e["ctx"]["msg"], input=None))
+            out.append(dict(field=field, at=f"{field}.{e['ctx']['key']}", type=e["type"], msg=e["ctx"]["msg"],
+                            input=None))
         elif e["type"] == "missing":
             desc = TrainConfig.model_fields[field].description if field in TrainConfig.model_fields else ""
             out.append(dict(field=field, type="missing", msg=f"required field is missing ({desc})", input=None))
@@ -659,7 +692,8 @@ def from_validation_error(cls:ConfigError, err: ValidationError, source: str | N
 def from_dict(cls:TrainConfig, d: dict, source: str | None = None) -> TrainConfig:
     "Build a config from a mapping; `source` (e.g. a file name) is named in errors."
     if not isinstance(d, dict):
-        raise ConfigError([dict(field=None, type="file", msg=f"a config must be a mapping, not {type(d).__name__}", input=None)], source)
+        raise ConfigError([dict(field=None, type="file", msg=f"a config must be a mapping, not {type(d).__name__}",
+                                input=None)], source)
     try: return cls(**{str(k): v for k, v in d.items()})
     except ConfigError as e: raise ConfigError(e.errors, source) from None
 
@@ -674,7 +708,8 @@ def from_kwargs(cls:TrainConfig, **kw: Any) -> TrainConfig:
 def from_file(cls:TrainConfig, path: str | os.PathLike, **overrides: Any) -> TrainConfig:
     "Load a YAML or JSON config file; keyword `overrides` replace the file's values."
     d, lines = _read_config_file(path)
-    lines = {k: n for k, n in lines.items() if k.split(".")[0] not in overrides}   # an override's error is not the file's
+    # an override's error is not the file's
+    lines = {k: n for k, n in lines.items() if k.split(".")[0] not in overrides}
     try: return cls.from_dict({**d, **overrides})
     except ConfigError as e: raise ConfigError(e.errors, str(path), lines) from None
 
@@ -720,22 +755,27 @@ def load_config(x: "TrainConfig | dict | str | os.PathLike", **overrides: Any) -
     if isinstance(x, dict): return TrainConfig.from_dict({**x, **overrides})
     if isinstance(x, (str, os.PathLike)): return TrainConfig.from_file(x, **overrides)
     raise ConfigError([dict(field=None, type="file", input=None,
-                            msg=f"cannot make a config from {type(x).__name__}; give a TrainConfig, a dict or a file path")])
+                            msg=f"cannot make a config from {type(x).__name__}; give a TrainConfig, a dict or a file "
+                                f"path")])
 
 # %% ../nbs/12_config.ipynb #38c897bc
-RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
+RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps",
+                     "warmup_ratio",
                      "max_grad_norm", "gradient_accumulation_steps", "skip_nonfinite_steps", "attn_implementation",
                      "num_processes", "devices", "oversubscribe_cpus", "ignore_memory_estimate", "num_machines",
-                     "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "ddp_timeout", "slurm", "launcher_args",
+                     "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "ddp_timeout", "slurm",
+                     "launcher_args",
                      "accelerate_config",
-                     "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps", "save_total_limit",
+                     "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps",
+                     "save_total_limit",
                      "logging_steps", "logging_dir", "report_to", "merge_lora")
 
 _MEANS = {   # why a field may not change on a resume: what the checkpoint holds
     "the checkpoint holds this model's weights": ("model", "trust_remote_code"),
     "the checkpoint holds adapters of this shape": ("lora",),
     "the checkpoint's data position counts the samples of this data, split, tokenized and batched this way":
-        ("data", "eval_data", "eval_split", "seed", "max_seq_len", "long_sequence_policy", "max_tokens_per_batch", "batching"),
+        ("data", "eval_data", "eval_split", "seed", "max_seq_len", "long_sequence_policy", "max_tokens_per_batch",
+         "batching"),
     "the optimizer state (and DPO's reference log-probabilities) belong to this training method":
         ("method", "beta", "loss_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
     "the model and optimizer state were sharded and cast for this strategy, precision and device":
@@ -746,19 +786,22 @@ RESUME_REFUSED = {f: why for why, fs in _MEANS.items() for f in fs}
 
 # %% ../nbs/12_config.ipynb #54bf4d23
 def _global_batch_problem(old: TrainConfig, new: TrainConfig, changes: dict, what: str) -> dict | None:
-    "The problem when `changes` change the micro-batches of a step (processes x accumulation) without naming the accumulation."
+    """The problem when `changes` change the micro-batches of a step (processes x accumulation) without naming the
+    accumulation."""
     a, b = old.num_processes * old.gradient_accumulation_steps, new.num_processes * new.gradient_accumulation_steps
     if a == b or "gradient_accumulation_steps" in changes: return None
     keep = (f"gradient_accumulation_steps={a // new.num_processes} keeps it" if a % new.num_processes == 0
             else f"no whole gradient_accumulation_steps keeps it on {new.num_processes} processes")
     return dict(field="num_processes", type="resume", input=new.num_processes,
-                msg=f"{what} with num_processes={new.num_processes} (was {old.num_processes}) would change the global batch from "
-                    f"{a} to {b} micro-batches per optimizer step: {keep}; give gradient_accumulation_steps too, to say which you want")
+                msg=f"{what} with num_processes={new.num_processes} (was {old.num_processes}) would change the global "
+                    f"batch from {a} to {b} micro-batches per optimizer step: {keep}; give gradient_accumulation_steps "
+                    f"too, to say which you want")
 
 # %% ../nbs/12_config.ipynb #9bcfb202
 def with_changes(cfg: TrainConfig, changes: dict, what: str = "resume", refused=None) -> tuple[TrainConfig, dict]:
     """`cfg` with `changes` applied and `{field: [old, new]}` of those that differ; a refused or invalid change raises
-    ConfigError. `refused`: the fields that may not change (`RESUME_REFUSED`; none when there is no checkpoint to honour)."""
+    ConfigError. `refused`: the fields that may not change (`RESUME_REFUSED`; none when there is no checkpoint to
+    honour)."""
     refused = RESUME_REFUSED if refused is None else refused
     old = cfg.model_dump(mode="json")
     if unknown := [k for k in changes if k not in TrainConfig.model_fields]:

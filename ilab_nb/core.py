@@ -77,7 +77,8 @@ def writing(path):
 @contextmanager
 def gc_paused():
     "The cyclic garbage collector off inside the block (also a decorator), back as it was after."
-    was = gc.isenabled(); gc.disable()
+    was = gc.isenabled()
+    gc.disable()
     try: yield
     finally:
         if was: gc.enable()
@@ -89,7 +90,8 @@ def no_hf_progress_bars():
     import datasets
     from transformers.utils import logging as hf_logging
     was = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar(); datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
     try: yield
     finally:
         if was[0]: hf_logging.enable_progress_bar()
@@ -103,4 +105,5 @@ def size_text(n: float) -> str:
 
 def count_text(n: float) -> str:
     "A parameter count at its scale: `1.24B`, `7.0M`, `512K`, `96`."
-    return next((f"{n / d:.{k}f}{u}" for u, d, k in (("B", 1e9, 2), ("M", 1e6, 1), ("K", 1e3, 0)) if n >= d), f"{n:.0f}")
+    return next((f"{n / d:.{k}f}{u}" for u, d, k in (("B", 1e9, 2), ("M", 1e6, 1), ("K", 1e3, 0)) if n >= d),
+                f"{n:.0f}")

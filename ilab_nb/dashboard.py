@@ -63,7 +63,8 @@ def run_curves(records) -> dict:
 def smooth_ema(values, weight: float = 0.6) -> list[float]:
     "Debiased exponential moving average of `values` (TensorBoard's smoothing); `weight` in [0, 1)."
     if not 0 <= weight < 1:
-        raise ValueError(f"smooth weight must be in [0, 1), got {weight!r}: use 0 for no smoothing, 0.9 for heavy smoothing.")
+        raise ValueError(f"smooth weight must be in [0, 1), got {weight!r}: use 0 for no smoothing, 0.9 for heavy "
+                         f"smoothing.")
     out, avg, n = [], 0.0, 0
     for v in values:
         if not math.isfinite(v):
@@ -138,7 +139,8 @@ def _style_axis(a, title: str, nbins: int, xlabel_y: float):
 
 # %% ../nbs/40_dashboard.ipynb #92e44a62
 class LossPlot:
-    "One reused matplotlib `Figure` (no pyplot) of loss, smoothed loss, eval loss and learning rate; `draw()` gives PNG bytes."
+    """One reused matplotlib `Figure` (no pyplot) of loss, smoothed loss, eval loss and learning rate; `draw()` gives
+    PNG bytes."""
 
     def __init__(self, width_in: float = 9.0, height_in: float = 3.2, dpi: int = 100, smooth: float = 0.6):
         self.smooth = smooth
@@ -202,7 +204,8 @@ def _mark_resumes(self: LossPlot, resumed_at):
     for m in self._marks:
         m.remove()
     self._resumed_at = tuple(resumed_at)
-    self._marks = [a.axvline(s, color="#9aa0a6", ls=":", lw=1.2, zorder=1.5) for s in self._resumed_at for a in (self.ax, self.ax_lr)]
+    self._marks = [a.axvline(s, color="#9aa0a6", ls=":", lw=1.2, zorder=1.5) for s in self._resumed_at
+                   for a in (self.ax, self.ax_lr)]
 
 # %% ../nbs/40_dashboard.ipynb #a6e13b89
 @patch
@@ -215,7 +218,8 @@ def _set_data(self: LossPlot, curves: dict) -> tuple:
     empty = not steps and not curves["eval_steps"]
     self.waiting.set_visible(empty)
     self._mark_resumes(curves["resumed_at"])
-    self._set_legend(tuple(([self.raw, self.smoothed] if steps else []) + ([self.evals] if curves["eval_steps"] else [])))
+    self._set_legend(tuple(([self.raw, self.smoothed] if steps else []) + ([self.evals] if curves["eval_steps"]
+                                                                           else [])))
     self._set_limits(curves, empty)
     return (empty, len(self._handles), self._resumed_at) + tuple(tuple(a.viewLim.bounds) for a in (self.ax, self.ax_lr))
 
@@ -292,7 +296,8 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     monitor.poll()
     state = monitor.state()
     status = status or status_of(state)
-    line = f"{monitor.run_id}  {status}" + (f": {state['reason']}" if status == State.failed and state.get("reason") else "")
+    line = f"{monitor.run_id}  {status}" + (f": {state['reason']}" if status == State.failed and state.get("reason")
+                                            else "")
     p = monitor.progress()
     step, total = p.get("step") or 0, p.get("total_steps")
     if not step and not total:
@@ -301,7 +306,8 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
         f"loss={format_number(p.get('loss'), '.4f')}, " + \
         (f"margin={format_number(p['margins'], '.3f')}, " if "margins" in p else "") + \
         f"{format_number(p.get('tokens_per_s'), ',.0f')} tok/s"
-    meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step", postfix=post)
+    meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step",
+                              postfix=post)
     return f"{line}\n{meter}"
 
 # %% ../nbs/40_dashboard.ipynb #0ade4ffe
@@ -332,16 +338,19 @@ def samples_html(latest: dict, previous: dict | None = None) -> str:
     th = "style='text-align:left;padding:3px 8px;border-bottom:1px solid #dadce0'"
     old = html_of("<th " + th + ">step {}</th>", previous.get("step")) if previous else ""
     head = html_of("<tr><th " + th + ">prompt</th><th " + th + ">step {}</th>{}</tr>", latest.get("step"), old)
-    rows = [_sample_row(s["prompt"], s["answer"], prev.get(s["prompt"]), previous is not None) for s in latest.get("samples", [])]
+    rows = [_sample_row(s["prompt"], s["answer"], prev.get(s["prompt"]), previous is not None)
+            for s in latest.get("samples", [])]
     cost = f" · generated in {latest['seconds']:.2f} s" if isinstance(latest.get("seconds"), (int, float)) else ""
-    return html_of("<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: changed since "
-                   "the previous evaluation{}) </span><table style='border-collapse:collapse;width:100%'>{}{}</table></div>",
+    return html_of("<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: "
+                   "changed since the previous evaluation{}) </span><table "
+                   "style='border-collapse:collapse;width:100%'>{}{}</table></div>",
                    cost, head, html_join(rows))
 
 # %% ../nbs/40_dashboard.ipynb #6a7ebac7
 def _pre(lines) -> str:
     return html_of('<pre style="font-size:11.5px;line-height:1.35;max-height:280px;overflow:auto;margin:0;'
-                   'white-space:pre-wrap;word-break:break-all">{}</pre>', "\n".join(lines) if lines else "(no log lines yet)")
+                   'white-space:pre-wrap;word-break:break-all">{}</pre>', "\n".join(lines) if lines else "(no log "
+                                                                                                         "lines yet)")
 
 # %% ../nbs/40_dashboard.ipynb #20646fcc
 def _cancelled_html(state: dict, resumable: bool) -> str:
@@ -355,7 +364,8 @@ def _failure_html(state: dict) -> str:
     reason = str(state.get("reason") or "the run failed without a recorded reason")
     tail = state.get("log_tail") or []
     lines = html_of('<pre style="margin:6px 0 0;font-size:11.5px;max-height:220px;overflow:auto;white-space:pre-wrap;'
-                    'background:#fff;padding:6px;border-radius:4px">{}</pre>', "\n".join(map(str, tail))) if tail else ""
+                    'background:#fff;padding:6px;border-radius:4px">{}</pre>',
+                    "\n".join(map(str, tail))) if tail else ""
     return html_of('<div style="border-left:5px solid #d93025;background:#fce8e6;padding:8px 12px;border-radius:4px;'
                    'color:#202124"><b style="color:#d93025">Run failed:</b> {}{}</div>', reason, lines)
 
@@ -367,7 +377,8 @@ class Dashboard(W.VBox):
                  smooth: float = 0.6, log_lines: int = 20, autostart: bool | None = None):
         super().__init__(layout=W.Layout(width="100%", max_width="940px", padding="6px 4px"))
         self.add_class("ilab-dashboard")
-        self.monitor, self.on_stop, self.on_resume, self.status_fn, self.record = monitor, on_stop, on_resume, status_fn, record
+        self.monitor, self.on_stop, self.on_resume, self.status_fn, self.record = (monitor, on_stop, on_resume,
+                                                                                  status_fn, record)
         self.refresh_s, self.log_lines = refresh_s, log_lines
         self.refresher = Refresher(self.update, self.ended, lambda h: self._set(self.message, h),
                                    refresh_s, name=f"ilab-dashboard-{monitor.run_id}")
@@ -399,10 +410,12 @@ def _build_widgets(self:Dashboard):
     self.header = W.HTML(layout=W.Layout(flex="1 1 auto")).add_class("ilab-header")
     self._build_buttons()
     self.message = W.HTML().add_class("ilab-message")
-    self.progress = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="100%", height="18px")).add_class("ilab-progress")
+    self.progress = W.IntProgress(value=0, min=0, max=1,
+                                  layout=W.Layout(width="100%", height="18px")).add_class("ilab-progress")
     self.progress_text = W.HTML().add_class("ilab-progress-text")
     self.failure = W.HTML(layout=W.Layout(display="none")).add_class("ilab-failure")
-    self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px", height="auto")).add_class("ilab-plot")
+    self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px",
+                                                       height="auto")).add_class("ilab-plot")
     self.log_view = W.HTML().add_class("ilab-log")
     self.checkpoint_view = W.HTML().add_class("ilab-checkpoints")
     self.details = W.Accordion(children=[self.log_view, self.checkpoint_view], selected_index=None)
@@ -431,7 +444,8 @@ def status(self:Dashboard) -> str:
         try:
             return str(self.status_fn())
         except Exception as e:  # the badge says so; the state file is the fallback
-            self._set(self.message, note_html(f"status_fn failed ({type(e).__name__}: {e}); showing state.json instead", "#b06000"))
+            self._set(self.message, note_html(f"status_fn failed ({type(e).__name__}: {e}); showing state.json instead",
+                                              "#b06000"))
     return status_of(self.monitor.state())
 
 # %% ../nbs/40_dashboard.ipynb #0c36d539
@@ -440,7 +454,8 @@ def _header_html(run_id, attempt, h: dict) -> str:
     if attempt and attempt > 1:
         bits.append(f"attempt {attempt}")
     if h:
-        bits.append(f"{h.get('world_size', '?')} × {h.get('device', '?')} ({h.get('backend', '?')}, {h.get('strategy', '?')})")
+        bits.append(f"{h.get('world_size', '?')} × {h.get('device', '?')} ({h.get('backend', '?')}, "
+                    f"{h.get('strategy', '?')})")
         if h.get("precision"):
             bits.append(str(h["precision"]))
         if h.get("params_total"):
@@ -449,7 +464,8 @@ def _header_html(run_id, attempt, h: dict) -> str:
             r = (h.get("lora") or {}).get("r", "?")
             bits.append(f"LoRA r={r}: {h.get('trainable_params', 0) / 1e6:,.2f} M train "
                         f"({100 * h.get('trainable_params', 0) / h['params_total']:.1f} %)")
-            if tp := (h.get("lora") or {}).get("target_parameters"):      # a Mixture of Experts' fused experts and router
+            # a Mixture of Experts' fused experts and router
+            if tp := (h.get("lora") or {}).get("target_parameters"):
                 bits[-1] += " incl. " + ", ".join(map(str, tp))
         if h.get("method") == "dpo":
             bits.append("DPO (preference pairs)")
@@ -471,7 +487,8 @@ def _show_failure(self:Dashboard, status: str, state: dict) -> bool:
         return self._set(self.failure, _failure_html(state)) | self._set(self.failure.layout, "", "display")
     if status == State.cancelled:
         resumable = self.on_resume is not None
-        return self._set(self.failure, _cancelled_html(state, resumable)) | self._set(self.failure.layout, "", "display")
+        return self._set(self.failure, _cancelled_html(state, resumable)) | self._set(self.failure.layout, "",
+                "display")
     return self._set(self.failure.layout, "none", "display")
 
 # %% ../nbs/40_dashboard.ipynb #03aa657e
@@ -483,11 +500,13 @@ def _pending_html(status: str, state: dict) -> str:
     why = state.get("pending_reason") if status == State.queued else None
     if not why or why == "None": return ""
     job = f" (job {state['job_id']})" if state.get("job_id") else ""
-    return html_of(' <span class="ilab-pending" style="font-size:12px;color:#5f6368">waiting in SLURM{}: {}</span>', job, str(why))
+    return html_of(' <span class="ilab-pending" style="font-size:12px;color:#5f6368">waiting in SLURM{}: {}</span>',
+                   job, str(why))
 
 @patch
 def _show_status(self:Dashboard, status: str, state: dict) -> bool:
-    ch = self._set(self.badge, html_of(_BADGE, c=STATUS_COLOURS.get(status, "#5f6368"), s=status) + _pending_html(status, state))
+    ch = self._set(self.badge, html_of(_BADGE, c=STATUS_COLOURS.get(status, "#5f6368"),
+                                       s=status) + _pending_html(status, state))
     attempt = state.get("attempt") or (self.monitor.header or {}).get("attempt")
     ch |= self._set(self.header, _header_html(self.monitor.run_id, attempt, self.monitor.header or {}))
     ch |= self._show_buttons(status)
@@ -515,8 +534,10 @@ def _progress_html(p: dict, status: str, header) -> str:
     if p.get("perplexity") is not None:                        # plain text: the latest held-out perplexity
         parts.append(f"held-out perplexity {format_number(p['perplexity'], ',.1f')} (step {p['perplexity_step']:,})")
     if sk := p.get("skipped_steps"):                           # skip_nonfinite_steps: steps whose loss was not finite
-        parts.append(f"{len(sk)} step{'s' if len(sk) > 1 else ''} skipped (not finite: {', '.join(map(str, sk[:5]))}{', ...' if len(sk) > 5 else ''})")
-    text = html_of('<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">{}</span>', html_join(parts, " · "))
+        parts.append(f"{len(sk)} step{'s' if len(sk) > 1 else ''} skipped (not finite: "
+                     f"{', '.join(map(str, sk[:5]))}{', ...' if len(sk) > 5 else ''})")
+    text = html_of('<span style="font-size:13px;color:#3c4043;font-variant-numeric:tabular-nums">{}</span>',
+                   html_join(parts, " · "))
     return text + html_join(html_of('<div class="ilab-data-note" style="font-size:12px;color:#b06000">{}</div>', n)
                             for n in data_notes(header))
 
@@ -528,7 +549,9 @@ def _show_progress(self:Dashboard, status: str) -> bool:
     ch = self._set(self.progress, max(total, step, 1), "max")
     ch |= self._set(self.progress, step)
     notes = html_join(html_of('<div class="ilab-tracker-note" style="font-size:12px;color:#b06000">{}</div>', n)
-                      for n in [*tracker_notes(self.monitor.state()), *([self.monitor.note] if self.monitor.note else [])])       # a tracker broken mid-run (ilab_nb.trackers)
+                      # a tracker broken mid-run (ilab_nb.trackers)
+                      for n in [*tracker_notes(self.monitor.state()), *([self.monitor.note] if self.monitor.note
+                                                                        else [])])
     return self._set(self.progress_text, _progress_html(p, status, self.monitor.header) + notes) | ch
 
 # %% ../nbs/40_dashboard.ipynb #49eaa966
@@ -545,7 +568,8 @@ def _checkpoints_html(cks: list) -> str:
     rows = html_join(html_of("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>",
                              format_number(c.get("step"), ","), format_number(c.get("epoch"), ".2f"),
                              format_number((c.get("metrics") or {}).get("loss"), ".4f"),
-                             format_number((c.get("metrics") or {}).get("eval_loss"), ".4f"), c.get("path", "")) for c in cks)
+                             format_number((c.get("metrics") or {}).get("eval_loss"), ".4f"), c.get("path", ""))
+                             for c in cks)
     head = "<tr><th>step</th><th>epoch</th><th>loss</th><th>eval loss</th><th>path</th></tr>"
     return html_of('<table style="font-size:12px;border-spacing:12px 2px">' + head + '{}</table>', rows)
 
@@ -580,7 +604,8 @@ def _show_records(self:Dashboard, status: str) -> bool:
 # %% ../nbs/40_dashboard.ipynb #b162f499
 @patch
 def update(self:Dashboard) -> bool:
-    "One synchronous refresh (status, progress, plot, log, checkpoints, sample answers); returns whether anything changed."
+    """One synchronous refresh (status, progress, plot, log, checkpoints, sample answers); returns whether anything
+    changed."""
     with self._lock:
         self.refreshes += 1
         status = self.last_status = self.status()
@@ -614,7 +639,8 @@ def _show_evaluations(self:Dashboard) -> bool:
     evs = evaluations_of(self.monitor.run_dir)
     if not evs: return False
     if getattr(self, "eval_view", None) is None:
-        self.eval_view = W.HTML().add_class("ilab-evaluations"); self.children = self.children + (self.eval_view,)
+        self.eval_view = W.HTML().add_class("ilab-evaluations")
+        self.children = self.children + (self.eval_view,)
     return self._set(self.eval_view, "".join(ev.record_bundle()["text/html"] for ev in evs))
 
 # %% ../nbs/40_dashboard.ipynb #357b97ad
@@ -672,7 +698,8 @@ def _click_resume(self:Dashboard, _=None):
     self.resume_button.disabled = True
     self.resume_button.description = "Resuming…"
     self._set(self.message, note_html("Resuming from the latest complete checkpoint…", "#5f6368"))
-    self.click = threading.Thread(target=self._call, args=(self.on_resume, "resume", self.resume_button, "Resume"), daemon=True)
+    self.click = threading.Thread(target=self._call, args=(self.on_resume, "resume", self.resume_button, "Resume"),
+                                  daemon=True)
     self.click.start()
 
 # %% ../nbs/40_dashboard.ipynb #47bcf148
@@ -697,6 +724,8 @@ def _repr_mimebundle_(self:Dashboard, **kwargs):
 # %% ../nbs/40_dashboard.ipynb #8864ceff
 @patch
 def _ipython_display_(self:Dashboard):
-    if self.record is not None: show_live(self.monitor.run_id, self, self.record); return
+    if self.record is not None:
+        show_live(self.monitor.run_id, self, self.record)
+        return
     from IPython.display import display
     display(self._repr_mimebundle_(), raw=True)

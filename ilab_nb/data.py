@@ -54,7 +54,8 @@ class DataError(ValueError):
         text, shown = self.errors[0]["text"], self.errors[1:]
         if self.count > 1:
             more = self.count - 1
-            text += f"\n... and {more:,} more problem{'s' if more > 1 else ''}" + (f" ({len(shown)} shown)" if len(shown) < more else "")
+            text += f"\n... and {more:,} more problem{'s' if more > 1 else ''}" + (f" ({len(shown)} shown)"
+                    if len(shown) < more else "")
             text += (":" if shown else "") + "".join(f"\n  {e['text']}" for e in shown)
         for h in dict.fromkeys(e.get("hint") for e in self.errors if e.get("hint")): text += "\n" + h
         super().__init__(text)
@@ -94,7 +95,9 @@ SHAPES = ('Accepted rows: {"messages": [{"role": "user", "content": ...}, {"role
 
 # %% ../nbs/20_data.ipynb #51bbb0d0
 class _Bad(Exception):
-    def __init__(self, message: str, hint: str | None = None): super().__init__(message); self.hint = hint
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 # %% ../nbs/20_data.ipynb #64f159e8
 def _json_type(v) -> str:
@@ -123,7 +126,8 @@ def _sharegpt_messages(turns) -> list:
             raise _Bad(f"conversation turn {i} must be an object with 'from' and 'value', got "
                        + (f"keys {', '.join(map(repr, t))}" if isinstance(t, dict) else _json_type(t)))
         role = SHAREGPT_ROLES.get(t["from"])
-        if role is None: raise _Bad(f"conversation turn {i} has unknown 'from' {t['from']!r} (expected human, gpt or system)")
+        if role is None:
+            raise _Bad(f"conversation turn {i} has unknown 'from' {t['from']!r} (expected human, gpt or system)")
         out.append({"role": role, "content": t.get("value")})
     return out
 
@@ -131,7 +135,8 @@ def _sharegpt_messages(turns) -> list:
 def _alpaca_messages(obj: dict) -> list:
     "An Alpaca row (`instruction`, optional `input`, `output`) as a user and an assistant message."
     instruction, extra = _text(obj, "instruction"), obj.get("input")
-    if extra is not None and not isinstance(extra, str): raise _Bad(f"'input' must be a string, got {_json_type(extra)}")
+    if extra is not None and not isinstance(extra, str):
+        raise _Bad(f"'input' must be a string, got {_json_type(extra)}")
     user = instruction + (f"\n\n{extra}" if extra and extra.strip() else "")
     return [{"role": "user", "content": user}, {"role": "assistant", "content": _text(obj, "output")}]
 
@@ -156,7 +161,8 @@ def _row_messages(obj: Any) -> list:
     if obj.get("conversations") is not None: return _sharegpt_messages(obj["conversations"])
     if obj.get("instruction") is not None: return _alpaca_messages(obj)
     if obj.get("input") is not None or obj.get("output") is not None: return _input_output_messages(obj)
-    if nulls := [k for k in _SHAPE_KEYS if k in obj and obj[k] is None]:     # a DataFrame's missing value: not an unknown shape
+    # a DataFrame's missing value: not an unknown shape
+    if nulls := [k for k in _SHAPE_KEYS if k in obj and obj[k] is None]:
         raise _Bad(f"'{nulls[0]}' is missing (null)")
     keys = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
     raise _Bad(f"a row of unknown shape (keys: {keys})", hint=SHAPES)
@@ -166,11 +172,13 @@ def _chat_messages(obj: Any) -> list[dict]:
     "The validated `[{'role', 'content'}, ...]` of one row of any accepted shape."
     out = []
     for i, m in enumerate(_row_messages(obj), 1):
-        if not isinstance(m, dict): raise _Bad(f"message {i} must be an object with 'role' and 'content', got {_json_type(m)}")
+        if not isinstance(m, dict):
+            raise _Bad(f"message {i} must be an object with 'role' and 'content', got {_json_type(m)}")
         role = m.get("role")
         if role is None: raise _Bad(f"message {i} has no 'role'")
         if role not in ROLES: raise _Bad(f"message {i} has unknown role {role!r} (expected system, user or assistant)")
-        if role == "system" and i != 1: raise _Bad(f"message {i} is a system message; a system message may only come first")
+        if role == "system" and i != 1:
+            raise _Bad(f"message {i} is a system message; a system message may only come first")
         if role == "assistant" and i == 1:
             raise _Bad("message 1 is an assistant message; a conversation starts with a user (or system) message")
         c = m.get("content")
@@ -194,13 +202,15 @@ def _messages_of(v, key: str, role: str) -> list[dict]:
         if not v.strip(): raise _Bad(f"'{key}' is empty")
         return [{"role": role, "content": v}]
     if not isinstance(v, list) or not v:
-        raise _Bad(f"'{key}' must be a non-empty string or list of messages, got " + ("an empty array" if v == [] else _json_type(v)))
+        raise _Bad(f"'{key}' must be a non-empty string or list of messages, got " + ("an empty array" if v == []
+                else _json_type(v)))
     out = []
     for i, m in enumerate(v, 1):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise _Bad(f"'{key}' message {i} must be an object with a role (system, user or assistant) and content")
         c = m.get("content")
-        if not isinstance(c, str) or not c.strip(): raise _Bad(f"'{key}' message {i} ({m['role']}) has empty or no content")
+        if not isinstance(c, str) or not c.strip():
+            raise _Bad(f"'{key}' message {i} ({m['role']}) has empty or no content")
         out.append({"role": m["role"], "content": c})
     return out
 
@@ -209,7 +219,8 @@ def _split_implicit(chosen: list, rejected: list) -> tuple[list, list, list]:
     "`(prompt, chosen answer, rejected answer)` of two conversations that share their first turns."
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]: n += 1
-    if n == 0: raise _Bad("without 'prompt', 'chosen' and 'rejected' must be conversations that share their first turns")
+    if n == 0:
+        raise _Bad("without 'prompt', 'chosen' and 'rejected' must be conversations that share their first turns")
     return chosen[:n], chosen[n:], rejected[n:]
 
 # %% ../nbs/20_data.ipynb #a58fc1b2
@@ -222,10 +233,12 @@ def _preference_record(obj: dict) -> dict:
         prompt = _messages_of(obj["prompt"], "prompt", "user")
         chosen, rejected = (_messages_of(obj[k], k, "assistant") for k in ("chosen", "rejected"))
     else:
-        prompt, chosen, rejected = _split_implicit(*(_messages_of(obj[k], k, "assistant") for k in ("chosen", "rejected")))
+        prompt, chosen, rejected = _split_implicit(*(_messages_of(obj[k], k, "assistant")
+                                                     for k in ("chosen", "rejected")))
     if prompt[-1]["role"] != "user": raise _Bad("the prompt must end with a user message")
     for k, a in (("chosen", chosen), ("rejected", rejected)):
-        if len(a) != 1 or a[0]["role"] != "assistant": raise _Bad(f"'{k}' must be one assistant answer after the prompt")
+        if len(a) != 1 or a[0]["role"] != "assistant":
+            raise _Bad(f"'{k}' must be one assistant answer after the prompt")
     if chosen == rejected: raise _Bad("'chosen' and 'rejected' are the same answer: there is nothing to prefer")
     return {"kind": "preference", "prompt": prompt, "chosen": chosen, "rejected": rejected}
 
@@ -234,19 +247,22 @@ def _row_record(obj: Any) -> dict:
     "The record of one row of any accepted shape: `{'kind': 'chat' | 'text' | 'preference', ...}`."
     if isinstance(obj, dict):
         if obj.get("chosen") is not None or obj.get("rejected") is not None: return _preference_record(obj)
-        if obj.get("text") is not None and not any(obj.get(k) is not None for k in ("messages", "conversations", "instruction")):
+        if obj.get("text") is not None and not any(obj.get(k) is not None
+                                                   for k in ("messages", "conversations", "instruction")):
             return _text_record(obj)
     return {"kind": "chat", "messages": _chat_messages(obj)}
 
 # %% ../nbs/20_data.ipynb #96e4876f
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-_SHAPE_COLUMNS = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"input", "output"}, {"text"}, {"chosen", "rejected"})
+_SHAPE_COLUMNS = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"input", "output"}, {"text"},
+                  {"chosen", "rejected"})
 
 def _check_columns(columns, where) -> None:
     "A table whose columns fit no accepted shape is one error."
     if not list(columns): raise DataError.collected([_problem("is empty: it has no columns and no rows", where)])
     if not any(s <= set(columns) for s in _SHAPE_COLUMNS):
-        raise DataError.collected([_problem(f"has columns {sorted(map(str, columns))}, which fit none of the accepted shapes",
+        raise DataError.collected([_problem(f"has columns {sorted(map(str, columns))}, which fit none of the accepted "
+                                            f"shapes",
                                             where, hint=SHAPES)])
 
 # %% ../nbs/20_data.ipynb #4b99a136
@@ -261,16 +277,18 @@ def _files(path: str) -> list[Path]:
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
         docs = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() == ".txt")      # a folder of documents
         if files and docs:
-            raise DataError(f"holds both data files ({files[0].name}, ...) and .txt documents ({docs[0].name}, ...); one data set "
-                            f"holds one shape, so give the files you mean, e.g. {os.path.join(path, '*' + files[0].suffix)}", path)
+            raise DataError(f"holds both data files ({files[0].name}, ...) and .txt documents ({docs[0].name}, ...); "
+                            f"one data set holds one shape, so give the files you mean, e.g. "
+                            f"{os.path.join(path, '*' + files[0].suffix)}", path)
         files = files or docs
         if not files:
-            raise DataError("is a directory without .jsonl, .json or .parquet files (or .txt documents), and not a dataset saved "
-                            "with datasets.Dataset.save_to_disk", path)
+            raise DataError("is a directory without .jsonl, .json or .parquet files (or .txt documents), and not a "
+                            "dataset saved with datasets.Dataset.save_to_disk", path)
         return files
     if not p.exists() and re.search(r"[*?[]", path):
         hits = sorted(glob.glob(os.path.expanduser(path), recursive=True))
-        if not hits: raise DataError(f"no file matches this pattern (relative patterns are taken from {Path.cwd()})", path)
+        if not hits:
+            raise DataError(f"no file matches this pattern (relative patterns are taken from {Path.cwd()})", path)
         return [f for h in hits for f in _files(h)]
     if not p.exists(): raise DataError(f"file not found (relative paths are taken from {Path.cwd()})", path)
     return [p]
@@ -282,7 +300,8 @@ def _dataset_rows(path: Path):
     except FileNotFoundError:
         raise DataError("is a directory but not a dataset saved with datasets.Dataset.save_to_disk", path) from None
     if isinstance(ds, datasets.DatasetDict):
-        raise DataError(f"is a DatasetDict with splits {list(ds)}; save one split, e.g. dd['train'].save_to_disk(...)", path)
+        raise DataError(f"is a DatasetDict with splits {list(ds)}; save one split, e.g. dd['train'].save_to_disk(...)",
+                        path)
     _check_columns(ds.column_names, path)
     return enumerate(ds.with_format(None), 1)
 
@@ -295,7 +314,9 @@ def _parquet_rows(path: Path):
     _check_columns(f.schema_arrow.names, path)
     n = 0
     for batch in f.iter_batches(batch_size=1024):
-        for row in batch.to_pylist(): n += 1; yield n, row
+        for row in batch.to_pylist():
+            n += 1
+            yield n, row
 
 # %% ../nbs/20_data.ipynb #0576278f
 def _jsonl_rows(path: Path):
@@ -304,7 +325,8 @@ def _jsonl_rows(path: Path):
         for n, raw in enumerate(f, 1):
             try: text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                yield n, _Bad(f"not valid UTF-8 text ({e.reason} at byte {e.start})"); continue
+                yield n, _Bad(f"not valid UTF-8 text ({e.reason} at byte {e.start})")
+                continue
             if not text.strip(): continue
             try: yield n, json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as e: yield n, _Bad(f"malformed JSON: {e.msg} (column {e.colno})")
@@ -318,12 +340,15 @@ def _json_array_rows(text: str):
     while not text.startswith("]", i):
         line, at = line + text.count("\n", at, i), i
         try: obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e: yield e.lineno, _Bad(f"malformed JSON: {e.msg} (column {e.colno})"); return
+        except json.JSONDecodeError as e:
+            yield e.lineno, _Bad(f"malformed JSON: {e.msg} (column {e.colno})")
+            return
         yield line, obj
         i = _WS.match(text, i).end()
         if text.startswith(",", i): i = _WS.match(text, i + 1).end()
         elif not text.startswith("]", i):
-            yield line + text.count("\n", at, i), _Bad("malformed JSON: expected ',' or ']' after an array item"); return
+            yield line + text.count("\n", at, i), _Bad("malformed JSON: expected ',' or ']' after an array item")
+            return
 
 # %% ../nbs/20_data.ipynb #2e25bc75
 def _json_rows(path: Path):
@@ -346,23 +371,28 @@ def _plain(v):
 # %% ../nbs/20_data.ipynb #898b4ec4
 def _memory_rows(data: InMemoryData):
     "`(index, row)` of data held in memory."
-    if data.kind == "list": yield from enumerate(data.obj); return
+    if data.kind == "list":
+        yield from enumerate(data.obj)
+        return
     if data.kind == "DataFrame":
         _check_columns(list(data.obj.columns), data.name)
-        yield from ((i, _plain(r)) for i, r in enumerate(data.obj.to_dict("records"))); return
+        yield from ((i, _plain(r)) for i, r in enumerate(data.obj.to_dict("records")))
+        return
     _check_columns(data.obj.column_names, data.name)
     yield from enumerate(data.obj.with_format(None))
 
 # %% ../nbs/20_data.ipynb #81fe3c1d
 def _document(p: Path) -> tuple[str, list]:
-    "A `.txt` file as one document; bytes that are not UTF-8 text are a problem at their line, as in JSONL (never U+FFFD)."
+    """A `.txt` file as one document; bytes that are not UTF-8 text are a problem at their line, as in JSONL (never
+    U+FFFD)."""
     raw = p.read_bytes()
     try:
-        if b"\0" in raw: raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "a NUL byte: a binary file")
+        if b"\0" in raw:
+            raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "a NUL byte: a binary file")
         return "document", [(1, {"text": raw.decode("utf-8-sig")})]
     except UnicodeDecodeError as e:
-        return "line", [(raw.count(b"\n", 0, e.start) + 1, _Bad(f"not valid UTF-8 text ({e.reason} at byte {e.start}); save the "
-                                                              "document as UTF-8"))]
+        return "line", [(raw.count(b"\n", 0, e.start) + 1, _Bad(f"not valid UTF-8 text ({e.reason} at byte {e.start}); "
+                                                              f"save the document as UTF-8"))]
 
 # %% ../nbs/20_data.ipynb #cf6a48a3
 def _rows(p: Path) -> tuple[str, Any]:
@@ -383,8 +413,12 @@ def _collect(rows, where, unit, records: list, problems: _Problems, empty: str) 
                 if isinstance(obj, _Bad): raise obj
                 records.append({**_row_record(obj), "source": f"{where}:{n}"})
             except _Bad as e: problems.add(_problem(str(e), where, n, unit, e.hint))
-    except DataError as e: problems.merge(e); return
-    except OSError as e: problems.add(_problem(f"cannot read: {e}", where)); return
+    except DataError as e:
+        problems.merge(e)
+        return
+    except OSError as e:
+        problems.add(_problem(f"cannot read: {e}", where))
+        return
     if len(records) == n_before and problems.count == bad_before: problems.add(_problem(empty, where))
 
 # %% ../nbs/20_data.ipynb #ceedb987
@@ -403,12 +437,19 @@ def load_records(sources) -> list[dict]:
             records += src.records or []
             continue
         try: files = _files(src)
-        except DataError as e: problems.merge(e); continue
+        except DataError as e:
+            problems.merge(e)
+            continue
         for f in files:
-            where = src if files == [Path(src).expanduser()] else str(f)   # a path as the user wrote it, else the file found
+            # a path as the user wrote it, else the file found
+            where = src if files == [Path(src).expanduser()] else str(f)
             try: unit, rows = _rows(f)
-            except DataError as e: problems.merge(e); continue
-            except OSError as e: problems.add(_problem(f"cannot read: {e}", where)); continue
+            except DataError as e:
+                problems.merge(e)
+                continue
+            except OSError as e:
+                problems.add(_problem(f"cannot read: {e}", where))
+                continue
             _collect(rows, where, unit, records, problems, "no records (the file is empty or has only blank lines)")
     _one_kind(records, problems)
     problems.raise_if_any()
@@ -426,8 +467,10 @@ def _one_kind(records: list, problems: _Problems) -> None:
         if r["kind"] != first["kind"]:
             path, _, line = r["source"].rpartition(":")
             problems.add(_problem(f"is {KIND_NAMES[r['kind']]}, but the data's first row ({first['source']}) is "
-                                  f"{KIND_NAMES[first['kind']]}; one data set holds one shape", path, int(line) if line.isdigit() else None,
-                                  "index" if path.startswith("the ") else "line"))      # in memory: "the DataFrame", 0-based
+                                  f"{KIND_NAMES[first['kind']]}; one data set holds one shape", path,
+                                  int(line) if line.isdigit() else None,
+                                  # in memory: "the DataFrame", 0-based
+                                  "index" if path.startswith("the ") else "line"))
 
 # %% ../nbs/20_data.ipynb #a52f7b77
 METHOD_KINDS = {"sft": ("chat", "text"), "dpo": ("preference",)}
@@ -465,10 +508,11 @@ def ensure_chat_template(tokenizer) -> str:
     return t
 
 def template_note(tokenizer, kind: str) -> str | None:
-    "What to say of a tokenizer with no chat template of its own, for `kind` records (chat, preference), before `ensure_chat_template`."
+    """What to say of a tokenizer with no chat template of its own, for `kind` records (chat, preference), before
+    `ensure_chat_template`."""
     if kind == "text" or tokenizer.chat_template: return None
-    return ("the tokenizer has no chat template: ilab_nb's default (ChatML) formats the conversations, so the model learns "
-            "that format; give the tokenizer a chat_template to train in the model's own")
+    return ("the tokenizer has no chat template: ilab_nb's default (ChatML) formats the conversations, so the model "
+            "learns that format; give the tokenizer a chat_template to train in the model's own")
 
 # %% ../nbs/20_data.ipynb #6e376bf9
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
@@ -485,7 +529,8 @@ def render_chat(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, i
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant": continue
-        if i == 0: raise DataError("the conversation starts with an assistant message; put a user (or system) message first")
+        if i == 0:
+            raise DataError("the conversation starts with an assistant message; put a user (or system) message first")
         before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[:i + 1], False)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             raise DataError(
@@ -497,13 +542,15 @@ def render_chat(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, i
 
 # %% ../nbs/20_data.ipynb #70b9ad02
 def tokenize_chat(messages: list[dict], tokenizer, last_only: bool = False) -> dict[str, list[int]]:
-    "`{'input_ids', 'labels'}` of one conversation; labels are -100 except on assistant turns (`last_only`: the last one)."
+    """`{'input_ids', 'labels'}` of one conversation; labels are -100 except on assistant turns (`last_only`: the last
+    one)."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"{type(tokenizer).__name__} is not a fast tokenizer; assistant tokens are located with the "
                         "offset mapping, which needs one (a tokenizer.json, loaded with AutoTokenizer)")
     text, spans = render_chat(messages, tokenizer)
     if last_only: spans = spans[-1:]                                       # a preference pair's answer
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)   # lengths: see build_dataset
+    # lengths: see build_dataset
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     labels, k = [], 0
     for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):   # token starts never decrease
         while k < len(spans) and spans[k][1] <= s: k += 1                 # skip spans that end before this token
@@ -518,7 +565,8 @@ def _fingerprint(records, tokenizer, max_seq_len, policy) -> str:
     h = hashlib.sha256()
     for part in (_TOKENIZE_VERSION, tokenizer.backend_tokenizer.to_str(), ensure_chat_template(tokenizer),
                  json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str), str(max_seq_len), policy):
-        h.update(part.encode()); h.update(b"\0")
+        h.update(part.encode())
+        h.update(b"\0")
     for r in records: h.update(json.dumps([r["messages"], r.get("source")], sort_keys=True).encode())
     return h.hexdigest()[:24]
 
@@ -541,9 +589,13 @@ def _tokenize_batch(batch, tokenizer, max_seq_len: int, policy: str):
         n_loss = sum(l != -100 for l in labels[1:])
         if status != "too_long" and n_loss == 0:
             status, ids, labels = ("too_long" if status == "truncated" else "no_loss"), [], []
-        out["input_ids"].append(ids); out["labels"].append(labels)
-        out["length"].append(len(ids) if ids else n); out["num_loss_tokens"].append(n_loss if ids else 0)
-        out["status"].append(status); out["source"].append(src); out["full_length"].append(n)
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["length"].append(len(ids) if ids else n)
+        out["num_loss_tokens"].append(n_loss if ids else 0)
+        out["status"].append(status)
+        out["source"].append(src)
+        out["full_length"].append(n)
     return out
 
 # %% ../nbs/20_data.ipynb #57a20d33
@@ -553,18 +605,20 @@ def _samples(n: int, of: str = "") -> str:
 # %% ../nbs/20_data.ipynb #4f6fae29
 def length_note(stats: dict, model_max_length: int | None = None) -> str | None:
     "One sentence on the samples dropped or truncated, and the longest length; None when all were kept whole."
-    parts, lim, of = [], f"max_seq_len={stats['max_seq_len']:,} tokens", f" of {stats['records']:,}" if stats.get("records") else ""
+    parts, lim, of = ([], f"max_seq_len={stats['max_seq_len']:,} tokens",
+                      f" of {stats['records']:,}" if stats.get("records") else "")
     if stats["policy"] == "truncate" and (stats["truncated"] or stats["dropped_too_long"]):
         parts.append(f"{_samples(stats['truncated'] + stats['dropped_too_long'], of)} longer than {lim} and truncated "
-                     f"(the longest had {stats['longest']:,} tokens)" + (f"; {stats['dropped_too_long']:,} of them were then dropped, "
-                     "as no assistant token was left" if stats["dropped_too_long"] else ""))
+                     f"(the longest had {stats['longest']:,} tokens)" + (f"; {stats['dropped_too_long']:,} of them "
+                     f"were then dropped, as no assistant token was left" if stats["dropped_too_long"] else ""))
     elif stats["dropped_too_long"]:
         parts.append(f"{_samples(stats['dropped_too_long'], of)} longer than {lim} and dropped "
                      f"(the longest has {stats['longest']:,} tokens); raise max_seq_len to keep them")
-    if stats["dropped_no_loss"]: parts.append(f"{_samples(stats['dropped_no_loss'])} dropped: no assistant token to learn")
+    if stats["dropped_no_loss"]:
+        parts.append(f"{_samples(stats['dropped_no_loss'])} dropped: no assistant token to learn")
     if model_max_length and model_max_length < 10**9 and stats["max_length"] > model_max_length:
-        parts.append(f"samples of up to {stats['max_length']:,} tokens are kept, more than the tokenizer's model_max_length="
-                     f"{model_max_length:,}: check that the model takes sequences this long")
+        parts.append(f"samples of up to {stats['max_length']:,} tokens are kept, more than the tokenizer's "
+                     f"model_max_length={model_max_length:,}: check that the model takes sequences this long")
     return "; ".join(parts) or None
 
 # %% ../nbs/20_data.ipynb #c432bfd4
@@ -583,7 +637,8 @@ def _tokenize_and_select(ds, kw, cache, fp, max_seq_len, policy):
         raise DataError(f"no trainable sample left out of {len(ds)}: {counts['too_long']} longer than max_seq_len="
                         f"{max_seq_len}, {counts['no_loss']} without any assistant token to learn")
     if len(keep) < len(ds):
-        ds = ds.select(keep, **({"indices_cache_file_name": str(cache / f"tokenized-{fp}-kept.arrow")} if cache else {}))
+        ds = ds.select(keep, **({"indices_cache_file_name": str(cache / f"tokenized-{fp}-kept.arrow")} if cache
+                                else {}))
     return ds, counts
 
 # %% ../nbs/20_data.ipynb #da4f0c8f
@@ -600,7 +655,8 @@ def build_dataset(records: list[dict], tokenizer, max_seq_len: int,
               remove_columns=ds.column_names, new_fingerprint=fp, desc="Tokenizing")
     cache = None if cache_dir is None else Path(cache_dir)
     if cache is not None: cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / f"tokenized-{fp}.lock")) if cache else contextlib.nullcontext():   # one writer per cache file
+    # one writer per cache file
+    with FileLock(str(cache / f"tokenized-{fp}.lock")) if cache else contextlib.nullcontext():
         ds, counts = _tokenize_and_select(ds, kw, cache, fp, max_seq_len, policy)
     ds = ds.remove_columns(["status", "source", "full_length"])
     lengths, n_loss = ds["length"], ds["num_loss_tokens"]
@@ -617,11 +673,13 @@ def split_records(records: list[dict], fraction: float, seed: int) -> tuple[list
     if not 0 <= fraction < 1: raise ValueError(f"fraction must be in [0, 1), not {fraction}")
     records = list(records)
     if fraction == 0: return records, []
-    n = len(records); n_eval = max(1, round(n * fraction))
+    n = len(records)
+    n_eval = max(1, round(n * fraction))
     if n_eval >= n:
         raise DataError(f"cannot hold out {fraction:g} of {n} record(s) for evaluation and keep any for training; "
                         "add data, lower eval_split, or give eval_data")
-    idx = list(range(n)); random.Random(seed).shuffle(idx)
+    idx = list(range(n))
+    random.Random(seed).shuffle(idx)
     held = set(idx[:n_eval])
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
@@ -629,7 +687,9 @@ def split_records(records: list[dict], fraction: float, seed: int) -> tuple[list
 def records_sha256(records) -> str:
     "sha256 of `records`' content in order (each record without `source`, the file and line it came from)."
     h = hashlib.sha256()
-    for r in records: h.update(json.dumps({k: v for k, v in r.items() if k != "source"}, sort_keys=True, default=str).encode() + b"\n")
+    for r in records:
+        h.update(json.dumps({k: v for k, v in r.items() if k != "source"}, sort_keys=True,
+                            default=str).encode() + b"\n")
     return h.hexdigest()
 
 # %% ../nbs/20_data.ipynb #68553a54
@@ -637,13 +697,15 @@ _ROW_KEYS = {"chat": ("messages",), "text": ("text",), "preference": ("prompt", 
 
 def write_records_jsonl(records: list[dict], path: str | os.PathLike) -> Path:
     "Write records to `path` as JSONL, each as the row of its kind, atomically; returns the path."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps({k: r[k] for k in _ROW_KEYS[r.get("kind", "chat")]}, ensure_ascii=False) + "\n")
-            f.flush(); os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally: tmp.unlink(missing_ok=True)
     return path
@@ -662,7 +724,8 @@ def load_tokenizer(model: str | os.PathLike, trust_remote_code: bool = False):
     if not p.exists() and not _HUB_ID.match(name):
         raise FileNotFoundError(f"model directory not found: {name} (relative paths are taken from {Path.cwd()})")
     if p.exists() and not p.is_dir():
-        raise NotADirectoryError(f"{name} is a file; give the model's directory (with tokenizer.json / tokenizer_config.json)")
+        raise NotADirectoryError(f"{name} is a file; give the model's directory (with tokenizer.json / "
+                                 f"tokenizer_config.json)")
     try:
         tok = AutoTokenizer.from_pretrained(str(p) if p.exists() else name, trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -671,12 +734,14 @@ def load_tokenizer(model: str | os.PathLike, trust_remote_code: bool = False):
                           "written by save_pretrained (tokenizer.json, tokenizer_config.json)") from None
         raise OSError(f"could not load the tokenizer of '{name}': there is no local directory of that name, so it was "
                       "taken as a Hugging Face hub id, and hub ids need network access, which may be unavailable here. "
-                      f"Download the model where there is network and pass its local directory. ({type(e).__name__}: {e})") from None
+                      f"Download the model where there is network and pass its local directory. ({type(e).__name__}: "
+                      f"{e})") from None
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"the tokenizer of {name} is not a fast tokenizer (no tokenizer.json); ilab_nb needs one to "
                          "locate the assistant tokens")
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ValueError(f"the tokenizer of {name} has neither a pad nor an EOS token; add one (tokenizer.pad_token = ...) and save it")
+            raise ValueError(f"the tokenizer of {name} has neither a pad nor an EOS token; add one "
+                             f"(tokenizer.pad_token = ...) and save it")
         tok.pad_token = tok.eos_token
     return tok

@@ -67,12 +67,14 @@ def build_model(tokenizer, seed: int = 0):
     return model
 
 # %% ../nbs/27_demo.ipynb #eb0b8d6a
-DATA_FILES = tuple(f"{n}.jsonl" for n in ("train", "eval", "pref_train", "pref_eval", "text_train", "text_eval"))   # shipped
+# shipped
+DATA_FILES = tuple(f"{n}.jsonl" for n in ("train", "eval", "pref_train", "pref_eval", "text_train", "text_eval"))
 DEMO_VERSION = 3   # bump when the build below changes, so existing demo folders are rebuilt (2: pairs, 3: documents)
 
 @dataclass(frozen=True)
 class DemoAssets:
-    "Paths of a built demo: the model folder (with its tokenizer), the train and eval chat files, preference pairs, documents."
+    """Paths of a built demo: the model folder (with its tokenizer), the train and eval chat files, preference pairs,
+    documents."""
     root: Path
     model_dir: Path
     train_file: Path
@@ -90,7 +92,8 @@ class DemoAssets:
 # %% ../nbs/27_demo.ipynb #5fb93e77
 def _assets(root: Path) -> DemoAssets:
     d = root / "data"
-    return DemoAssets(root, root / "model", *(d / f"{n}.jsonl" for n in ("train", "eval", "pref_train", "pref_eval", "text_train", "text_eval")))
+    return DemoAssets(root, root / "model", *(d / f"{n}.jsonl" for n in ("train", "eval", "pref_train", "pref_eval",
+                                                                         "text_train", "text_eval")))
 
 # %% ../nbs/27_demo.ipynb #51a05a24
 def _fingerprint() -> dict:
@@ -176,7 +179,8 @@ def _generate_answers(model, tokenizer, items: list, max_new_tokens: int, batch_
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         answers = tokenizer.batch_decode(out[:, x["input_ids"].shape[1]:], skip_special_tokens=True)
         for it, ans in zip(chunk, answers):
-            it["answer"] = ans.strip(); it["correct"] = it["answer"] == it["expected"]
+            it["answer"] = ans.strip()
+            it["correct"] = it["answer"] == it["expected"]
 
 # %% ../nbs/27_demo.ipynb #17ffdcea
 @torch.no_grad()
@@ -186,12 +190,15 @@ def evaluate_answers(model, tokenizer=None, eval_file: str | os.PathLike | None 
     model, tokenizer = _load(model, tokenizer)
     items = answer_prompts(read_chat_jsonl(eval_file or shipped_data_dir() / "eval.jsonl")[:limit])
     was_training, side = model.training, tokenizer.padding_side
-    model.eval(); tokenizer.padding_side = "left"
+    model.eval()
+    tokenizer.padding_side = "left"
     try:
         _generate_answers(model, tokenizer, items, max_new_tokens, batch_size)
     finally:
-        model.train(was_training); tokenizer.padding_side = side
-    examples = [{k: it[k] for k in ("conversation", "turn", "question", "expected", "answer", "correct")} for it in items]
+        model.train(was_training)
+        tokenizer.padding_side = side
+    examples = [{k: it[k] for k in ("conversation", "turn", "question", "expected", "answer", "correct")}
+                for it in items]
     correct = sum(e["correct"] for e in examples)
     return dict(accuracy=correct / max(len(examples), 1), n=len(examples), correct=correct, examples=examples)
 
@@ -209,7 +216,8 @@ def _conversation_loss(model, tokenizer, c: list) -> tuple:
 def answer_loss(model, tokenizer=None, eval_file: str | os.PathLike | None = None, limit: int | None = None) -> float:
     "Mean cross-entropy per assistant token (answers and their end-of-turn token) over the eval conversations."
     model, tokenizer = _load(model, tokenizer)
-    was_training = model.training; model.eval()
+    was_training = model.training
+    model.eval()
     total, count = 0.0, 0
     try:
         for c in read_chat_jsonl(eval_file or shipped_data_dir() / "eval.jsonl")[:limit]:
@@ -251,5 +259,6 @@ def family_model(model_type: str, path, demo: DemoAssets | None = None, seed: in
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(**ids, do_sample=False, max_new_tokens=16)
-    model.save_pretrained(path); tok.save_pretrained(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
     return Path(path)

@@ -63,7 +63,8 @@ def cause_of(reports, recs) -> dict | None:
     """The report (`{rank, exitcode, root, ...}`) of the rank that caused a failure, from every rank's exit (`reports`)
     and own account (`recs`: `{rank: record}`): a rank that says it failed with its own error; else one killed by a
     signal other than the launcher's SIGTERM; else one that ended without saying why; else torchrun's root cause."""
-    gone = lambda r: (recs.get(r) or {}).get("status", RankState.running) == RankState.running  # ended without saying why
+    # ended without saying why
+    gone = lambda r: (recs.get(r) or {}).get("status", RankState.running) == RankState.running
     own = lambda r: (recs.get(r) or {}).get("status") == RankState.failed and not recs[r].get("collective")
     killed = lambda f: (f["exitcode"] < 0 or f["exitcode"] > 128) and f["exitcode"] not in LAUNCHER_SIGNALS
     for group in ([f for f in reports if own(f["rank"])], [f for f in reports if killed(f)],
@@ -111,10 +112,12 @@ def memory_cgroup(pid="self") -> dict | None:
     return None
 
 # %% ../nbs/33_diagnosis.ipynb #24a34a7c
-_OOM_LINE = re.compile(r"Killed process (\d+) \(([^)]*)\) total-vm:(\d+)kB, anon-rss:(\d+)kB, file-rss:(\d+)kB, shmem-rss:(\d+)kB")
+_OOM_LINE = re.compile(r"Killed process (\d+) \(([^)]*)\) total-vm:(\d+)kB, anon-rss:(\d+)kB, file-rss:(\d+)kB, "
+                       r"shmem-rss:(\d+)kB")
 
 def _kernel_log() -> list | None:
-    "`[(seconds since boot, message)]` of the kernel log: `/dev/kmsg` (without blocking), else `dmesg`; None if unreadable."
+    """`[(seconds since boot, message)]` of the kernel log: `/dev/kmsg` (without blocking), else `dmesg`; None if
+    unreadable."""
     out = []
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
@@ -148,16 +151,20 @@ def kernel_oom_kill(pid, since=None, log=...) -> dict | None:
         m = _OOM_LINE.search(msg)
         if not m or int(m.group(1)) != int(pid): continue
         if since is not None and t and boot + t < since - 5: continue        # an older process that had the same pid
-        return {"pid": int(pid), "name": m.group(2), "rss_bytes": sum(int(m.group(i)) for i in (4, 5, 6)) * 1024, "line": msg}
+        return {"pid": int(pid), "name": m.group(2), "rss_bytes": sum(int(m.group(i)) for i in (4, 5, 6)) * 1024,
+                "line": msg}
     return None
 
 # %% ../nbs/33_diagnosis.ipynb #70ab9499
 OOM_ADVICE = ("it needed more memory than the machine (or its memory limit) gives the run: lower max_tokens_per_batch "
-              "or max_seq_len, shorten eval_prompts or max_new_tokens, shard over more processes, or give it more memory")
+              "or max_seq_len, shorten eval_prompts or max_new_tokens, shard over more processes, or give it more "
+              "memory")
 
 def sigkill_cause(rec, before=None, after=None, log=...) -> str:
-    """Why a rank (its account `rec`: pid, time) ended by SIGKILL: the kernel's OOM killer (with the peak memory and what
-    to change), or not it, from the kernel log (`log`: `_kernel_log()` by default; None: unreadable) and the run's memory
+    """Why a rank (its account `rec`: pid, time) ended by SIGKILL: the kernel's OOM killer (with the peak memory and
+    what
+    to change), or not it, from the kernel log (`log`: `_kernel_log()` by default; None: unreadable) and the run's
+    memory
     cgroup (`before`/`after`: `memory_cgroup()` at the launch and at the end)."""
     rec, log = rec or {}, _kernel_log() if log is ... else log
     k = kernel_oom_kill(rec["pid"], rec.get("time"), log) if rec.get("pid") and log else None
@@ -169,7 +176,8 @@ def sigkill_cause(rec, before=None, after=None, log=...) -> str:
         return f"the kernel's OOM killer ended a process of the run's memory cgroup{peak}: {OOM_ADVICE}"
     if log is not None and rec.get("pid") or (before and after):
         return "not by the kernel's OOM killer (" + ("none in the kernel log" if log is not None and rec.get("pid")
-                                                     else "no OOM kill in the memory cgroup") + "): something outside the run killed it"
+                                                     else "no OOM kill in the memory cgroup") + ("): something outside "
+                                                                                                 "the run killed it")
     return "the kernel log and the memory cgroup are not readable here: it may have been the kernel's OOM killer"
 
 # %% ../nbs/33_diagnosis.ipynb #36ed06ab
@@ -178,6 +186,7 @@ def classify_exit(code, stop_requested=False, forced=False, events=(), superviso
     kinds = {e.get("event") for e in events}
     if supervisor_signal is not None: return State.failed
     if code == 0:
-        return State.cancelled if Event.stopped in kinds or (stop_requested and Event.completed not in kinds) else State.completed
+        return State.cancelled if Event.stopped in kinds or (stop_requested
+                                                             and Event.completed not in kinds) else State.completed
     if stop_requested and forced: return State.cancelled
     return State.failed

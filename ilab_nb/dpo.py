@@ -38,10 +38,12 @@ def _pair_row(record: dict, tokenizer, max_seq_len: int, policy: str) -> tuple:
     status = "ok"
     if longest > max_seq_len:
         if policy != "truncate": return None, "too_long"
-        t = {k: v[:max_seq_len] for k, v in t.items()}; status = "truncated"
+        t = {k: v[:max_seq_len] for k, v in t.items()}
+        status = "truncated"
     ans = [sum(l != -100 for l in t[f"{s}_labels"][1:]) for s in ("chosen", "rejected")]
     if min(ans) == 0: return None, "too_long" if status == "truncated" else "no_loss"
-    return dict(t, len_c=len(t["chosen_input_ids"]), len_r=len(t["rejected_input_ids"]), ans_c=ans[0], ans_r=ans[1]), status
+    return dict(t, len_c=len(t["chosen_input_ids"]), len_r=len(t["rejected_input_ids"]), ans_c=ans[0],
+                ans_r=ans[1]), status
 
 # %% ../nbs/24_dpo.ipynb #8ede78b4
 def build_pairs(records: list, tokenizer, max_seq_len: int, policy: str = "drop") -> tuple:
@@ -53,15 +55,20 @@ def build_pairs(records: list, tokenizer, max_seq_len: int, policy: str = "drop"
         if status == "too_long" and policy == "error": bad.append(r.get("source"))
         if row is not None: rows.append(dict(row, index=len(rows)))
     if bad:
-        raise D.DataError.collected([D._problem(f"a side of this pair is longer than max_seq_len={max_seq_len}; raise max_seq_len, "
-                                                "or set long_sequence_policy to 'drop' or 'truncate'", *D._split_source(s))
+        raise D.DataError.collected([D._problem(f"a side of this pair is longer than max_seq_len={max_seq_len}; raise "
+                                                f"max_seq_len, or set long_sequence_policy to 'drop' or 'truncate'",
+                                                *D._split_source(s))
                                      for s in bad[:D.MAX_DATA_ERRORS]], count=len(bad))
-    if not rows: raise D.DataError(f"no pair left out of {len(records)}: {counts['too_long']} too long, {counts['no_loss']} without an answer")
-    stats = dict(samples=len(rows), records=len(records), dropped_too_long=counts["too_long"], truncated=counts["truncated"],
+    if not rows:
+        raise D.DataError(f"no pair left out of {len(records)}: {counts['too_long']} too long, {counts['no_loss']} "
+                          f"without an answer")
+    stats = dict(samples=len(rows), records=len(records), dropped_too_long=counts["too_long"],
+                 truncated=counts["truncated"],
                  dropped_no_loss=counts["no_loss"], tokens=sum(x["len_c"] + x["len_r"] for x in rows),
                  loss_tokens=sum(x["ans_c"] + x["ans_r"] for x in rows), max_seq_len=max_seq_len, policy=policy)
     dropped = counts["too_long"] + counts["no_loss"]
-    stats["note"] = (f"{dropped:,} of {len(records):,} pairs dropped ({counts['too_long']:,} longer than max_seq_len={max_seq_len:,})"
+    stats["note"] = (f"{dropped:,} of {len(records):,} pairs dropped ({counts['too_long']:,} longer than "
+                     f"max_seq_len={max_seq_len:,})"
                      if dropped else None)
     return datasets.Dataset.from_list(rows), stats
 
@@ -78,7 +85,8 @@ def build(self:DPO, records: list, tokenizer, cache_dir=None) -> tuple:
 @patch
 def lengths(self:DPO, ds, layout: str) -> list:
     "A pair's cost: its sides end to end (packed), or its longer side (padded, under half the budget)."
-    return [c + r for c, r in zip(ds["len_c"], ds["len_r"])] if layout == "packed" else [max(c, r) for c, r in zip(ds["len_c"], ds["len_r"])]
+    return [c + r for c, r in zip(ds["len_c"], ds["len_r"])] if layout == "packed" else [max(c, r) for c,
+            r in zip(ds["len_c"], ds["len_r"])]
 
 @patch
 def rows(self:DPO, layout: str) -> int:
@@ -130,11 +138,13 @@ def pair_losses(loss_type: str, beta: float, chosen_lr, rejected_lr, chosen_n=No
     delta = chosen_lr - rejected_lr
     if loss_type == "sigmoid": return -F.logsigmoid(beta * delta)
     if loss_type == "hinge": return torch.relu(1 - beta * delta)
-    if loss_type == "ipo": return (chosen_lr / chosen_n.clamp(min=1) - rejected_lr / rejected_n.clamp(min=1) - 1 / (2 * beta)) ** 2
+    if loss_type == "ipo":
+        return (chosen_lr / chosen_n.clamp(min=1) - rejected_lr / rejected_n.clamp(min=1) - 1 / (2 * beta)) ** 2
     raise ValueError(f"loss_type={loss_type!r}: use 'sigmoid', 'ipo' or 'hinge'")
 
 # %% ../nbs/24_dpo.ipynb #62793738
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
 
 @patch
 def loss_sums(self:DPO, forward, batch: dict, split: str = "train") -> tuple:
@@ -167,7 +177,8 @@ def eval_record(self:DPO, loss_sum: float, weight: float, sums: dict) -> dict:
 
 # %% ../nbs/24_dpo.ipynb #754e964f
 def disable_dropout(model):
-    "Dropout off everywhere (modules and attention), as TRL's `disable_dropout`: the reference is then the policy's function."
+    """Dropout off everywhere (modules and attention), as TRL's `disable_dropout`: the reference is then the policy's
+    function."""
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout): m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float): m.attention_dropout = 0.0
@@ -180,14 +191,16 @@ def _rounds(self, ds, world: int, layout: str, seed: int) -> list:
     rest = [i for i in range(len(ds)) if i not in seen]
     for k in range(0, len(rest), world):
         chunk = rest[k:k + world]
-        plan.append([[chunk[r]] if r < len(chunk) else [chunk[0]] for r in range(world)])   # a rank with none repeats one
+        # a rank with none repeats one
+        plan.append([[chunk[r]] if r < len(chunk) else [chunk[0]] for r in range(world)])
     return plan
 
 @patch
 def reference_logps(self:DPO, model, ds, forward, world: int, rank: int, layout: str, pad_id: int, seed: int):
     "`[pairs, 2]` log-probabilities of every pair's chosen and rejected answer under `model` (every rank calls)."
     mine = {}
-    was = model.training; model.eval()
+    was = model.training
+    model.eval()
     with torch.no_grad():
         for ms in _rounds(self, ds, world, layout, seed):
             b = self.batch(ds, ms[rank], layout, pad_id)
@@ -196,7 +209,9 @@ def reference_logps(self:DPO, model, ds, forward, world: int, rank: int, layout:
             for k, i in enumerate(b["pair_index"].tolist()): mine[i] = (float(lp[k]), float(lp[n + k]))
     model.train(was)
     found = [mine]
-    if world > 1: found = [None] * world; dist.all_gather_object(found, mine)
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, mine)
     table = torch.full((len(ds), 2), float("nan"))
     for part in found:
         for i, v in part.items(): table[i] = torch.tensor(v)
@@ -212,18 +227,20 @@ def prepare(self:DPO, attempt, forward):
     sets = {"train": a.train_ds, **({"eval": a.eval_ds} if a.eval_ds is not None else {})}
     if a.resumed:
         if not path.exists():
-            raise RuntimeError(f"{path} is missing: a DPO run resumes against the reference log-probabilities it computed "
-                               "before step 1, and they are gone; start a new run")
+            raise RuntimeError(f"{path} is missing: a DPO run resumes against the reference log-probabilities it "
+                               f"computed before step 1, and they are gone; start a new run")
         self.reference = torch.load(path)
         for k, ds in sets.items():
             if len(self.reference.get(k, ())) != len(ds):
-                raise RuntimeError(f"{path} has reference log-probabilities for {len(self.reference.get(k, ()))} {k} pairs, "
-                                   f"but the data now has {len(ds)}: the data changed since the run started")
+                raise RuntimeError(f"{path} has reference log-probabilities for {len(self.reference.get(k, ()))} {k} "
+                                   f"pairs, but the data now has {len(ds)}: the data changed since the run started")
         return self.reference
     env = a.env
     self.reference = {k: self.reference_logps(a.model, ds, forward, env.world_size, env.rank, a.layout,
                                               a.tokenizer.pad_token_id, a.cfg.seed) for k, ds in sets.items()}
     if env.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp"); torch.save(self.reference, tmp); tmp.replace(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(self.reference, tmp)
+        tmp.replace(path)
     return self.reference

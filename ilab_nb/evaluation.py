@@ -33,7 +33,8 @@ def heldout_records(cfg) -> list:
 def turn_end(tok) -> str:
     "The text the chat template closes an assistant turn with (its end-of-turn token), else the tokenizer's EOS."
     mark = "\u2063ANSWER\u2063"
-    text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}], tokenize=False)
+    text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}],
+                                   tokenize=False)
     return (text.split(mark, 1)[1].strip() if mark in text else "") or tok.eos_token
 
 def heldout_docs(records, tok) -> list[dict]:
@@ -48,7 +49,8 @@ def heldout_docs(records, tok) -> list[dict]:
     return docs
 
 # %% ../nbs/53_evaluation.ipynb #5043bbf1
-HELDOUT_METRICS = '''"""The metrics of the `heldout` task (written by ilab_nb): the answer against the reference turn."""
+HELDOUT_METRICS = '''\
+"""The metrics of the `heldout` task (written by ilab_nb): the answer against the reference turn."""
 import string
 
 def _normalised(s):
@@ -56,7 +58,8 @@ def _normalised(s):
 
 def process_results(doc, results):
     answer, target = results[0].strip(), doc["target"].strip()
-    return {"exact_match": float(answer == target), "normalised_match": float(_normalised(answer) == _normalised(target))}
+    return {"exact_match": float(answer == target), \
+"normalised_match": float(_normalised(answer) == _normalised(target))}
 '''
 
 # %% ../nbs/53_evaluation.ipynb #620e0b9f
@@ -65,8 +68,10 @@ def _jsonl(path: Path, docs: list):
 
 def write_heldout_task(task_dir, docs: list, stop: str, max_gen_toks: int) -> Path:
     "Write the `heldout` task (YAML, documents, metrics) into `task_dir`; returns the YAML's path."
-    d = Path(task_dir); d.mkdir(parents=True, exist_ok=True)
-    _jsonl(d / "heldout.jsonl", docs); (d / "heldout_metrics.py").write_text(HELDOUT_METRICS)
+    d = Path(task_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    _jsonl(d / "heldout.jsonl", docs)
+    (d / "heldout_metrics.py").write_text(HELDOUT_METRICS)
     (d / "heldout.yaml").write_text(f"""task: heldout
 dataset_path: json
 dataset_kwargs:
@@ -98,13 +103,15 @@ def preference_docs(records, tok) -> list[dict]:
     docs = []
     for r in records:
         prompt = tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
-        side = {s: tok.apply_chat_template(r["prompt"] + r[s], tokenize=False)[len(prompt):] for s in ("chosen", "rejected")}
+        side = {s: tok.apply_chat_template(r["prompt"] + r[s], tokenize=False)[len(prompt):]
+                for s in ("chosen", "rejected")}
         docs.append(dict(prompt=prompt, **side, choices=[side["chosen"], side["rejected"]]))
     return docs
 
 def write_preference_task(task_dir, docs: list) -> Path:
     "Write the `heldout_preference` task (YAML, documents) into `task_dir`; returns the YAML's path."
-    d = Path(task_dir); d.mkdir(parents=True, exist_ok=True)
+    d = Path(task_dir)
+    d.mkdir(parents=True, exist_ok=True)
     _jsonl(d / "heldout_preference.jsonl", docs)
     (d / "heldout_preference.yaml").write_text(f"""task: heldout_preference
 dataset_path: json
@@ -137,64 +144,81 @@ def lm_eval_tasks():
 def check_tasks(tasks, held: list) -> list[str]:
     "`tasks` as a list of names, every one runnable: the run's own with the held-out records they need, or lm-eval's."
     tasks = [tasks] if isinstance(tasks, str) else list(tasks or [])
-    if not tasks: raise EvalError("evaluate: give at least one task, e.g. tasks=['heldout'] (the run's own held-out data) "
-                                  "or an lm-eval task name such as 'arc_easy'")
+    if not tasks:
+        raise EvalError("evaluate: give at least one task, e.g. tasks=['heldout'] (the run's own held-out data) "
+                        "or an lm-eval task name such as 'arc_easy'")
     kind = held[0]["kind"] if held else None
     for t in tasks:
         if t in OWN_TASKS and OWN_TASKS[t] != kind:
-            has = f"its held-out records are {kind} records" if kind else "it held nothing out (no eval_data, no eval_split)"
+            has = f"its held-out records are {kind} records" if kind else ("it held nothing out (no eval_data, no "
+                                                                           "eval_split)")
             raise EvalError(f"task {t!r} is made from the run's held-out {OWN_TASKS[t]} records, but {has}")
     other = [t for t in tasks if t not in OWN_TASKS]
     if other:
         known = set(lm_eval_tasks().all_tasks)
         if bad := [t for t in other if t not in known]:
             near = difflib.get_close_matches(bad[0], sorted(known | set(OWN_TASKS)), n=3)
-            raise EvalError(f"task {bad[0]!r} is neither one of the run's own ({', '.join(OWN_TASKS)}) nor an lm-eval task"
+            raise EvalError(f"task {bad[0]!r} is neither one of the run's own ({', '.join(OWN_TASKS)}) nor an lm-eval "
+                            f"task"
                             + (f"; did you mean {', '.join(map(repr, near))}?" if near else ""))
         check_task_data(other, lm_eval_tasks())
     return tasks
 
 # %% ../nbs/53_evaluation.ipynb #956c2664
 def task_datasets(tm, task: str, seen=None) -> list[tuple]:
-    "The data sets `(dataset_path, dataset_name)` that lm-eval's task, group or tag `task` reads, from the configs of `tm`'s index alone."
+    """The data sets `(dataset_path, dataset_name)` that lm-eval's task, group or tag `task` reads, from the configs of
+    `tm`'s index alone."""
     seen = set() if seen is None else seen
     if task in seen: return []
     seen.add(task)
     e = tm.task_index.get(task)
     cfg = getattr(e, "cfg", None) or {}
     if cfg.get("dataset_path"): return [(cfg["dataset_path"], cfg.get("dataset_name"))]
-    subs = cfg.get("task") if "group" in cfg else [n for n, x in tm.task_index.items() if task in (x.tags or ())]   # a group; a tag
+    # a group; a tag
+    subs = cfg.get("task") if "group" in cfg else [n for n, x in tm.task_index.items() if task in (x.tags or ())]
     subs = [s.get("task") if isinstance(s, dict) else s for s in (subs if isinstance(subs, list) else [subs])]
     return [d for s in subs if isinstance(s, str) for d in task_datasets(tm, s, seen)]
 
 # %% ../nbs/53_evaluation.ipynb #9cb6807e
 def dataset_offline_problem(path: str) -> str | None:
-    "Why the data set `path` cannot be loaded here: not in the `datasets` cache, with no hub to fetch it from; None if it can."
+    """Why the data set `path` cannot be loaded here: not in the `datasets` cache, with no hub to fetch it from; None if
+    it can."""
     import datasets, huggingface_hub as hf
     from datasets.load import CachedDatasetModuleFactory
-    if path in datasets.packaged_modules._PACKAGED_DATASETS_MODULES or Path(path).exists(): return None     # local files
-    try: CachedDatasetModuleFactory(path).get_module(); return None          # what `datasets` itself loads offline
+    if path in datasets.packaged_modules._PACKAGED_DATASETS_MODULES or Path(path).exists():   # local files
+        return None
+    try:   # what `datasets` itself loads offline
+        CachedDatasetModuleFactory(path).get_module()
+        return None
     except Exception: pass
     where = f"not in the Hugging Face datasets cache ({datasets.config.HF_DATASETS_CACHE})"
     if datasets.config.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return f"{where}, and HF_HUB_OFFLINE is set"
-    try: hf.dataset_info(path, timeout=5); return None
+    try:
+        hf.dataset_info(path, timeout=5)
+        return None
     except hf.errors.RepositoryNotFoundError: return f"{where}, and the hub has no data set of that name"
-    except hf.errors.HfHubHTTPError: return None        # the hub answered (gated, rate-limited, ...): loading it says more
-    except Exception as e: return f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: {type(e).__name__})"
+    except hf.errors.HfHubHTTPError:   # the hub answered (gated, rate-limited, ...): loading it says more
+        return None
+    except Exception as e:
+        return f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: {type(e).__name__})"
 
 def check_task_data(tasks, tm):
-    "Refuse, naming the task and its data set, an lm-eval task whose data set cannot be loaded here (before anything is launched)."
+    """Refuse, naming the task and its data set, an lm-eval task whose data set cannot be loaded here (before anything
+    is launched)."""
     for t in tasks:
         for path, name in dict.fromkeys(task_datasets(tm, t)):
             if why := dataset_offline_problem(path):
-                raise EvalError(f"task {t!r} reads the data set {path}" + (f" ({name})" if name else "") + f", which is {why}: "
-                                f"load it once where there is network (datasets.load_dataset({path!r}" + (f", {name!r}" if name else "")
+                raise EvalError(f"task {t!r} reads the data set {path}" + (f" ({name})" if name
+                                                                           else "") + f", which is {why}: "
+                                f"load it once where there is network (datasets.load_dataset({path!r}" + (f", {name!r}"
+                                        if name else "")
                                 + ")), or evaluate the run's own tasks (heldout)")
 
 # %% ../nbs/53_evaluation.ipynb #f39a20e5
 def heldout_changed(header, held: list) -> bool | None:
-    "Whether `held` differs from what the run held out, by its header's fingerprint (`data_stats.heldout`); None without one."
+    """Whether `held` differs from what the run held out, by its header's fingerprint (`data_stats.heldout`); None
+    without one."""
     from ilab_nb.data import records_sha256
     ran = ((header or {}).get("data_stats") or {}).get("heldout")
     if not (isinstance(ran, dict) and isinstance(ran.get("sha256"), str)): return None
@@ -209,19 +233,21 @@ def check_heldout_unchanged(session, cfg, tasks, held: list):
     hdr = session.monitor.header
     if changed := heldout_changed(hdr, held):
         ran = hdr["data_stats"]["heldout"]
-        raise EvalError(f"evaluate: {', '.join(map(str, srcs))} changed since run {session.run_id} read it: the {len(held)} "
-                        f"held-out records read now are not the {ran.get('rows')} the run held out (their sha256 differs); "
-                        "put the file back as it was, or evaluate lm-eval tasks only")
+        raise EvalError(f"evaluate: {', '.join(map(str, srcs))} changed since run {session.run_id} read it: the "
+                        f"{len(held)} held-out records read now are not the {ran.get('rows')} the run held out (their "
+                        f"sha256 differs); put the file back as it was, or evaluate lm-eval tasks only")
     if changed is None: _check_heldout_times(session, srcs)
 
 def _check_heldout_times(session, srcs):
     "A run from before the fingerprint: its held-out files must not have been modified after it started."
     since = (session.state or {}).get("created_at")
-    files = [f for q in srcs for f in ([q] if q.is_file() else sorted(q.rglob("*")) if q.is_dir() else []) if f.is_file()]
+    files = [f for q in srcs for f in ([q] if q.is_file() else sorted(q.rglob("*")) if q.is_dir() else [])
+             if f.is_file()]
     if since and (late := [f for f in files if f.stat().st_mtime > since and not f.is_relative_to(session.run_dir)]):
         raise EvalError(f"evaluate: {late[0]} changed after run {session.run_id} started (modified "
-                        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(late[0].stat().st_mtime))}), so its records may "
-                        "not be what the run held out; put the file back as it was, or evaluate lm-eval tasks only")
+                        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(late[0].stat().st_mtime))}), so its records "
+                        f"may not be what the run held out; put the file back as it was, or evaluate lm-eval tasks "
+                        f"only")
 
 # %% ../nbs/53_evaluation.ipynb #9ec37941
 def write_own_tasks(task_dir, tasks: list, held: list, tok, max_gen_toks: int | None = None) -> list[Path]:
@@ -235,16 +261,21 @@ def write_own_tasks(task_dir, tasks: list, held: list, tok, max_gen_toks: int | 
     return out
 
 # %% ../nbs/53_evaluation.ipynb #ff7fdeb6
-def eval_spec(session, tasks, checkpoint=None, base: bool = True, limit=None, batch_size: int = 16, base_model=None, tuned=None) -> dict:
-    """What an evaluation of `session`'s run evaluates: its tasks, models (the run's starting one, or `base_model` where it
+def eval_spec(session, tasks, checkpoint=None, base: bool = True, limit=None, batch_size: int = 16, base_model=None,
+              tuned=None) -> dict:
+    """What an evaluation of `session`'s run evaluates: its tasks, models (the run's starting one, or `base_model` where
+    it
     is now, then its trained one, at `tuned` if given: a checkpoint held for it)."""
     cfg = session.config
     tuned = tuned or session.model_path(checkpoint)
     start = str(base_model or cfg.model)
-    models = ([dict(label="base", path=start)] if base else []) + [dict(label="tuned", path=str(tuned), checkpoint=checkpoint,
-                                                                         **({"base_model": str(base_model)} if base_model else {}))]
+    models = ([dict(label="base", path=start)] if base else []) + [dict(label="tuned", path=str(tuned),
+                                                                        checkpoint=checkpoint,
+                                                                         **({"base_model": str(base_model)}
+                                                                            if base_model else {}))]
     device = (session.preflight or {}).get("device") or ("cpu" if cfg.device == "cpu" else "cuda")
-    return dict(kind="eval", run_id=session.run_id, run_dir=str(session.run_dir), tasks=tasks, models=models, limit=limit,
+    return dict(kind="eval", run_id=session.run_id, run_dir=str(session.run_dir), tasks=tasks, models=models,
+                limit=limit,
                 batch_size=batch_size, num_processes=1, device=device, precision=cfg.precision,
                 trust_remote_code=cfg.trust_remote_code, created_at=time.time())
 
@@ -273,15 +304,20 @@ def evaluate_task(lm, task: str, tm, limit, out_dir: Path) -> dict:
     "lm-eval's results of `task` for `lm`, saved in `out_dir` as its command line saves them; a clear error offline."
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
-    try: r = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, limit=limit, log_samples=True, verbosity="WARNING")
+    try:
+        r = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, limit=limit, log_samples=True,
+                                    verbosity="WARNING")
     except Exception as e:
-        if task in OWN_TASKS or not any(w in f"{type(e).__name__} {e}".lower() for w in ("connect", "offline", "resolve", "hub", "dataset")):
+        if task in OWN_TASKS or not any(w in f"{type(e).__name__} {e}".lower()
+                                        for w in ("connect", "offline", "resolve", "hub", "dataset")):
             raise
-        raise RuntimeError(f"task {task!r}: its data set ({_dataset_of(tm, task)}) could not be loaded ({type(e).__name__}: "
-                           f"{str(e)[:200]}); with no network it must be in the Hugging Face datasets cache: load it once where "
-                           "there is network, or evaluate the run's own tasks (heldout)") from None
+        raise RuntimeError(f"task {task!r}: its data set ({_dataset_of(tm, task)}) could not be loaded "
+                           f"({type(e).__name__}: {str(e)[:200]}); with no network it must be in the Hugging Face "
+                           f"datasets cache: load it once where there is network, or evaluate the run's own tasks "
+                           f"(heldout)") from None
     samples = r.pop("samples")
-    tracker = EvaluationTracker(output_path=str(out_dir / "results.json"))     # out_dir/results_<date>.json, samples_<task>_<date>.jsonl
+    # out_dir/results_<date>.json, samples_<task>_<date>.jsonl
+    tracker = EvaluationTracker(output_path=str(out_dir / "results.json"))
     tracker.save_results_aggregated(results=r, samples=samples)
     tracker.save_results_samples(task_name=task, samples=samples[task])
     return r["results"][task]
@@ -294,7 +330,8 @@ def task_scores(result: dict) -> dict:
         if "," not in k or "_stderr," in k or not isinstance(v, (int, float)): continue
         name, filt = k.split(",", 1)
         err = result.get(f"{name}_stderr,{filt}")
-        out[name if filt == "none" else f"{name} ({filt})"] = (float(v), float(err) if isinstance(err, (int, float)) else None)
+        out[name if filt == "none" else f"{name} ({filt})"] = (float(v), float(err) if isinstance(err, (int, float))
+                                                               else None)
     return out
 
 # %% ../nbs/53_evaluation.ipynb #06338a65
@@ -314,10 +351,13 @@ def run_evaluation(p: RunPaths, attempt: int = 1) -> str:
             for task in spec["tasks"]:
                 if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed")
                 if p.stop.exists():
-                    metrics.write("event", event=Event.stopped); return Event.stopped
+                    metrics.write("event", event=Event.stopped)
+                    return Event.stopped
                 metrics.write("task", model=m["label"], task=task, status="running")
-                t0 = time.time(); res = evaluate_task(lm, task, tm, spec.get("limit"), p.root / m["label"])
-                metrics.write("task", model=m["label"], task=task, status="done", seconds=time.time() - t0, n=res.get("sample_len"),
+                t0 = time.time()
+                res = evaluate_task(lm, task, tm, spec.get("limit"), p.root / m["label"])
+                metrics.write("task", model=m["label"], task=task, status="done", seconds=time.time() - t0,
+                              n=res.get("sample_len"),
                               scores={k: list(v) for k, v in task_scores(res).items()})
             del lm, model
         metrics.write("event", event=Event.completed)
@@ -330,7 +370,8 @@ def _rewrite_run_report(run_dir):
     try:
         from ilab_nb.record import write_report
         if run_dir and Path(run_dir).is_dir(): write_report(run_dir)
-    except Exception as e: print(f"[ilab_nb.evaluation] the run's report.html was not rewritten: {type(e).__name__}: {e}", flush=True)
+    except Exception as e:
+        print(f"[ilab_nb.evaluation] the run's report.html was not rewritten: {type(e).__name__}: {e}", flush=True)
 
 # %% ../nbs/53_evaluation.ipynb #f68311fd
 def main(argv=None):
@@ -339,7 +380,9 @@ def main(argv=None):
     from ilab_nb.worker import redirect_output
     from ilab_nb.rundir import RankState
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.evaluation")
-    ap.add_argument("run_dir"); ap.add_argument("--attempt", type=int, default=1); ap.add_argument("--resume")
+    ap.add_argument("run_dir")
+    ap.add_argument("--attempt", type=int, default=1)
+    ap.add_argument("--resume")
     a = ap.parse_args(argv)
     paths = RunPaths(a.run_dir)                 # this process's one view of the evaluation's directory
     redirect_output(paths.rank_log(0))
@@ -350,9 +393,12 @@ def main(argv=None):
         out = run_evaluation(paths, a.attempt)
         record_rank(paths, 0, a.attempt, RankState.exited, outcome=out)
     except BaseException as e:
-        import traceback; traceback.print_exc(); code = 1
+        import traceback
+        traceback.print_exc()
+        code = 1
         record_rank(paths, 0, a.attempt, RankState.failed, error=f"{type(e).__name__}: {e}")
-    sys.stdout.flush(); sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 if __name__ == "__main__" and "IPython" not in sys.modules: main()
@@ -362,22 +408,28 @@ def check_limit(limit):
     "`limit` as lm-eval takes it: None, a number of documents (>= 1), or a fraction of them (0 < limit < 1)."
     ok = limit is None or (not isinstance(limit, bool) and isinstance(limit, (int, float))
                            and (limit >= 1 and float(limit).is_integer() or 0 < limit < 1))
-    if not ok: raise EvalError(f"evaluate: limit={limit!r} is not a number of documents per task (1, 2, ...) nor a fraction "
-                               "of them (0 < limit < 1); leave it out to evaluate every document")
+    if not ok:
+        raise EvalError(f"evaluate: limit={limit!r} is not a number of documents per task (1, 2, ...) nor a fraction "
+                        "of them (0 < limit < 1); leave it out to evaluate every document")
     return int(limit) if limit is not None and limit >= 1 else limit
 
 def check_model(session, checkpoint, base_model=None):
-    "The trained model's folder, refused before launch if it is incomplete or its adapters' base moved (say `base_model=`)."
+    """The trained model's folder, refused before launch if it is incomplete or its adapters' base moved (say
+    `base_model=`)."""
     from ilab_nb.models import model_files_problem
-    if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)   # a step, as fork takes it
+    if isinstance(checkpoint, str) and checkpoint.strip().isdigit():   # a step, as fork takes it
+        checkpoint = int(checkpoint)
     try: tuned = session.model_path(checkpoint)
     except FileNotFoundError as e: raise EvalError(f"evaluate: {e}") from None
-    if why := model_files_problem(tuned, base_model): raise EvalError(f"evaluate: {why.replace('load_model(', 'evaluate(')}")
-    if base_model and not Path(base_model).is_dir(): raise EvalError(f"evaluate: base_model={base_model} is not a model folder")
+    if why := model_files_problem(tuned, base_model):
+        raise EvalError(f"evaluate: {why.replace('load_model(', 'evaluate(')}")
+    if base_model and not Path(base_model).is_dir():
+        raise EvalError(f"evaluate: base_model={base_model} is not a model folder")
     return checkpoint, tuned
 
 def hold_checkpoint(tuned: Path, eval_dir: Path) -> Path:
-    "A checkpoint's files hard-linked (or copied) into the evaluation, so that the run's rotation cannot remove it mid-job."
+    """A checkpoint's files hard-linked (or copied) into the evaluation, so that the run's rotation cannot remove it
+    mid-job."""
     if tuned.parent.name != "checkpoints": return tuned
     from ilab_nb.export import held
     with held(tuned, eval_dir) as h: os.replace(h, eval_dir / "model")
@@ -390,24 +442,27 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
     from ilab_nb.slots import device_request
     from ilab_nb.launcher import spawn_supervisor
     if num_processes not in (None, 1):
-        raise EvalError(f"num_processes={num_processes}: lm-eval evaluates a model object in the one process that holds it; "
-                        "use num_processes=1 (or leave it out)")
+        raise EvalError(f"num_processes={num_processes}: lm-eval evaluates a model object in the one process that "
+                        f"holds it; use num_processes=1 (or leave it out)")
     cfg = session.config
     limit = check_limit(limit)
     checkpoint, tuned = check_model(session, checkpoint, base_model)
     start = str(base_model or cfg.model)
     if os.path.isabs(start) and not os.path.exists(start):
-        raise EvalError(f"evaluate: the run's starting model {start} is no longer there (moved or deleted?); put it back, "
-                        "or say where it is now: evaluate(..., base_model=PATH)")
+        raise EvalError(f"evaluate: the run's starting model {start} is no longer there (moved or deleted?); put it "
+                        f"back, or say where it is now: evaluate(..., base_model=PATH)")
     held = heldout_records(cfg)
     tasks = check_tasks(tasks, held)
     check_heldout_unchanged(session, cfg, tasks, held)
-    store = RunStore(RunPaths(session.run_dir).evals); eid = new_run_id("eval")
+    store = RunStore(RunPaths(session.run_dir).evals)
+    eid = new_run_id("eval")
     d = store.create_run(eid)
     spec = eval_spec(session, tasks, checkpoint, base, limit, batch_size, base_model, hold_checkpoint(tuned, Path(d)))
-    write_own_tasks(Path(d) / "tasks", tasks, held, AutoTokenizer.from_pretrained(base_model or cfg.model, trust_remote_code=cfg.trust_remote_code))
+    write_own_tasks(Path(d) / "tasks", tasks, held, AutoTokenizer.from_pretrained(base_model or cfg.model,
+            trust_remote_code=cfg.trust_remote_code))
     write_json_atomic(RunPaths(d).config, spec)
-    store.write_state(eid, status=State.queued, attempt=1, request=device_request(spec["device"], 1), device=spec["device"],
+    store.write_state(eid, status=State.queued, attempt=1, request=device_request(spec["device"], 1),
+                      device=spec["device"],
                       num_processes=1, tasks=tasks)
     store.append_event(eid, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}")
     ref = spawn_supervisor(d, 1, queue=queue, worker_module="ilab_nb.evaluation")

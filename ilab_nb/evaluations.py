@@ -17,15 +17,19 @@ __all__ = ['Evaluation', 'EvaluationView', 'evaluations_of', 'latest_scores']
 
 # %% ../nbs/16_evaluations.ipynb #be84b2eb
 class Evaluation:
-    "An evaluation of a run: `status`, `wait()`, `stop()`, `records`, `results()`; displayed, its progress then its table."
+    """An evaluation of a run: `status`, `wait()`, `stop()`, `records`, `results()`; displayed, its progress then its
+    table."""
     def __init__(self, eval_dir):
-        self.dir = Path(eval_dir); self.eval_id = self.dir.name; self.store = RunStore(self.dir.parent)
+        self.dir = Path(eval_dir)
+        self.eval_id = self.dir.name
+        self.store = RunStore(self.dir.parent)
     def __repr__(self): return f"Evaluation({self.eval_id!r}, status={self.status!r}, tasks={self.spec.get('tasks')})"
     @property
     def spec(self) -> dict: return read_json(RunPaths(self.dir).config, {}) or {}
     @property
     def state(self) -> dict:
-        if not self.dir.is_dir(): return dict(status=State.failed, reason="run directory removed")   # nothing will end it otherwise
+        if not self.dir.is_dir():   # nothing will end it otherwise
+            return dict(status=State.failed, reason="run directory removed")
         return self.store.refresh(self.eval_id)
     @property
     def status(self) -> str: return status_of(self.state)
@@ -36,7 +40,8 @@ class Evaluation:
 def records(self:Evaluation) -> list:
     "The evaluation's `task` records, in order."
     from ilab_nb.monitor import MetricsReader
-    return [r for r in MetricsReader(RunPaths(self.dir).metrics).read_new() if r.get("kind") == "task"]   # read by schema (11_rundir)
+    # read by schema (11_rundir)
+    return [r for r in MetricsReader(RunPaths(self.dir).metrics).read_new() if r.get("kind") == "task"]
 
 # %% ../nbs/16_evaluations.ipynb #8591c89f
 @patch
@@ -47,7 +52,8 @@ def wait(self:Evaluation, timeout=None, poll_s: float = 0.5) -> str:
         if timeout is not None and time.time() - t0 > timeout:
             raise TimeoutError(f"Evaluation {self.eval_id} is still {st} after {timeout} s.")
         time.sleep(poll_s)
-    for key in (self.eval_id, self.spec.get("run_id") or ""): finalize_displays(key, run_views_only=True)   # its view, its run's dashboard
+    # its view, its run's dashboard
+    for key in (self.eval_id, self.spec.get("run_id") or ""): finalize_displays(key, run_views_only=True)
     return st
 
 @patch
@@ -55,14 +61,17 @@ def wait(self:Evaluation, timeout=None, poll_s: float = 0.5) -> str:
 def stop(self:Evaluation, wait: bool = True, timeout=None, *, trust_owner: bool = False) -> str:
     "Ask the evaluation to stop before its next task (killed after the grace period); with `wait`, until it has ended."
     if self.status in TERMINAL: return self.status
-    stop = RunPaths(self.dir).stop; stop.parent.mkdir(exist_ok=True)
-    if not stop.exists(): write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}"})
+    stop = RunPaths(self.dir).stop
+    stop.parent.mkdir(exist_ok=True)
+    if not stop.exists():
+        write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}"})
     return self.wait(timeout) if wait else self.status
 
 # %% ../nbs/16_evaluations.ipynb #b5086b16
 @patch
 def results(self:Evaluation):
-    "pandas: one row per task and metric: `task`, `metric`, `base`, `tuned`, `delta` (tuned - base), `stderr` (tuned's)."
+    """pandas: one row per task and metric: `task`, `metric`, `base`, `tuned`, `delta` (tuned - base), `stderr`
+    (tuned's)."""
     import pandas as pd
     got = {}
     for r in self.records:
@@ -70,7 +79,8 @@ def results(self:Evaluation):
         for metric, (v, err) in r["scores"].items(): got.setdefault((r["task"], metric), {})[r["model"]] = (v, err)
     rows = [dict(task=t, metric=m, base=by.get("base", (math.nan,))[0], tuned=by.get("tuned", (math.nan,))[0],
                  stderr=(by.get("tuned") or (None, None))[1]) for (t, m), by in got.items()]
-    rows += [dict(task="heldout_preference", metric=m, base=0.0, tuned=v, stderr=None) for m, v in self.preference_rewards().items()]
+    rows += [dict(task="heldout_preference", metric=m, base=0.0, tuned=v, stderr=None) for m,
+             v in self.preference_rewards().items()]
     df = pd.DataFrame(rows, columns=["task", "metric", "base", "tuned", "delta", "stderr"])
     df["delta"] = df["tuned"] - df["base"]
     return df
@@ -80,17 +90,20 @@ def _choice_logps(samples_file: Path) -> dict:
     "`{doc_id: (logp chosen, logp rejected)}` from an lm-eval samples file of `heldout_preference`."
     out = {}
     for line in samples_file.read_text(encoding="utf-8").splitlines():
-        s = json.loads(line); out[s["doc_id"]] = tuple(float(r[0]) for r in s["filtered_resps"][:2])
+        s = json.loads(line)
+        out[s["doc_id"]] = tuple(float(r[0]) for r in s["filtered_resps"][:2])
     return out
 
 @patch
 def preference_rewards(self:Evaluation) -> dict:
-    "`{'rewards/accuracies', 'rewards/margins'}` of the trained model against the base on `heldout_preference` ({} if not both)."
+    """`{'rewards/accuracies', 'rewards/margins'}` of the trained model against the base on `heldout_preference` ({} if
+    not both)."""
     files = {m: sorted((self.dir / m).glob("samples_heldout_preference_*.jsonl")) for m in ("base", "tuned")}
     if not (files["base"] and files["tuned"]): return {}
     base, tuned = _choice_logps(files["base"][-1]), _choice_logps(files["tuned"][-1])
     margins = [(tuned[i][0] - base[i][0]) - (tuned[i][1] - base[i][1]) for i in tuned if i in base]
-    return {"rewards/accuracies": sum(m > 0 for m in margins) / len(margins), "rewards/margins": sum(margins) / len(margins)} if margins else {}
+    return {"rewards/accuracies": sum(m > 0 for m in margins) / len(margins),
+            "rewards/margins": sum(margins) / len(margins)} if margins else {}
 
 # %% ../nbs/16_evaluations.ipynb #ee99c7d3
 @patch
@@ -106,8 +119,9 @@ def progress_html(self:Evaluation) -> str:
             rows.append(html_of("<tr><td>{}</td><td>{}</td><td>{}</td></tr>", m.get("label"), t, what))
     st = self.status
     why = f" — {self.reason}" if st in (State.failed, State.cancelled) and self.reason else ""
-    return html_of("<div class='ilab-eval' style='font-size:13px'><b>Evaluation {}</b> of run {}: {}{}<table style='border-spacing:"
-                   "12px 2px'><tr><th>model</th><th>task</th><th>scores</th></tr>{}</table></div>",
+    return html_of("<div class='ilab-eval' style='font-size:13px'><b>Evaluation {}</b> of run {}: {}{}<table "
+                   "style='border-spacing:12px "
+                   "2px'><tr><th>model</th><th>task</th><th>scores</th></tr>{}</table></div>",
                    self.eval_id, spec.get("run_id"), st, why, html_join(rows))
 
 def _num(v) -> str:
@@ -120,8 +134,11 @@ def record_bundle(self:Evaluation) -> dict:
     "The evaluation's record: its table as HTML (and text), no widget view."
     df = self.results()
     from markupsafe import Markup
-    table = Markup(df.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="—", escape=True)) if len(df) else ""   # pandas escapes each cell
-    return {"text/html": self.progress_html() + table, "text/plain": repr(self) + ("\n" + df.to_string(index=False) if len(df) else "")}
+    # pandas escapes each cell
+    table = Markup(df.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="—",
+                              escape=True)) if len(df) else ""
+    return {"text/html": self.progress_html() + table, "text/plain": repr(self) + ("\n" + df.to_string(index=False)
+            if len(df) else "")}
 
 # %% ../nbs/16_evaluations.ipynb #47bb9df3
 class EvaluationView:
@@ -136,7 +153,8 @@ class EvaluationView:
 
 @patch
 def _ipython_display_(self:Evaluation):
-    view = EvaluationView(self); view.refresher.start()
+    view = EvaluationView(self)
+    view.refresher.start()
     show_live(self.eval_id, view, self.record_bundle)
 
 # %% ../nbs/16_evaluations.ipynb #f0df31b6

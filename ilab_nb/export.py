@@ -73,22 +73,31 @@ def hparams(config) -> dict:
                 head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                 rms_eps=config.rms_norm_eps, rope_theta=rope.get("rope_theta", 10000.0), rope=rope,
                 vocab_size=config.vocab_size, tied=bool(config.tie_word_embeddings),
-                sliding_window=getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None)
+                sliding_window=getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True)
+                else None)
 
 # %% ../nbs/52_export.ipynb #dec278b0
 def add_hparams(writer, h: dict, name: str, file_type: int):
     "Write the model's metadata (its name, file type, shape, norms, rope) with the gguf writer."
     g = _gguf()
-    writer.add_name(name); writer.add_file_type(file_type)
-    writer.add_context_length(h["context_length"]); writer.add_embedding_length(h["embedding_length"])
-    writer.add_block_count(h["block_count"]); writer.add_feed_forward_length(h["feed_forward_length"])
-    writer.add_head_count(h["head_count"]); writer.add_head_count_kv(h["head_count_kv"])
-    writer.add_layer_norm_rms_eps(h["rms_eps"]); writer.add_rope_freq_base(h["rope_theta"])
-    writer.add_rope_dimension_count(h["head_dim"]); writer.add_vocab_size(h["vocab_size"])
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_context_length(h["context_length"])
+    writer.add_embedding_length(h["embedding_length"])
+    writer.add_block_count(h["block_count"])
+    writer.add_feed_forward_length(h["feed_forward_length"])
+    writer.add_head_count(h["head_count"])
+    writer.add_head_count_kv(h["head_count_kv"])
+    writer.add_layer_norm_rms_eps(h["rms_eps"])
+    writer.add_rope_freq_base(h["rope_theta"])
+    writer.add_rope_dimension_count(h["head_dim"])
+    writer.add_vocab_size(h["vocab_size"])
     if h["head_dim"] != h["embedding_length"] // h["head_count"]:
-        writer.add_key_length(h["head_dim"]); writer.add_value_length(h["head_dim"])
+        writer.add_key_length(h["head_dim"])
+        writer.add_value_length(h["head_dim"])
     if h["rope"].get("rope_type") == "linear":
-        writer.add_rope_scaling_type(g.RopeScalingType.LINEAR); writer.add_rope_scaling_factor(h["rope"]["factor"])
+        writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(h["rope"]["factor"])
 
 # %% ../nbs/52_export.ipynb #c9459937
 @dataclass(frozen=True)
@@ -109,13 +118,18 @@ def _header(path: Path) -> dict:
 # %% ../nbs/52_export.ipynb #926b268a
 def stored_tensors(model_dir) -> dict[str, StoredTensor]:
     "Every tensor of the model's safetensors file(s) (one file, or the shards `model.safetensors.index.json` names)."
-    d = Path(model_dir); index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
     out = {}
     for name in files:
         if not (d / name).is_file():
-            raise FileNotFoundError(f"export_gguf: {d} has no {name}: save the model with save_pretrained (safetensors)")
-        h = _header(d / name); base = h.pop("_data"); h.pop("__metadata__", None)
+            raise FileNotFoundError(f"export_gguf: {d} has no {name}: save the model with save_pretrained "
+                                    f"(safetensors)")
+        h = _header(d / name)
+        base = h.pop("_data")
+        h.pop("__metadata__", None)
         out.update({k: StoredTensor(d / name, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0],
                                     base + e["data_offsets"][1]) for k, e in h.items()})
     return out
@@ -130,7 +144,8 @@ def read_tensor(t: StoredTensor) -> torch.Tensor:
                          f"({', '.join(_TORCH_DTYPES)}): save the model unquantized")
     buf = bytearray(t.end - t.start)
     with open(t.file, "rb") as f:
-        f.seek(t.start); f.readinto(buf)
+        f.seek(t.start)
+        f.readinto(buf)
     return torch.frombuffer(buf, dtype=_TORCH_DTYPES[t.dtype]).reshape(t.shape).float()
 
 # %% ../nbs/52_export.ipynb #6f641873
@@ -141,7 +156,8 @@ def rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 # %% ../nbs/52_export.ipynb #21c3a256
 def tensor_names(arch: str, n_blocks: int) -> Callable[[str], str | None]:
     "`hf_name -> gguf name` (None for a name gguf does not know) for a GGUF architecture."
-    g = _gguf(); m = g.get_tensor_name_map(g.MODEL_ARCH[arch.upper()], n_blocks)
+    g = _gguf()
+    m = g.get_tensor_name_map(g.MODEL_ARCH[arch.upper()], n_blocks)
     return lambda name: m.get_name(name, try_suffixes=(".weight", ".bias"))
 
 def convert(hf_name: str, t: torch.Tensor, arch: str, h: dict) -> torch.Tensor:
@@ -198,7 +214,8 @@ def plan_tensors(model_dir, config, dtype: str) -> list[PlannedTensor]:
             raise ValueError(f"export_gguf: {st.file.name} holds {hf}, which llama.cpp's {arch} has no place for; "
                              "export the model as transformers' class saves it (no extra modules)")
         qtype, note = tensor_type(st.shape, dtype)
-        plan.append(PlannedTensor(name, st.shape, qtype, lambda hf=hf, st=st: convert(hf, read_tensor(st), arch, h), note))
+        plan.append(PlannedTensor(name, st.shape, qtype, lambda hf=hf, st=st: convert(hf, read_tensor(st), arch, h),
+                                  note))
     if not h["tied"] and "lm_head.weight" not in stored:
         raise ValueError(f"export_gguf: {model_dir} has untied embeddings but no lm_head.weight: save the whole model")
     if h["rope"].get("rope_type") == "llama3":
@@ -231,7 +248,8 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
         if s.get("behavior") == "Isolated" and not s.get("invert", False):
             found = {LLAMA3_PATTERN: "llama-bpe", QWEN2_PATTERN: "qwen2"}.get((s.get("pattern") or {}).get("Regex"))
             if found: return found
-    if byte_level and kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and last.get("use_regex", True):
+    if byte_level and kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and last.get("use_regex",
+            True):
         return "smollm"
     what = f"Sequence[{', '.join(map(_describe, steps))}]" if pre.get("type") == "Sequence" else _describe(pre)
     raise ValueError(f"export_gguf: the tokenizer's pre-tokenizer {what} is not one llama.cpp splits the same way; "
@@ -247,12 +265,19 @@ def vocab_tokens(tok, vocab_size: int) -> tuple[list[str], list[int]]:
         raise ValueError(f"export_gguf: the tokenizer has token id {max(beyond)} but the model only {vocab_size} "
                          "embedding rows: resize the embeddings (model.resize_token_embeddings) and save again")
     if (unused := [added[i].content for i in by_id if i >= vocab_size]):
-        log.warning(f"export_gguf: added token(s) {', '.join(unused)} have no embedding row (ids from {vocab_size}): left out")
+        log.warning(f"export_gguf: added token(s) {', '.join(unused)} have no embedding row (ids from {vocab_size}): "
+                    f"left out")
     tokens, types = [], []
     for i in range(vocab_size):
-        if i in added: tokens.append(added[i].content); types.append(T.CONTROL if added[i].special else T.USER_DEFINED)
-        elif i in by_id: tokens.append(by_id[i]); types.append(T.NORMAL)
-        else: tokens.append(f"[PAD{i}]"); types.append(T.UNUSED)
+        if i in added:
+            tokens.append(added[i].content)
+            types.append(T.CONTROL if added[i].special else T.USER_DEFINED)
+        elif i in by_id:
+            tokens.append(by_id[i])
+            types.append(T.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(T.UNUSED)
     return tokens, types
 
 # %% ../nbs/52_export.ipynb #23f63664
@@ -322,8 +347,10 @@ def tokenizer_vocab(model_dir, vocab_size: int) -> dict:
 
 def add_tokenizer(writer, vocab: dict):
     "Write the tokenizer's metadata with the gguf writer."
-    writer.add_tokenizer_model("gpt2"); writer.add_tokenizer_pre(vocab["pre"])
-    writer.add_token_list(vocab["tokens"]); writer.add_token_types(vocab["types"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
     vocab["special"].add_to_gguf(writer, quiet=True)
 
 # %% ../nbs/52_export.ipynb #2ee095a2
@@ -346,7 +373,8 @@ def _writer(model_dir: Path, config, dtype: str):
     return w
 
 # %% ../nbs/52_export.ipynb #046e1eb3
-_TMP = re.compile(r"\.(.+\.gguf)\.tmp-(\d+)(?:-(\d+|t[\d.]+))?")    # .<name>.gguf.tmp-<pid>[-<start ticks>|-t<create time>]
+# .<name>.gguf.tmp-<pid>[-<start ticks>|-t<create time>]
+_TMP = re.compile(r"\.(.+\.gguf)\.tmp-(\d+)(?:-(\d+|t[\d.]+))?")
 
 def tmp_path(out: Path, ref: ProcessRef) -> Path:
     "The temporary file the process `ref` writes `out` as."
@@ -354,7 +382,8 @@ def tmp_path(out: Path, ref: ProcessRef) -> Path:
     return out.with_name(f".{out.name}.tmp-{ref.pid}-{start}")
 
 def tmp_writer(f: Path) -> ProcessRef | None:
-    "The process that writes the temporary file `f` (a file of an older version: its pid alone), or None if `f` is not one."
+    """The process that writes the temporary file `f` (a file of an older version: its pid alone), or None if `f` is not
+    one."""
     if not (m := _TMP.fullmatch(f.name)): return None
     pid, start = int(m[2]), m[3]
     if start is None:                                                       # pid alone: any process of that pid counts
@@ -364,7 +393,8 @@ def tmp_writer(f: Path) -> ProcessRef | None:
 
 def remove_stale_tmp(folder) -> list[Path]:
     "Remove the temporary export files in `folder` whose writer is gone (killed mid-file); returns them."
-    gone = [f for f in sorted(Path(folder).glob(".*.gguf.tmp-*")) if (r := tmp_writer(f)) and f.is_file() and not r.alive()]
+    gone = [f for f in sorted(Path(folder).glob(".*.gguf.tmp-*")) if (r := tmp_writer(f)) and f.is_file()
+            and not r.alive()]
     for f in gone: f.unlink(missing_ok=True)
     return gone
 
@@ -373,28 +403,36 @@ def _in_range(p: PlannedTensor):
     "The tensor of `p` as numpy; one with values past f16's range refused for an f16 file (it would hold infinities)."
     t = p.load()
     if p.qtype == _gguf().GGMLQuantizationType.F16 and t.is_floating_point() and (big := t.abs().max().item()) > 65504:
-        raise ValueError(f"export_gguf: {p.name} holds values up to {big:.3g}, past f16's range (65504): the file would hold "
-                         "infinities there; export with dtype='bf16' (or f32, q8_0)")
+        raise ValueError(f"export_gguf: {p.name} holds values up to {big:.3g}, past f16's range (65504): the file "
+                         f"would hold infinities there; export with dtype='bf16' (or f32, q8_0)")
     return t.numpy()
 
 def write_streaming(writer, plan: list[PlannedTensor], out: Path, progress=None):
     "Write header, metadata, tensor index, then each tensor loaded, encoded and written in turn; `out` only when done."
-    for p in plan: writer.add_tensor_info(p.name, p.shape, "float32", tensor_nbytes(p.shape, p.qtype), raw_dtype=p.qtype)
+    for p in plan:
+        writer.add_tensor_info(p.name, p.shape, "float32", tensor_nbytes(p.shape, p.qtype), raw_dtype=p.qtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path(out, ProcessRef.of())
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))   # ours, not a link planted there
+    # ours, not a link planted there
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
     try:
-        writer.write_header_to_file(tmp); writer.write_kv_data_to_file(); writer.write_ti_data_to_file()
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
         for i, p in enumerate(plan, 1):
             writer.write_tensor_data(_gguf().quants.quantize(_in_range(p), p.qtype))
             if progress: progress(i, len(plan))
-        writer.close(); os.replace(tmp, out)
+        writer.close()
+        os.replace(tmp, out)
     finally:
-        writer.close(); tmp.unlink(missing_ok=True)
+        writer.close()
+        tmp.unlink(missing_ok=True)
 
 # %% ../nbs/52_export.ipynb #dded0c10
-def export_gguf(model_dir, out_path, dtype: str = "q8_0", progress: Callable[[int, int], None] | None = None) -> GGUFFile:
-    "Write the Hugging Face model in `model_dir` as one GGUF file at `out_path`, tensor by tensor; `progress(done, total)`."
+def export_gguf(model_dir, out_path, dtype: str = "q8_0",
+                progress: Callable[[int, int], None] | None = None) -> GGUFFile:
+    """Write the Hugging Face model in `model_dir` as one GGUF file at `out_path`, tensor by tensor; `progress(done,
+    total)`."""
     if dtype not in DTYPES: raise ValueError(f"export_gguf: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     model_dir, out = Path(model_dir), GGUFFile(out_path)
     config = model_config(model_dir)
@@ -460,7 +498,8 @@ def chat_parts(tok) -> ChatParts:
     def render(msgs, gen=False):
         try: return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
         except Exception as e:
-            raise TemplateError(f"the chat template refuses a conversation of {', '.join(m['role'] for m in msgs)} ({e})") from None
+            raise TemplateError(f"the chat template refuses a conversation of {', '.join(m['role'] for m in msgs)} "
+                                f"({e})") from None
     conv = [{"role": r, "content": f"ILABNB-{r.upper()}-{i}-MARK"} for i, r in
             enumerate(("system", "user", "assistant", "user", "assistant"))]
     pieces = [_split_at(p, m["content"]) for p, m in zip(_grow(render, conv), conv)]
@@ -470,19 +509,23 @@ def chat_parts(tok) -> ChatParts:
     if not without.endswith(prefix["user"]):
         raise TemplateError("the chat template renders a conversation's first user turn differently from later ones")
     without = without[:len(without) - len(prefix["user"])]
-    head = os.path.commonprefix([with_system, without]); prefix["system"] = with_system[len(head):]
+    head = os.path.commonprefix([with_system, without])
+    prefix["system"] = with_system[len(head):]
     shown, asked = render(conv[:4]), render(conv[:4], True)
-    if not asked.startswith(shown): raise TemplateError("the chat template's generation prompt changes the turns before it")
+    if not asked.startswith(shown):
+        raise TemplateError("the chat template's generation prompt changes the turns before it")
     return ChatParts(head, without[len(head):] or None, prefix, suffix, asked[len(shown):])
 
 # %% ../nbs/52_export.ipynb #d485deec
 def checked_chat_parts(tok) -> ChatParts:
     "`chat_parts(tok)`, refused (TemplateError) unless it renders test conversations exactly as the chat template does."
     parts = chat_parts(tok)
-    s, u, a = ({"role": r, "content": c} for r, c in (("system", "Be brief."), ("user", "Hi there?"), ("assistant", "Hello.")))
+    s, u, a = ({"role": r, "content": c} for r, c in (("system", "Be brief."), ("user", "Hi there?"),
+                                                      ("assistant", "Hello.")))
     for msgs, gen in (([s, u], True), ([u], True), ([u, a, u], True), ([s, u, a], False), ([u, a], False)):
         if parts.render(msgs, gen) != tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen):
-            raise TemplateError(f"the chat template's parts do not render {[m['role'] for m in msgs]} as the template does")
+            raise TemplateError(f"the chat template's parts do not render {[m['role'] for m in msgs]} as the template "
+                                f"does")
     return parts
 
 # %% ../nbs/52_export.ipynb #091cc4c3
@@ -493,7 +536,8 @@ def go_template(parts: ChatParts, bos_token: str | None = None) -> str:
     out = lit(head) + ("{{ if not .System }}" + lit(parts.default_system) + "{{ end }}" if parts.default_system else "")
     out += '{{ $role := "" }}{{ range .Messages }}{{ $role = .Role }}'
     for i, r in enumerate(ROLES):
-        out += ("{{ if" if i == 0 else "{{ else if") + f' eq .Role "{r}" }}}}{lit(parts.prefix[r])}{{{{ .Content }}}}{lit(parts.suffix[r])}'
+        out += ("{{ if" if i == 0 else "{{ else if") + (f' eq .Role "{r}" }}}}{lit(parts.prefix[r])}{{{{ .Content '
+                                                        f'}}}}{lit(parts.suffix[r])}')
     return out + '{{ end }}{{ end }}{{ if ne $role "assistant" }}' + lit(parts.generation) + "{{ end }}"
 
 # %% ../nbs/52_export.ipynb #84ac35e2
@@ -507,14 +551,17 @@ def write_modelfile(gguf_path, model_dir) -> Path:
     template = go_template(parts, tok.bos_token if adds_special_tokens(tok)["bos"] else None)
     if '"""' in template: raise TemplateError('write_modelfile: the template holds """, which a Modelfile cannot quote')
     stops = list(dict.fromkeys(t for t in (end_of_turn_token(tok), tok.eos_token) if t))
-    lines = [f"FROM ./{gguf_path.name}", f'TEMPLATE """{template}"""', *(f"PARAMETER stop {json.dumps(s)}" for s in stops),
+    lines = [f"FROM ./{gguf_path.name}", f'TEMPLATE """{template}"""', *(f"PARAMETER stop "
+                                                                         f"{json.dumps(s)}" for s in stops),
              f"PARAMETER num_ctx {model_config(model_dir).max_position_embeddings}"]
     from ilab_nb.rundir import write_file
-    return write_file(gguf_path.with_suffix(".Modelfile"), "\n".join(lines) + "\n")     # never through a link (11_rundir)
+    # never through a link (11_rundir)
+    return write_file(gguf_path.with_suffix(".Modelfile"), "\n".join(lines) + "\n")
 
 # %% ../nbs/52_export.ipynb #c536b6df
 def modelfile_drift(model_dir) -> str | None:
-    "How the Modelfile written for `model_dir` renders a conversation with spaced text differently from its chat template, or None."
+    """How the Modelfile written for `model_dir` renders a conversation with spaced text differently from its chat
+    template, or None."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     msgs = [{"role": "user", "content": "  Hi there?\n"}, {"role": "assistant", "content": " Hello. "}]
@@ -522,8 +569,9 @@ def modelfile_drift(model_dir) -> str | None:
     except TemplateError: return None
     if got == want: return None
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    return (f"the Modelfile's template renders messages as written, the model's chat template changes them (trims?): at "
-            f"character {i} it gives {want[i:i + 24]!r}, the Modelfile {got[i:i + 24]!r}; check the Modelfile's TEMPLATE")
+    return (f"the Modelfile's template renders messages as written, the model's chat template changes them (trims?): "
+            f"at character {i} it gives {want[i:i + 24]!r}, the Modelfile {got[i:i + 24]!r}; check the Modelfile's "
+            f"TEMPLATE")
 
 # %% ../nbs/52_export.ipynb #61d49d0c
 def peak_rss_mb() -> float:
@@ -541,10 +589,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @contextlib.contextmanager
 def model_folder(path, work_dir, base_model=None):
-    "`path` as a model folder: itself, or (adapters only) its adapters merged onto their base (or `base_model`) in a temporary folder under `work_dir`."
+    """`path` as a model folder: itself, or (adapters only) its adapters merged onto their base (or `base_model`) in a
+    temporary folder under `work_dir`."""
     from ilab_nb.lora import adapter_folder, merge_adapter
     p = Path(path)
-    if (p / "config.json").exists() or (a := adapter_folder(p)) is None: yield p; return
+    if (p / "config.json").exists() or (a := adapter_folder(p)) is None:
+        yield p
+        return
     tmp = Path(work_dir) / f".merged-{p.name}-{os.getpid()}"
     try:
         merge_adapter(a, tmp, base_model)
@@ -557,30 +608,38 @@ def model_folder(path, work_dir, base_model=None):
 # %% ../nbs/52_export.ipynb #bbcdde32
 def main(argv: list[str] | None = None) -> int:
     "The `python -m ilab_nb.export` command line."
-    ap = argparse.ArgumentParser(prog="python -m ilab_nb.export", description="Write a Hugging Face model folder (or a LoRA "
-                                 "adapter folder, merged onto its base first) as a GGUF file.")
-    ap.add_argument("model_dir"); ap.add_argument("out")
+    ap = argparse.ArgumentParser(prog="python -m ilab_nb.export", description="Write a Hugging Face model folder (or a "
+                                 "LoRA adapter folder, merged onto its base first) as a GGUF file.")
+    ap.add_argument("model_dir")
+    ap.add_argument("out")
     ap.add_argument("--dtype", default="q8_0", help=f"one of {', '.join(DTYPES)} (default q8_0)")
     ap.add_argument("--modelfile", action="store_true", help="also write an Ollama Modelfile beside the file")
     ap.add_argument("--base-model", help="the base model of an adapter folder, where it is now (moved since training)")
     a, t0 = ap.parse_args(argv), time.time()
-    if a.dtype not in DTYPES: print(f"error: dtype {a.dtype!r} is not one of {', '.join(DTYPES)}", file=sys.stderr); return 2
+    if a.dtype not in DTYPES:
+        print(f"error: dtype {a.dtype!r} is not one of {', '.join(DTYPES)}", file=sys.stderr)
+        return 2
     Path(a.out).absolute().parent.mkdir(parents=True, exist_ok=True)
     for f in remove_stale_tmp(Path(a.out).absolute().parent):
-        print(f"warning: removed {f}, the unfinished file of an export process (pid {tmp_writer(f).pid}) that is gone", file=sys.stderr)
+        print(f"warning: removed {f}, the unfinished file of an export process (pid {tmp_writer(f).pid}) that is gone",
+              file=sys.stderr)
     with contextlib.ExitStack() as stack:
         try:
             src = stack.enter_context(model_folder(a.model_dir, Path(a.out).absolute().parent, a.base_model))
             f = export_gguf(src, a.out, a.dtype, progress=lambda i, n: print(f"tensor {i}/{n}", flush=True))
         except (ValueError, FileNotFoundError, ImportError) as e:
-            print(f"error: {e}", file=sys.stderr); return 2
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         modelfile = None
         if a.modelfile:
             try: modelfile = str(write_modelfile(f, src))
             except TemplateError as e: print(f"warning: {e}", file=sys.stderr)
-            if modelfile and (drift := modelfile_drift(src)): print(f"warning: write_modelfile: {drift}", file=sys.stderr)
-    print(json.dumps(dict(path=str(f.absolute()), dtype=f.dtype, bytes=f.stat().st_size, tensors=f.tensors, fallbacks=f.fallbacks,
-                          peak_rss_mb=peak_rss_mb(), seconds=round(time.time() - t0, 2), modelfile=modelfile)), flush=True)
+            if modelfile and (drift := modelfile_drift(src)):
+                print(f"warning: write_modelfile: {drift}", file=sys.stderr)
+    print(json.dumps(dict(path=str(f.absolute()), dtype=f.dtype, bytes=f.stat().st_size, tensors=f.tensors,
+                          fallbacks=f.fallbacks,
+                          peak_rss_mb=peak_rss_mb(), seconds=round(time.time() - t0, 2), modelfile=modelfile)),
+                          flush=True)
     return 0
 
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs
@@ -601,7 +660,8 @@ class ExportProgress:
     "A GGUF export's progress: an HTML output updated in place in a notebook, else tqdm's bar on stderr."
     def __init__(self, name: str, notebook: bool | None = None):
         from ilab_nb.live import in_kernel
-        self.name, self.notebook, self.bar, self.handle, self._t = name, in_kernel() if notebook is None else notebook, None, None, 0.0
+        self.name, self.notebook, self.bar, self.handle, self._t = (name, in_kernel() if notebook is None else notebook,
+                                                                      None, None, 0.0)
 
     def html(self, body: str) -> str:
         from ilab_nb.core import html_of
@@ -612,12 +672,14 @@ class ExportProgress:
             if self.bar is None:
                 from tqdm import tqdm
                 self.bar = tqdm(total=n, desc=f"export {self.name}", unit="tensor", dynamic_ncols=True)
-            self.bar.update(i - self.bar.n); return
+            self.bar.update(i - self.bar.n)
+            return
         from IPython.display import HTML, display
         if i < n and time.monotonic() - self._t < 0.2: return
         self._t = time.monotonic()
         from ilab_nb.core import html_of
-        body = HTML(self.html(html_of('<progress value="{i}" max="{n}" style="width:240px"></progress> tensor {i} / {n}', i=i, n=n)))
+        body = HTML(self.html(html_of('<progress value="{i}" max="{n}" style="width:240px"></progress> tensor {i} / '
+                                      '{n}', i=i, n=n)))
         if self.handle is None: self.handle = display(body, display_id=True)
         else: self.handle.update(body)
 
@@ -631,32 +693,41 @@ class ExportProgress:
         else: self.handle.update(body)
 
 # %% ../nbs/52_export.ipynb #abeaf2d4
-def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, progress: bool | None = None, base_model=None,
+def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, progress: bool | None = None,
+               base_model=None,
                alive: Callable[[], bool] | None = None) -> GGUFFile:
-    """Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the written file.
+    """Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the
+    written file.
     `alive()`: whether what it exports still exists (checked at each tensor; the export is ended when it says False)."""
     from ilab_nb.launcher import RUN_ENV, run_env
     from ilab_nb.diagnosis import describe_exit
     from ilab_nb.rundir import RunGoneError
     out = Path(out).absolute()
-    cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype", dtype] + (["--modelfile"] if modelfile else [])
+    cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype",
+           dtype] + (["--modelfile"] if modelfile else [])
     cmd += ["--base-model", str(base_model)] if base_model else []
-    env = run_env(out.parent); env.pop(RUN_ENV, None)      # not one of a run's processes: a run's clean-up leaves it alone
+    env = run_env(out.parent)   # not one of a run's processes: a run's clean-up leaves it alone
+    env.pop(RUN_ENV, None)
     view, last = ExportProgress(out.name) if progress is not False else None, None
     with open(os.devnull) as null, subprocess.Popen(cmd, stdin=null, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                     text=True, env=env) as p:
         err = []
-        t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True); t.start()   # no pipe left full
+        t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)   # no pipe left full
+        t.start()
         for line in p.stdout:
             if alive is not None and not alive():
-                p.kill(); p.wait()
-                for f in out.parent.glob(f".{out.name}.tmp-{p.pid}-*"): f.unlink(missing_ok=True)   # its file half-written
+                p.kill()
+                p.wait()
+                for f in out.parent.glob(f".{out.name}.tmp-{p.pid}-*"):   # its file half-written
+                    f.unlink(missing_ok=True)
                 if view: view.done("failed: run directory removed")
-                raise RunGoneError(f"export of {model_dir}: run directory removed while it was exported; the export was ended")
+                raise RunGoneError(f"export of {model_dir}: run directory removed while it was exported; the export "
+                                   f"was ended")
             if m := re.fullmatch(r"tensor (\d+)/(\d+)\n?", line):
                 if view: view.update(int(m[1]), int(m[2]))
             elif line.strip(): last = line
-        p.wait(); t.join()
+        p.wait()
+        t.join()
     said = [l.strip() for l in err if l.startswith(("error: ", "warning: "))]
     for w in (l[len("warning: "):] for l in said if l.startswith("warning: ")): log.warning(w)
     if p.returncode == 2 and (e := next((l for l in said if l.startswith("error: ")), None)):
@@ -667,8 +738,10 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
         if view: view.done(f"failed: the export process {describe_exit(p.returncode)}")
         raise RuntimeError(f"the export process {describe_exit(p.returncode)} while writing {out}:\n{tail}")
     r = json.loads(last)
-    f = GGUFFile(r["path"]); f.dtype, f.tensors, f.fallbacks = r["dtype"], r["tensors"], r["fallbacks"]
-    f.modelfile, f.peak_rss_mb, f.seconds = Path(r["modelfile"]) if r.get("modelfile") else None, r["peak_rss_mb"], r["seconds"]
+    f = GGUFFile(r["path"])
+    f.dtype, f.tensors, f.fallbacks = r["dtype"], r["tensors"], r["fallbacks"]
+    f.modelfile, f.peak_rss_mb, f.seconds = (Path(r["modelfile"]) if r.get("modelfile") else None, r["peak_rss_mb"],
+                                              r["seconds"])
     if view: view.done(f"wrote {f} ({r['bytes'] / 2**20:.1f} MiB, {f.dtype}, {f.tensors} tensors, {f.seconds:.1f} s"
                        + (f"; Modelfile {f.modelfile.name}" if f.modelfile else "") + ")")
     return f
@@ -692,22 +765,26 @@ def export_checks(source: Path, out: Path, dtype: str, base_model=None, overwrit
     "Refuse, before anything runs, an export that would fail or do harm later (see above)."
     from ilab_nb.models import model_files_problem
     if why := model_files_problem(source, base_model): raise ValueError(why.replace("load_model(", "export("))
-    if (base := _base_of(source, base_model)).is_dir(): model_config(base)          # an unsupported family: refused here
+    # an unsupported family: refused here
+    if (base := _base_of(source, base_model)).is_dir(): model_config(base)
     if out.exists() and not overwrite and not _is_gguf(out):
-        raise FileExistsError(f"export: {out} exists and is not a GGUF file; it is not replaced unless you pass overwrite=True "
-                              "(ilab-nb export --overwrite), or choose another path")
+        raise FileExistsError(f"export: {out} exists and is not a GGUF file; it is not replaced unless you pass "
+                              f"overwrite=True (ilab-nb export --overwrite), or choose another path")
     folder = next(d for d in (out.parent, *out.parent.parents) if d.exists())
     if not os.access(folder, os.W_OK): raise PermissionError(f"export: {folder} is not writable; choose another path=")
     if base.is_dir():
         need = sum(math.prod(t.shape) for t in stored_tensors(base).values()) * _BYTES[dtype]
         if need > (free := shutil.disk_usage(folder).free):
-            raise OSError(f"export: {out.name} needs about {need / 2**20:,.0f} MiB and {folder} has {free / 2**20:,.0f} MiB free")
+            raise OSError(f"export: {out.name} needs about {need / 2**20:,.0f} MiB and {folder} has "
+                          f"{free / 2**20:,.0f} MiB free")
 
 # %% ../nbs/52_export.ipynb #a0190eac
 @contextlib.contextmanager
 def held(source: Path, folder: Path):
     "`source` itself (a final model), or a checkpoint's files linked into `folder` for as long as the block runs."
-    if source.parent.name != "checkpoints": yield source; return
+    if source.parent.name != "checkpoints":
+        yield source
+        return
     dst = folder / f".hold-{source.name}-{os.getpid()}"
     def link(a, b):
         try: os.link(a, b)
@@ -724,7 +801,8 @@ def export_run(session, format: str = "gguf", dtype: str = "q8_0", checkpoint=No
     "`FineTuneSession.export`: the run's `final/` or `checkpoint` as a GGUF file (and its Modelfile); see `run_export`."
     if format not in FORMATS: raise ValueError(f"export: format {format!r} is not one of {', '.join(FORMATS)}")
     if dtype not in DTYPES: raise ValueError(f"export: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)   # a step, as fork takes it
+    # a step, as fork takes it
+    if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)
     source = session.model_path(checkpoint)
     out = export_target(session.run_dir, session.run_id, source, dtype, path)
     export_checks(source, out, dtype, base_model, overwrite)

@@ -16,7 +16,8 @@ from .core import no_space, patch
 from .rundir import Event, RankState, RunPaths, State, Action, gate, no_follow, tail_lines
 from .config import TrainConfig
 from .slots import DeviceSlots, device_request, locks_dir
-from .diagnosis import (LAUNCHER_SIGNALS, classify_exit, describe_exit, failing_rank, memory_cgroup, rank_records,
+from .diagnosis import (LAUNCHER_SIGNALS, classify_exit, describe_exit, failing_rank, memory_cgroup,
+                               rank_records,
                                sigkill_cause, torchrun_failures)
 
 # %% auto #0
@@ -47,11 +48,13 @@ def machine_args(cfg) -> list:
 def free_port() -> int:
     "A TCP port that is free on this machine right now."
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 # %% ../nbs/35_launcher.ipynb #dc2dcd6f
 def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_module="ilab_nb.worker") -> list:
-    "The `accelerate launch` argv for one attempt of the run in `run_dir` (`cfg`: its `TrainConfig` or config.json dict)."
+    """The `accelerate launch` argv for one attempt of the run in `run_dir` (`cfg`: its `TrainConfig` or config.json
+    dict)."""
     c = launch_config(cfg)
     n = int(c.num_processes)
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -59,7 +62,8 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     else: cmd += ["--config_file", str(RunPaths(run_dir).accelerate_config), "--num_machines", str(c.num_machines),
                   "--mixed_precision", "no", "--dynamo_backend", "no"]
     if n > 1:
-        cmd += ["--multi_gpu", "--num_processes", str(n), "--main_process_port", str(port or c.main_process_port or free_port())]
+        cmd += ["--multi_gpu", "--num_processes", str(n), "--main_process_port",
+                str(port or c.main_process_port or free_port())]
     elif c.device == "cpu": cmd += ["--cpu", "--num_processes", "1"]
     else: cmd += ["--num_processes", "1"]
     cmd += machine_args(c)
@@ -70,14 +74,18 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
 
 # %% ../nbs/35_launcher.ipynb #d848f4be
 def launches_directly(cfg) -> bool:
-    "Whether the run's worker is started without `accelerate launch`: one process on one machine, no accelerate settings of the user's."
+    """Whether the run's worker is started without `accelerate launch`: one process on one machine, no accelerate
+    settings of the user's."""
     c = launch_config(cfg)
     return int(c.num_processes) == 1 and int(c.num_machines) == 1 and not c.accelerate_config and not c.launcher_args
 
 def launch_command(run_dir, cfg, attempt=1, resume=None, worker_module="ilab_nb.worker") -> tuple[list, dict]:
-    "`(argv, environment it adds)` of one attempt: the worker itself where `launches_directly`, else `accelerate launch`."
-    if not launches_directly(cfg): return accelerate_command(run_dir, cfg, attempt, resume, worker_module=worker_module), {}
-    cmd = [sys.executable, "-m", worker_module, str(run_dir), "--attempt", str(attempt)] + (["--resume", str(resume)] if resume else [])
+    """`(argv, environment it adds)` of one attempt: the worker itself where `launches_directly`, else `accelerate
+    launch`."""
+    if not launches_directly(cfg):
+        return accelerate_command(run_dir, cfg, attempt, resume, worker_module=worker_module), {}
+    cmd = [sys.executable, "-m", worker_module, str(run_dir), "--attempt", str(attempt)] + (["--resume", str(resume)]
+            if resume else [])
     cpu = launch_config(cfg).device == "cpu"
     env = {"ACCELERATE_USE_CPU": str(cpu), "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or "1"}
@@ -121,7 +129,9 @@ def write_accelerate_config(run_dir) -> Path:
     "Write the run's neutral accelerate config (`RunPaths.accelerate_config`) if it is not there; returns its path."
     p = RunPaths(run_dir).accelerate_config
     if not p.exists():
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp"); tmp.write_text(ACCELERATE_CONFIG); os.replace(tmp, p)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        tmp.write_text(ACCELERATE_CONFIG)
+        os.replace(tmp, p)
     return p
 
 # %% ../nbs/35_launcher.ipynb #4587fc4c
@@ -145,15 +155,20 @@ class Supervisor:
     "Owns one attempt of one run: queue, launch, heartbeat, stop, exit classification."
     def __init__(self, run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None,
                  worker_module="ilab_nb.worker", poll_s=0.25):
-        self.run_dir = Path(run_dir).absolute(); self.store = RunStore(self.run_dir.parent); self.run_id = self.run_dir.name
+        self.run_dir = Path(run_dir).absolute()
+        self.store = RunStore(self.run_dir.parent)
+        self.run_id = self.run_dir.name
         self.paths = RunPaths(self.run_dir)      # the supervisor process's one view of the run directory
-        self.attempt, self.resume, self.queue, self.worker_module, self.poll_s = attempt, resume, queue, worker_module, poll_s
+        self.attempt, self.resume, self.queue, self.worker_module, self.poll_s = (attempt, resume, queue, worker_module,
+                                                                                   poll_s)
         self.grace_s = float(grace_s if grace_s is not None else os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
         self.locks, self.me = locks, ProcessRef.of()
         try: self.slots, self.locks_error = DeviceSlots(locks), None
-        except OSError as e: self.slots, self.locks_error = None, e    # said in the run's state by `run`, not as a traceback
+        except OSError as e:   # said in the run's state by `run`, not as a traceback
+            self.slots, self.locks_error = None, e
         self.proc = self.stop_at = self.term_at = self.signum = self.cgroup_at_launch = None
-        self.forced = False; self.last_hb = 0.0
+        self.forced = False
+        self.last_hb = 0.0
         self.pending, self.nospace, self.events = {}, None, []   # fields a full disk kept from state.json; what it hit
 
     def _on_signal(self, signum, frame): self.signum = signum
@@ -161,9 +176,11 @@ class Supervisor:
 # %% ../nbs/35_launcher.ipynb #51085637
 @patch
 def _write_failed(self:Supervisor, e, what):
-    "Note a failed write (the first one that hit a full disk names `what`); keep the heartbeat by touching `.heartbeat`."
+    """Note a failed write (the first one that hit a full disk names `what`); keep the heartbeat by touching
+    `.heartbeat`."""
     if getattr(e, "errno", None) == errno.ENOSPC and self.nospace is None:
-        self.nospace = what; log_note(f"No space left on device while writing {what}; retrying")
+        self.nospace = what
+        log_note(f"No space left on device while writing {what}; retrying")
     try: os.utime(self.paths.heartbeat)
     except OSError: pass
 
@@ -175,14 +192,18 @@ def _write(self:Supervisor, **kw):
     try: st = self.store.write_state(self.run_id, **kw)
     except StateError: raise
     except OSError as e:
-        self._write_failed(e, self.paths.state.name); self.pending = kw; return None
-    self.pending = {}; return st
+        self._write_failed(e, self.paths.state.name)
+        self.pending = kw
+        return None
+    self.pending = {}
+    return st
 
 # %% ../nbs/35_launcher.ipynb #5f3d5eda
 @patch
 def _beat(self:Supervisor, **kw):
     if kw or time.time() - self.last_hb >= HEARTBEAT_S:
-        self._write(heartbeat_at=time.time(), **kw); self.last_hb = time.time()
+        self._write(heartbeat_at=time.time(), **kw)
+        self.last_hb = time.time()
 
 # %% ../nbs/35_launcher.ipynb #8f85e07b
 @patch
@@ -197,7 +218,8 @@ def _stop_requested(self:Supervisor):
     if self.stop_at is None and self.paths.stop.exists():
         body = read_json(self.paths.stop, {}) or {}
         if body.get("grace_s") is not None: self.grace_s = float(body["grace_s"])
-        self.stop_at = time.time(); log_note(f"stop requested by {body.get('by', '?')}; grace {self.grace_s:.0f} s")
+        self.stop_at = time.time()
+        log_note(f"stop requested by {body.get('by', '?')}; grace {self.grace_s:.0f} s")
         self._event(Event.stop_requested, attempt=self.attempt, by=body.get("by"))
         self._beat(stop_requested_at=self.stop_at)
     return self.stop_at is not None
@@ -212,7 +234,8 @@ def disk_full_reason(reason, what, run_id) -> str:
 @patch
 def _nospace_what(self:Supervisor) -> str | None:
     "What a full disk stopped: the worker's failed write (its event or rank logs), else the supervisor's own."
-    texts = [str(r.get("error") or "") for r in rank_records(self.run_dir, self.attempt).values()]   # kept by their reserve
+    # kept by their reserve
+    texts = [str(r.get("error") or "") for r in rank_records(self.run_dir, self.attempt).values()]
     texts += [str(e.get("error") or "") for e in self.events if e.get("event") == Event.failed]
     for p in self.paths.rank_logs(): texts += tail_lines(p, 40)
     for t in texts:
@@ -231,7 +254,10 @@ def _make_reserve(self:Supervisor):
     "Set aside `RESERVE_BYTES` in the run directory (written out: a sparse file would free nothing)."
     p = self.paths.reserve
     try:
-        with open(p, "wb", opener=no_follow) as f: f.write(b"\0" * RESERVE_BYTES); f.flush(); os.fsync(f.fileno())
+        with open(p, "wb", opener=no_follow) as f:
+            f.write(b"\0" * RESERVE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError: p.unlink(missing_ok=True)
 
 @patch
@@ -239,14 +265,18 @@ def _drop_incomplete(self:Supervisor) -> list:
     "Remove the half-written saves an attempt that ended left (its ranks are gone); returns what was removed."
     p, out = self.paths, []
     for tmp in [*p.checkpoints.glob(p.checkpoint_tmp(0).name.replace("00000000", "*")), p.final_tmp]:
-        if tmp.is_dir(): shutil.rmtree(tmp, ignore_errors=True); out.append(str(tmp.relative_to(self.run_dir)))
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            out.append(str(tmp.relative_to(self.run_dir)))
     return out
 
 @patch
 def _free_space(self:Supervisor) -> bool:
     "Free the reserve and drop the attempt's half-written saves; True if anything was freed."
     p, freed = self.paths, []
-    try: p.reserve.unlink(); freed.append(p.reserve.name)
+    try:
+        p.reserve.unlink()
+        freed.append(p.reserve.name)
     except OSError: pass
     freed += self._drop_incomplete()
     if freed: log_note(f"the disk is full: freed {', '.join(freed)} to write the final state")
@@ -255,20 +285,27 @@ def _free_space(self:Supervisor) -> bool:
 # %% ../nbs/35_launcher.ipynb #1ab55f47
 @patch
 def _ending(self:Supervisor, status, fields: dict) -> dict:
-    "What the run leaves as it ends, before its final state: the state fields naming it. Here nothing (64_supervisor: its report, its evaluation)."
+    """What the run leaves as it ends, before its final state: the state fields naming it. Here nothing (64_supervisor:
+    its report, its evaluation)."""
     return {}
 
 # %% ../nbs/35_launcher.ipynb #1a444424
 @patch
 def _finish(self:Supervisor, status, **kw):
-    "Write the final state (freeing the reserve when the disk is full), retrying while this supervisor lives; then the event."
+    """Write the final state (freeing the reserve when the disk is full), retrying while this supervisor lives; then the
+    event."""
     base, st = kw.get("reason"), {}
     kw.update(self._ending(status, kw))
     while self.run_dir.exists():       # a deleted run directory gets nothing written (nor re-created)
-        if status == State.failed and (what := self._nospace_what()): kw["reason"] = disk_full_reason(base, what, self.run_id)
+        if status == State.failed and (what := self._nospace_what()):
+            kw["reason"] = disk_full_reason(base, what, self.run_id)
         left = {k: v for k, v in self.pending.items() if k != "status"}
-        try: st = self.store.write_state(self.run_id, status=status, **{**left, **kw}); break
-        except StateError: st = self.store.read_state(self.run_id); break
+        try:
+            st = self.store.write_state(self.run_id, status=status, **{**left, **kw})
+            break
+        except StateError:
+            st = self.store.read_state(self.run_id)
+            break
         except OSError as e:
             self._write_failed(e, self.paths.state.name)
             if not (e.errno == errno.ENOSPC and self._free_space()): time.sleep(1.0)
@@ -290,19 +327,24 @@ def wait_for_devices(self:Supervisor, request) -> list | None:
                      f"{request['pool']} are busy: held by or promised to run(s) {', '.join(map(str, who)) or '?'}.")
         return None
     ticket = self.slots.enqueue(self.run_id, request, owner=self.me)
-    log_note(f"queued for {request['need']} of {request['pool']}; waiting behind {self.slots.blockers(request, ticket)}")
+    log_note(f"queued for {request['need']} of {request['pool']}; waiting behind "
+             f"{self.slots.blockers(request, ticket)}")
     while True:
         if not self.run_dir.exists():
-            log_note("the run directory was deleted while queued"); Path(ticket).unlink(missing_ok=True); return None
+            log_note("the run directory was deleted while queued")
+            Path(ticket).unlink(missing_ok=True)
+            return None
         if self.signum is not None or self._stop_requested():
             Path(ticket).unlink(missing_ok=True)
             if self.signum is not None:
-                self._finish(State.failed, reason=f"its supervisor received {signal.Signals(self.signum).name} while queued")
+                self._finish(State.failed, reason=f"its supervisor received {signal.Signals(self.signum).name} while "
+                                                  f"queued")
             else: self._finish(State.cancelled, reason="stopped while queued")
             return None
         got = self.slots.try_acquire(self.run_id, request, ticket, owner=self.me)
         if got: return got
-        self._beat(); time.sleep(max(self.poll_s, 0.5))
+        self._beat()
+        time.sleep(max(self.poll_s, 0.5))
 
 # %% ../nbs/35_launcher.ipynb #366a8663
 @patch
@@ -315,7 +357,8 @@ def _signal_group(self:Supervisor, sig):
 def _gone(self:Supervisor) -> int:
     "The run directory was deleted: kill the run's process group and tagged processes; write nothing."
     log_note("the run directory was deleted: killing the run")
-    self._signal_group(signal.SIGKILL); self.proc.wait()
+    self._signal_group(signal.SIGKILL)
+    self.proc.wait()
     kill_run_processes(self.run_dir)
     return 1
 
@@ -345,37 +388,49 @@ def _watch(self:Supervisor, reader, events) -> int | None:
     for r in reader.read_new():
         if r.get("attempt") != self.attempt: continue
         if r.get("kind") == "header" and not self.running:
-            self.running = True; self._beat(status=State.running, world_size=r.get("world_size"))
+            self.running = True
+            self._beat(status=State.running, world_size=r.get("world_size"))
             self._event(Event.running, attempt=self.attempt)
         elif r.get("kind") == "event": events.append(r)
     if self.signum is not None and not self.forced:
-        log_note(f"received {signal.Signals(self.signum).name}: terminating the run"); self._signal_group(signal.SIGTERM)
+        log_note(f"received {signal.Signals(self.signum).name}: terminating the run")
+        self._signal_group(signal.SIGTERM)
         self.forced, self.term_at = True, time.time()
     if self._stop_requested() and not self.forced and time.time() - self.stop_at > self.grace_s:
         log_note(f"no exit {self.grace_s:.0f} s after the stop request: SIGTERM to the process group")
-        self._signal_group(signal.SIGTERM); self.forced, self.term_at = True, time.time()
+        self._signal_group(signal.SIGTERM)
+        self.forced, self.term_at = True, time.time()
     if self.term_at and time.time() - self.term_at > TERM_GRACE_S:
-        log_note("still alive after SIGTERM: SIGKILL"); self._signal_group(signal.SIGKILL); self.term_at = None
+        log_note("still alive after SIGTERM: SIGKILL")
+        self._signal_group(signal.SIGKILL)
+        self.term_at = None
     try: self._beat()
     except StateError:
-        log_note("the run was finalized by someone else; killing it"); self._signal_group(signal.SIGKILL)
-        self.proc.wait(); kill_run_processes(self.run_dir); return 1
+        log_note("the run was finalized by someone else; killing it")
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+        kill_run_processes(self.run_dir)
+        return 1
     return None
 
 # %% ../nbs/35_launcher.ipynb #e30e8077
 @patch
 def _failure(self:Supervisor, code, offset, events) -> dict:
     try:
-        with open(self.paths.supervisor_log, "rb", opener=no_follow) as f: f.seek(offset); text = f.read().decode("utf-8", "replace")
+        with open(self.paths.supervisor_log, "rb", opener=no_follow) as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", "replace")
     except OSError: text = ""
     rank, rank_code = failing_rank(self.run_dir, text, self.attempt)
     direct = getattr(self, "direct", False)
     if direct and rank_code is None: rank, rank_code = 0, code         # the launched process was rank 0 itself
-    recs = rank_records(self.run_dir, self.attempt); rec = recs.get(rank) or {}
+    recs = rank_records(self.run_dir, self.attempt)
+    rec = recs.get(rank) or {}
     where = f" on {rec['host']}" if rec.get("host") and len({r.get("host") for r in recs.values()}) > 1 else ""
     why = []
     if self.signum is not None: why.append(f"its supervisor received {signal.Signals(self.signum).name}")
-    if rank is not None: why.append(f"rank {rank}{where} " + (describe_exit(rank_code) if rank_code is not None else "failed"))
+    if rank is not None:
+        why.append(f"rank {rank}{where} " + (describe_exit(rank_code) if rank_code is not None else "failed"))
     if rank_code in (-signal.SIGKILL, 128 + signal.SIGKILL):
         why[-1] += ": " + sigkill_cause(rec, self.cgroup_at_launch, memory_cgroup())
     # The failing rank's own error; another rank's is a consequence, not the cause.
@@ -401,7 +456,8 @@ def _conclude(self:Supervisor, offset, reader, events) -> int:
     events += [r for r in reader.read_new() if r.get("attempt") == self.attempt and r.get("kind") == "event"]
     self._stop_requested()                      # a request the ranks honoured before the watch loop read it: logged too
     status = classify_exit(code, self.stop_at is not None, self.forced, events, self.signum)
-    if status != State.completed and (dropped := self._drop_incomplete()): log_note(f"removed the half-written {', '.join(dropped)}")
+    if status != State.completed and (dropped := self._drop_incomplete()):
+        log_note(f"removed the half-written {', '.join(dropped)}")
     if status == State.completed: self._finish(status, exit_code=code)
     elif status == State.cancelled:
         self._finish(status, exit_code=code, forced=self.forced,
@@ -431,8 +487,8 @@ def _devices(self:Supervisor, request) -> list | None:
     except OSError as e:
         d = locks_dir(self.locks)
         if not str(getattr(e, "filename", None) or "").startswith(str(d)): raise
-        self._finish(State.failed, reason=f"Run {self.run_id} failed: its device locks in {d} cannot be written ({type(e).__name__}: "
-                     f"{e}); set ILAB_NB_LOCKS to a writable directory, then resume().")
+        self._finish(State.failed, reason=f"Run {self.run_id} failed: its device locks in {d} cannot be written "
+                     f"({type(e).__name__}: {e}); set ILAB_NB_LOCKS to a writable directory, then resume().")
         return None
 
 # %% ../nbs/35_launcher.ipynb #e0e9e4a2
@@ -445,7 +501,9 @@ def run(self:Supervisor) -> int:
     self._make_reserve()                          # and the room for the final state when the disk is full
     p = self.paths
     try: self._beat(supervisor=self.me.to_dict(), supervisor_log=str(p.supervisor_log.relative_to(p.root)))
-    except StateError: log_note("run is already final; nothing to do"); return 0
+    except StateError:
+        log_note("run is already final; nothing to do")
+        return 0
     log_note(f"run {self.run_id} attempt {self.attempt} (pid {os.getpid()})")
     cfg = read_json(self.paths.config_for(self.attempt), {}) or {}   # config.json, or the attempt's changed config
     request = st.get("request") or device_request("cpu", int(launch_config(cfg).num_processes))
@@ -455,11 +513,14 @@ def run(self:Supervisor) -> int:
     finally: self.slots.release()
 
 # %% ../nbs/35_launcher.ipynb #ac3578bc
-def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None, worker_module=None) -> ProcessRef:
+def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None,
+                     worker_module=None) -> ProcessRef:
     "Start the detached supervisor of one attempt of the run in `run_dir`; returns its `ProcessRef`."
     run_dir = Path(run_dir).absolute()
-    gate(run_dir, Action.write, "start its processes", trust_owner=True)   # its shell appends to supervisor.log, its ranks write everywhere;
-                                                                            # its owner was judged by the entry point (start made it, resume gated it)
+    # its shell appends to supervisor.log, its ranks write everywhere;
+    gate(run_dir, Action.write, "start its processes", trust_owner=True)
+                                                                            # its owner was judged by the entry point
+                                                                            # (start made it, resume gated it)
     args = [sys.executable, "-m", "ilab_nb.supervisor", str(run_dir), "--attempt", str(attempt),
             "--locks", str(locks_dir(locks))]
     if resume: args += ["--resume", str(resume)]
@@ -474,7 +535,8 @@ def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, 
     pid = int(out.strip().splitlines()[-1])
     try: return ProcessRef.of(pid)
     except psutil.NoSuchProcess:
-        raise RuntimeError(f"The supervisor of run {run_dir.name} exited at once; see {log}:\n" + "\n".join(tail_lines(log, 20))) from None
+        raise RuntimeError(f"The supervisor of run {run_dir.name} exited at once; see {log}:\n"
+                           + "\n".join(tail_lines(log, 20))) from None
 
 # %% ../nbs/35_launcher.ipynb #1b555a56
 @patch
@@ -482,7 +544,8 @@ def supervise(self:Supervisor) -> int:
     "`run()`; a supervisor that crashes still ends its run's processes and finalizes it, saying so. The exit code."
     try: return self.run()
     except Exception as e:
-        import traceback; traceback.print_exc()
+        import traceback
+        traceback.print_exc()
         if self.proc is not None and self.proc.poll() is None: self._signal_group(signal.SIGKILL)
         kill_run_processes(self.run_dir)
         self._finish(State.failed, reason=f"Run {self.run_id} failed: its supervisor crashed: {type(e).__name__}: {e}",

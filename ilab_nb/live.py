@@ -19,7 +19,8 @@ def note_html(text: str, colour: str) -> str:
 
 # %% ../nbs/15_live.ipynb #7f2f7f34
 class Refresher:
-    "Calls `update()` every `refresh_s` s in a daemon thread until `done()` or `close()`; failures go to `report(html)`."
+    """Calls `update()` every `refresh_s` s in a daemon thread until `done()` or `close()`; failures go to
+    `report(html)`."""
     def __init__(self, update, done, report, refresh_s: float = 1.0, name: str = "ilab-refresh"):
         self.update, self.done, self.report, self.refresh_s, self.name = update, done, report, refresh_s, name
         self._closing, self._thread, self.ends = threading.Event(), None, []      # ends: called once done
@@ -76,7 +77,8 @@ _LIVE: dict = {}                 # key (a run id, a sweep id) -> the live displa
 _LIVE_LOCK = threading.Lock()
 
 class LiveDisplay:
-    "A widget shown with a display handle; `finalize()` replaces its output with `static()`, a bundle with no widget view."
+    """A widget shown with a display handle; `finalize()` replaces its output with `static()`, a bundle with no widget
+    view."""
     def __init__(self, key: str, widget, static, ends_with_run: bool = True):
         self.key, self.widget, self.static, self.ends_with_run = key, widget, static, ends_with_run
         self.handle, self.parent, self.final, self._lock = None, None, None, threading.Lock()
@@ -91,11 +93,14 @@ def _display_pub():
 
 @patch
 def show(self:LiveDisplay) -> LiveDisplay:
-    "Display the widget with a display id, remembering the cell that shows it (its static bundle if it has ended already)."
+    """Display the widget with a display id, remembering the cell that shows it (its static bundle if it has ended
+    already)."""
     from IPython.display import display
     refresher = getattr(self.widget, "refresher", None)
     if refresher is not None and refresher.done():            # nothing live to show: the record, straight away
-        self.final = self.static(); display(self.final, raw=True); return self
+        self.final = self.static()
+        display(self.final, raw=True)
+        return self
     self.parent = dict(getattr(_display_pub(), "parent_header", None) or {})
     self.handle = display(self.widget._repr_mimebundle_(), raw=True, display_id=True)
     with _LIVE_LOCK: _LIVE.setdefault(self.key, []).append(self)
@@ -120,7 +125,8 @@ def finalize(self:LiveDisplay) -> dict:
     "Replace the output with the static bundle (once; later calls return it); the widget stops refreshing."
     with self._lock:
         if self.final is not None: return self.final
-        if (update := getattr(self.widget, "update", None)): update()        # the widget's state, as final as the record
+        # the widget's state, as final as the record
+        if (update := getattr(self.widget, "update", None)): update()
         self.final = self.static()
     if self.handle is not None: _update(self.handle.display_id, self.final, self.parent)
     with _LIVE_LOCK:
@@ -130,7 +136,8 @@ def finalize(self:LiveDisplay) -> dict:
 
 # %% ../nbs/15_live.ipynb #cd9c3daf
 def show_live(key: str, widget, static, ends_with_run: bool = True) -> LiveDisplay:
-    "Show `widget` live under `key`; it becomes `static()` when its refresher ends or `finalize_displays(key)` is called."
+    """Show `widget` live under `key`; it becomes `static()` when its refresher ends or `finalize_displays(key)` is
+    called."""
     return LiveDisplay(key, widget, static, ends_with_run).show()
 
 def finalize_displays(key: str, run_views_only: bool = False) -> int:

@@ -41,12 +41,14 @@ def add_adapters(model, cfg: TrainConfig):
         torch.manual_seed(cfg.seed)
         for layer in _lora_layers(pm):
             for name in layer.active_adapters:
-                layer.lora_A[name].to_empty(device="cpu"); layer.lora_B[name].to_empty(device="cpu")
+                layer.lora_A[name].to_empty(device="cpu")
+                layer.lora_B[name].to_empty(device="cpu")
                 layer.reset_lora_parameters(name, pm.peft_config[name].init_lora_weights)
     if cfg.precision == "bf16":
         for p in pm.parameters():
             if not p.requires_grad: p.data = p.data.to(torch.bfloat16)
-    if cfg.strategy == "fsdp":                            # FSDP casts every adapter's input itself: see "Sharding" below
+    # FSDP casts every adapter's input itself: see "Sharding" below
+    if cfg.strategy == "fsdp":
         for layer in _lora_layers(pm): layer.cast_input_dtype_enabled = False
     return pm
 
@@ -100,15 +102,18 @@ def save_adapter(model, out_dir, rank: int) -> Path:
 
 # %% ../nbs/25_lora.ipynb #b1c19457
 def load_adapted(adapter_dir, base_model: str | None = None, trust_remote_code: bool = False, **kwargs):
-    "The base model (named in the adapter's config, or `base_model`) with the adapters of `adapter_dir`, for use: in the base's dtype, or `dtype=`."
+    """The base model (named in the adapter's config, or `base_model`) with the adapters of `adapter_dir`, for use: in
+    the base's dtype, or `dtype=`."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
     base_model = base_model or PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
     base = AutoModelForCausalLM.from_pretrained(base_model, trust_remote_code=trust_remote_code, **kwargs)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
-def merge_adapter(adapter_dir, out_dir, base_model: str | None = None, trust_remote_code: bool = False, dtype="auto") -> Path:
-    "Merge the adapters of `adapter_dir` into their base and write the merged model to `out_dir` (one process), in the base's dtype or `dtype`."
+def merge_adapter(adapter_dir, out_dir, base_model: str | None = None, trust_remote_code: bool = False,
+                  dtype="auto") -> Path:
+    """Merge the adapters of `adapter_dir` into their base and write the merged model to `out_dir` (one process), in the
+    base's dtype or `dtype`."""
     merged = load_adapted(adapter_dir, base_model, trust_remote_code, dtype=dtype).merge_and_unload()
     merged.config.use_cache = True
     merged.save_pretrained(str(out_dir))
@@ -123,7 +128,8 @@ def finetuning_info(model, cfg: TrainConfig) -> dict:
     wrapped = sum(_reads_weights(l) for l in layers)
     return dict(finetuning="lora", trainable_params=trainable,
                 lora=dict(r=c.r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout, use_rslora=c.use_rslora,
-                          target_modules=sorted({n.rsplit(".", 1)[-1] for n in tm}) if isinstance(tm := c.target_modules, (set, list, tuple)) else tm,
+                          target_modules=sorted({n.rsplit(".", 1)[-1] for n in tm})
+                          if isinstance(tm := c.target_modules, (set, list, tuple)) else tm,
                           target_parameters=sorted(c.target_parameters or []),
                           adapted_layers=len(layers) - wrapped, adapted_parameters=wrapped))
 
@@ -156,5 +162,6 @@ def load_trained(path, trust_remote_code: bool = False, **kwargs):
     if (Path(path) / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     a = adapter_folder(path)
-    if a is None: raise FileNotFoundError(f"{path} holds neither a model (config.json) nor adapters (adapter_config.json).")
+    if a is None:
+        raise FileNotFoundError(f"{path} holds neither a model (config.json) nor adapters (adapter_config.json).")
     return load_adapted(a, trust_remote_code=trust_remote_code, **kwargs)

@@ -47,11 +47,14 @@ def build_empty_model(cfg: TrainConfig, attn_implementation: str):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
     with init_empty_weights(include_buffers=False):       # buffers (rotary inv_freq) are computed, parameters are not
-        model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+        model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=torch.float32,
+                                                 trust_remote_code=cfg.trust_remote_code,
                                                  attn_implementation=attn_implementation)
-    model.tie_weights(); model.config.use_cache = False
+    model.tie_weights()
+    model.config.use_cache = False
     try: model.generation_config = GenerationConfig.from_pretrained(cfg.model)
-    except OSError: pass                                  # no generation_config.json: the one made from config.json stays
+    except OSError:   # no generation_config.json: the one made from config.json stays
+        pass
     return model
 
 # %% ../nbs/26_models.ipynb #ece5cc15
@@ -65,7 +68,8 @@ def tied_duplicates(model) -> dict[str, str]:
 
 # %% ../nbs/26_models.ipynb #4f6a47a8
 def base_weights(model) -> dict:
-    "`{base name: parameter}` of the weights a model's files must fill: the base's parameters, each tied one once, no adapter."
+    """`{base name: parameter}` of the weights a model's files must fill: the base's parameters, each tied one once, no
+    adapter."""
     return {L.base_key(n): p for n, p in model.named_parameters() if not L.is_adapter_key(n)}
 
 def _persistent_buffers(model) -> dict:
@@ -116,7 +120,8 @@ def weight_plan(model, model_dir) -> WeightPlan:
         if target not in names: unexpected.append(key)
         elif pattern is None: direct[target] = key
         else: fused.setdefault(target, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(key)
-    made = set(direct) | {t.replace(c.target_patterns[0], tp) for t, (c, _) in fused.items() for tp in c.target_patterns}
+    made = set(direct) | {t.replace(c.target_patterns[0], tp) for t,
+                          (c, _) in fused.items() for tp in c.target_patterns}
     return WeightPlan(Path(model_dir), files, direct, fused, [k for k in params if k not in made], unexpected)
 
 # %% ../nbs/26_models.ipynb #9cef0c8c
@@ -128,7 +133,8 @@ def plan_summary(plan: WeightPlan) -> str:
     out = f"{len(plan.direct) + fused} tensors of {n} safetensors file{'s' if n != 1 else ''}"
     if renamed or plan.fused:
         out += " (transformers' conversion: " + ", ".join(
-            ([f"{renamed} renamed"] if renamed else []) + ([f"{fused} fused into {len(plan.fused)}"] if plan.fused else [])) + ")"
+            ([f"{renamed} renamed"] if renamed else []) + ([f"{fused} fused into {len(plan.fused)}"] if plan.fused
+                                                           else [])) + ")"
     return out + (f"; {len(plan.unexpected)} unused ({plan.unexpected[0]}, ...)" if plan.unexpected else "")
 
 # %% ../nbs/26_models.ipynb #fc908670
@@ -143,7 +149,8 @@ def missing_weights_error(plan: WeightPlan) -> str | None:
 
 # %% ../nbs/26_models.ipynb #faf2cf33
 def wrong_shapes_error(plan: WeightPlan, model) -> str | None:
-    "The sentence that refuses file tensors whose shape is not the model's (read from the safetensors headers), or None."
+    """The sentence that refuses file tensors whose shape is not the model's (read from the safetensors headers), or
+    None."""
     from safetensors import safe_open
     want, bad = {**base_weights(model), **_persistent_buffers(model)}, []
     for f in sorted(set(plan.files[k] for k in plan.direct.values())):
@@ -165,16 +172,19 @@ def _shard_op(p):
     return DtensorShardOperation(p)
 
 def _shards_on_read(converter) -> bool:
-    "Whether each rank may read only its own experts: the converter stacks along dim 0 first, then only joins on others."
+    """Whether each rank may read only its own experts: the converter stacks along dim 0 first, then only joins on
+    others."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
     ops = converter.operations
-    return isinstance(ops[0], MergeModulelist) and ops[0].dim == 0 and all(isinstance(o, Concatenate) and o.dim != 0 for o in ops[1:])
+    return isinstance(ops[0], MergeModulelist) and ops[0].dim == 0 and all(isinstance(o, Concatenate) and o.dim != 0
+                                                                           for o in ops[1:])
 
 # %% ../nbs/26_models.ipynb #9b1fb315
 def read_fused(target: str, plan: WeightPlan, params: dict, slice_of, hf) -> dict:
     "`{weight: this rank's part}` of the fused `target` (and any other weight its converter makes), from the files."
     converter, sources = plan.fused[target]
-    p = params[target]; op = _shard_op(p)
+    p = params[target]
+    op = _shard_op(p)
     on_read = op is not None and _shards_on_read(converter)
     def read(key, idx):
         s = slice_of(key)
@@ -188,7 +198,8 @@ def read_fused(target: str, plan: WeightPlan, params: dict, slice_of, hf) -> dic
 
 # %% ../nbs/26_models.ipynb #77a82a6f
 def safetensors_problem(f) -> str | None:
-    "Why the safetensors file `f` cannot be loaded (cut short, not safetensors), or None when its length matches its header."
+    """Why the safetensors file `f` cannot be loaded (cut short, not safetensors), or None when its length matches its
+    header."""
     import struct
     f = Path(f)
     try:
@@ -199,28 +210,37 @@ def safetensors_problem(f) -> str | None:
             if 8 + n > size: return f"{f.name} is unreadable: its header says {n} bytes but the file has {size}"
             header = json.loads(fh.read(n))
     except (OSError, ValueError) as e: return f"{f.name} is unreadable ({type(e).__name__}: {e})"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)), default=0)
-    if 8 + n + end != size: return f"{f.name} is unreadable: it has {size} bytes, its header describes {8 + n + end} (cut short while written?)"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)),
+              default=0)
+    if 8 + n + end != size:
+        return (f"{f.name} is unreadable: it has {size} bytes, its header describes {8 + n + end} (cut short while "
+                f"written?)")
     return None
 
 # %% ../nbs/26_models.ipynb #a3677fb0
 def model_files_problem(d, base_model: str | None = None) -> str | None:
-    "Why the saved model (or adapter) folder `d` (its adapters on `base_model`, if given) is incomplete or unreadable; None if whole."
+    """Why the saved model (or adapter) folder `d` (its adapters on `base_model`, if given) is incomplete or unreadable;
+    None if whole."""
     from ilab_nb.rundir import CKPT_MARKER
     d = Path(d)
-    if d.parent.name == "checkpoints" and d.name.lstrip(".").removeprefix("tmp-").startswith("step-") and not (d / CKPT_MARKER).exists():
-        return f"{d} is an incomplete checkpoint: it has no {CKPT_MARKER} marker (its save did not finish); load a complete one"
+    if (d.parent.name == "checkpoints" and d.name.lstrip(".").removeprefix("tmp-").startswith("step-")
+            and not (d / CKPT_MARKER).exists()):
+        return (f"{d} is an incomplete checkpoint: it has no {CKPT_MARKER} marker (its save did not finish); load a "
+                f"complete one")
     for idx in d.glob("*.safetensors.index.json"):
         try: shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e: return f"{d}: {idx.name} is unreadable ({type(e).__name__})"
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return f"{d}: {idx.name} is unreadable ({type(e).__name__})"
         if missing := [s for s in shards if not (d / s).exists()]:
-            return f"{d} is incomplete: {idx.name} names {len(shards)} shard(s), {len(missing)} missing ({missing[0]}, ...)"
+            return (f"{d} is incomplete: {idx.name} names {len(shards)} shard(s), {len(missing)} missing "
+                    f"({missing[0]}, ...)")
     for f in sorted(d.glob("*.safetensors")) + sorted(d.glob("adapter/*.safetensors")):
         if why := safetensors_problem(f): return f"{d}: {why}"
     ac = d / "adapter" / "adapter_config.json" if (d / "adapter").is_dir() else d / "adapter_config.json"
     try: base = json.loads(ac.read_text()).get("base_model_name_or_path") if ac.exists() else None
     except (OSError, ValueError, AttributeError): base = None
-    if not (d / "config.json").exists() and not base_model and base and os.path.isabs(base) and not os.path.exists(base):
-        return (f"{d} holds LoRA adapters of the base model {base}, which is no longer there (moved or deleted?); put it back, "
-                "or load them onto it where it is now: load_model(..., base_model=PATH)")
+    if (not (d / "config.json").exists() and not base_model and base and os.path.isabs(base)
+            and not os.path.exists(base)):
+        return (f"{d} holds LoRA adapters of the base model {base}, which is no longer there (moved or deleted?); put "
+                f"it back, or load them onto it where it is now: load_model(..., base_model=PATH)")
     return None

@@ -8,7 +8,8 @@ import json, os
 from pathlib import Path
 
 from .core import patch
-from .rundir import TRAINER_STATE, Event, RunDirLinkError, RunPaths, checkpoint_step, complete_checkpoints, no_follow, read_json, record_problem, standing_records, tail_lines
+from .rundir import (TRAINER_STATE, Event, RunDirLinkError, RunPaths, checkpoint_step, complete_checkpoints,
+                            no_follow, read_json, record_problem, standing_records, tail_lines)
 
 # %% auto #0
 __all__ = ['MetricsReader', 'RunMonitor', 'data_notes']
@@ -26,9 +27,13 @@ def _new_bytes(self:MetricsReader) -> bytes:
     "The complete lines appended since the last call (and the offset moved past them)."
     try:
         with open(self.path, "rb", opener=no_follow) as f:
-            f.seek(0, 2); size = f.tell()
-            if size < self.offset: self.offset, self.records, self.lines, self.bad_lines, self.malformed = 0, [], 0, [], 0   # replaced: start over
-            f.seek(self.offset); chunk = f.read(size - self.offset)
+            f.seek(0, 2)
+            size = f.tell()
+            # replaced: start over
+            if size < self.offset:
+                self.offset, self.records, self.lines, self.bad_lines, self.malformed = 0, [], 0, [], 0
+            f.seek(self.offset)
+            chunk = f.read(size - self.offset)
     except (FileNotFoundError, RunDirLinkError): return b""           # a link in its place is not followed (11_rundir)
     end = chunk.rfind(b"\n")
     if end < 0: return b""
@@ -38,7 +43,8 @@ def _new_bytes(self:MetricsReader) -> bytes:
 # %% ../nbs/14_monitor.ipynb #f4a0ab05
 @patch
 def read_new(self:MetricsReader) -> list:
-    "Records appended since the last call (complete lines only; unreadable ones counted in `malformed`, lines in `bad_lines`)."
+    """Records appended since the last call (complete lines only; unreadable ones counted in `malformed`, lines in
+    `bad_lines`)."""
     new, before = [], self.offset
     data = self._new_bytes()
     if self.offset == before: return []         # nothing complete appended
@@ -48,7 +54,9 @@ def read_new(self:MetricsReader) -> list:
         try: rec = json.loads(line)
         except ValueError: rec = None
         if record_problem(rec) is None: new.append(rec)
-        else: self.malformed += 1; self.bad_lines.append(self.lines)
+        else:
+            self.malformed += 1
+            self.bad_lines.append(self.lines)
     self.records.extend(new)
     return new
 
@@ -56,14 +64,18 @@ def read_new(self:MetricsReader) -> list:
 def note(self:MetricsReader) -> str | None:
     "What was skipped, as a sentence: '2 unreadable records in metrics.jsonl, lines 7, 9' (None if nothing)."
     if not self.bad_lines: return None
-    shown = ", ".join(map(str, self.bad_lines[:5])) + (f" and {len(self.bad_lines) - 5} more" if len(self.bad_lines) > 5 else "")
-    return f"{len(self.bad_lines)} unreadable record{'s' * (len(self.bad_lines) > 1)} in {self.path.name}, line{'s' * (len(self.bad_lines) > 1)} {shown}"
+    shown = ", ".join(map(str, self.bad_lines[:5])) + (f" and {len(self.bad_lines) - 5} more" if len(self.bad_lines) > 5
+                                                       else "")
+    return (f"{len(self.bad_lines)} unreadable record{'s' * (len(self.bad_lines) > 1)} in {self.path.name}, "
+            f"line{'s' * (len(self.bad_lines) > 1)} {shown}")
 
 # %% ../nbs/14_monitor.ipynb #2c828998
 class RunMonitor:
     "Read-only view of one run directory: metrics, state, logs, checkpoints, progress."
     def __init__(self, run_dir):
-        self.run_dir = Path(run_dir); self.run_id = self.run_dir.name; self.paths = RunPaths(self.run_dir)
+        self.run_dir = Path(run_dir)
+        self.run_id = self.run_dir.name
+        self.paths = RunPaths(self.run_dir)
         self._reader = MetricsReader(self.paths.metrics)
 
     def __repr__(self): return f"RunMonitor({str(self.run_dir)!r})"
@@ -115,7 +127,8 @@ def progress(self:RunMonitor) -> dict:
     if h is not None and last and last.get("attempt") != h.get("attempt"): last = {}   # new attempt, no step yet
     total = last.get("total_steps") or (h or {}).get("total_steps")
     step = last.get("step", (h or {}).get("resumed_from_step") or (0 if h else None))
-    elapsed = last.get("elapsed_s"); eta = None
+    elapsed = last.get("elapsed_s")
+    eta = None
     done = (step or 0) - ((h or {}).get("resumed_from_step") or 0)
     if elapsed and total and step is not None and done > 0: eta = max(0.0, (total - step) * elapsed / done)
     out = {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
@@ -123,7 +136,8 @@ def progress(self:RunMonitor) -> dict:
     if "rewards/margins" in last: out.update(margins=last["rewards/margins"], accuracy=last.get("rewards/accuracies"))
     ev = next((r for r in reversed(self.eval_records) if "eval_perplexity" in r), None)
     if ev: out.update(perplexity=ev["eval_perplexity"], perplexity_step=ev["step"])
-    if skipped := sorted({r["step"] for r in self.events if r.get("event") == Event.skipped}): out["skipped_steps"] = skipped
+    if skipped := sorted({r["step"] for r in self.events if r.get("event") == Event.skipped}):
+        out["skipped_steps"] = skipped
     return out
 
 # %% ../nbs/14_monitor.ipynb #f078c5ed
@@ -143,7 +157,8 @@ def checkpoints(self:RunMonitor) -> list:
         ts = read_json(d / TRAINER_STATE, {}) or {}
         metrics = dict(ts.get("last_metrics") or {})
         if ts.get("eval_loss") is not None: metrics["eval_loss"] = ts["eval_loss"]
-        out.append({"step": int(ts.get("step", checkpoint_step(d))), "epoch": ts.get("epoch"), "path": str(d), "metrics": metrics})
+        out.append({"step": int(ts.get("step", checkpoint_step(d))), "epoch": ts.get("epoch"), "path": str(d),
+                    "metrics": metrics})
     return sorted(out, key=lambda c: c["step"])
 
 # %% ../nbs/14_monitor.ipynb #e10bd5e9
@@ -165,13 +180,16 @@ def log_path(self:RunMonitor, rank=None) -> Path:
 # %% ../nbs/14_monitor.ipynb #20f5431c
 @patch
 def log_tail(self:RunMonitor, n=50, rank=None) -> list:
-    """Last `n` lines of a rank's log (`rank=None`: the most relevant log, see `log_path`). A rank the run does not have,
+    """Last `n` lines of a rank's log (`rank=None`: the most relevant log, see `log_path`). A rank the run does not
+    have,
     or a log that is a symbolic link (never followed, 11_rundir), is an error that says so, not an empty tail."""
     p = self.log_path(rank)
     if p.is_symlink():
-        raise RunDirLinkError(f"{p} is a symbolic link (to {os.readlink(p)}); ilab_nb does not follow links in a run directory: remove it")
+        raise RunDirLinkError(f"{p} is a symbolic link (to {os.readlink(p)}); ilab_nb does not follow links in a run "
+                              f"directory: remove it")
     world = self.state().get("num_processes")
-    if isinstance(rank, int) and world and not 0 <= rank < world and not p.exists():   # an earlier attempt's rank: its log stands
+    # an earlier attempt's rank: its log stands
+    if isinstance(rank, int) and world and not 0 <= rank < world and not p.exists():
         raise ValueError(f"run {self.run_id} has {world} rank(s), 0..{world - 1}: there is no rank {rank} "
                          "(rank='supervisor' for the supervisor's log)")
     return tail_lines(p, n)
@@ -180,5 +198,6 @@ def log_tail(self:RunMonitor, n=50, rank=None) -> list:
 def data_notes(header: dict | None) -> list[str]:
     "Lines saying which samples were dropped or truncated, from a metrics header's `data_stats`."
     stats = (header or {}).get("data_stats") or {}
-    return [f"{label}: {s['note']}" for key, label in (("train", "training data"), ("eval", "eval data"), ("template", "chat template"))
+    return [f"{label}: {s['note']}" for key, label in (("train", "training data"), ("eval", "eval data"),
+                                                       ("template", "chat template"))
             if isinstance(s := stats.get(key), dict) and s.get("note")]

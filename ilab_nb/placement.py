@@ -25,7 +25,8 @@ __all__ = ['resolve_device', 'DistEnv', 'process_group_backend', 'check_world', 
 
 # %% ../nbs/28_placement.ipynb #858ffa19
 def resolve_device(cfg: TrainConfig) -> str:
-    "`cpu` or `cuda`, from the config's `device` (`auto` picks CUDA when available); an error if CUDA is asked for but absent."
+    """`cpu` or `cuda`, from the config's `device` (`auto` picks CUDA when available); an error if CUDA is asked for but
+    absent."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA device on this machine.")
     if cfg.device == "auto": return "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,7 +49,8 @@ class DistEnv:
 
 # %% ../nbs/28_placement.ipynb #ea908b7a
 def process_group_backend(device_type: str, cpu_offload: bool = False) -> str:
-    "The process group's backend: gloo on CPU, nccl on CUDA, both when FSDP offloads to the CPU (its gradients live there)."
+    """The process group's backend: gloo on CPU, nccl on CUDA, both when FSDP offloads to the CPU (its gradients live
+    there)."""
     if device_type != "cuda": return "gloo"
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
@@ -65,7 +67,8 @@ def check_precision(cfg: TrainConfig, device_type: str):
     "Raise if `cfg` asks for bf16 where it would not be real bf16: on CPU, or on a GPU without bf16 units."
     if cfg.precision != "bf16": return
     if device_type != "cuda":
-        raise RuntimeError("precision='bf16' (mixed) is supported here on CUDA devices with bf16; on CPU use precision='fp32'.")
+        raise RuntimeError("precision='bf16' (mixed) is supported here on CUDA devices with bf16; on CPU use "
+                           "precision='fp32'.")
     if torch.cuda.get_device_capability() < (8, 0):
         raise RuntimeError(f"precision='bf16' was asked for, but {torch.cuda.get_device_name()} (compute capability "
                            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) has no bf16 units; use 'fp32'.")
@@ -78,10 +81,12 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     pg_backend = process_group_backend(device_type, cfg.cpu_offload)
     timeout = datetime.timedelta(seconds=cfg.ddp_timeout)       # torch's own: 10 minutes under nccl, 30 under gloo
     launched = int(os.environ.get("LOCAL_RANK", -1)) != -1      # torchrun's ranks (accelerate launch --multi_gpu)
-    state = PartialState(cpu=device_type == "cpu", timeout=timeout, **({"backend": pg_backend} if device_type == "cuda" and launched else {}))
+    state = PartialState(cpu=device_type == "cpu", timeout=timeout, **({"backend": pg_backend} if device_type == "cuda"
+                                                                       and launched else {}))
     world, backend = state.num_processes, dist.get_backend() if dist.is_available() and dist.is_initialized() else None
     check_world(cfg, world, state.distributed_type)
-    if cfg.strategy == "fsdp" and world == 1 and backend is None:   # FSDP on one device (to offload, say): a group of one
+    # FSDP on one device (to offload, say): a group of one
+    if cfg.strategy == "fsdp" and world == 1 and backend is None:
         backend = pg_backend
         if device_type == "cuda": torch.cuda.set_device(state.local_process_index)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -95,7 +100,8 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
 
 # %% ../nbs/28_placement.ipynb #dd1f2220
 def group_timeout() -> dict | None:
-    "`{backend: seconds}` a collective of the default process group waits, as its backends hold it; None without a group."
+    """`{backend: seconds}` a collective of the default process group waits, as its backends hold it; None without a
+    group."""
     if not (dist.is_available() and dist.is_initialized()): return None
     out = {}
     for part in dist.get_backend_config().split(","):             # "cpu:gloo,cuda:gloo", "cuda:nccl,cpu:gloo"
@@ -111,14 +117,18 @@ def node_name() -> str:
 # %% ../nbs/28_placement.ipynb #237706a3
 def machines_in_effect(cfg: TrainConfig, env: DistEnv) -> dict:
     "`{num_machines, machine_rank, nodes}` in effect (nodes: one per rank); raise if not the layout `cfg` asked for."
-    m = int(os.environ.get("GROUP_WORLD_SIZE", "1")); local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    m = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     want_local = cfg.num_processes // cfg.num_machines
     if m != cfg.num_machines or local != want_local:
-        raise RuntimeError(f"num_machines={cfg.num_machines} with {want_local} process(es) each was asked for, but {m} machine(s) "
-                           f"with {local} process(es) here are in effect. Launch each machine with --num_machines "
-                           f"{cfg.num_machines} --num_processes {cfg.num_processes} (ilab_nb's launcher does this).")
+        raise RuntimeError(f"num_machines={cfg.num_machines} with {want_local} process(es) each was asked for, but {m} "
+                           f"machine(s) with {local} process(es) here are in effect. Launch each machine with "
+                           f"--num_machines {cfg.num_machines} --num_processes {cfg.num_processes} (ilab_nb's launcher "
+                           f"does this).")
     nodes = [node_name()]
-    if env.world_size > 1: nodes = [None] * env.world_size; dist.all_gather_object(nodes, node_name())
+    if env.world_size > 1:
+        nodes = [None] * env.world_size
+        dist.all_gather_object(nodes, node_name())
     return dict(num_machines=m, machine_rank=int(os.environ.get("GROUP_RANK", "0")), nodes=tuple(nodes))
 
 # %% ../nbs/28_placement.ipynb #295a8ea7
@@ -159,9 +169,11 @@ def tie_again(model, tied: dict[str, str]):
 
 # %% ../nbs/28_placement.ipynb #4f355c00
 def materialize(model, device):
-    "Allocate the meta parameters (each rank's shards, uninitialised) on `device`, keeping buffers, real parameters, ties."
+    """Allocate the meta parameters (each rank's shards, uninitialised) on `device`, keeping buffers, real parameters,
+    ties."""
     buffers, tied = {n: b.detach().clone() for n, b in model.named_buffers()}, tied_duplicates(model)
-    real = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}    # LoRA adapters, made for real
+    # LoRA adapters, made for real
+    real = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     model.to_empty(device=device)
     with torch.no_grad():
         for n, b in model.named_buffers(): b.copy_(buffers[n])
@@ -199,17 +211,20 @@ def fill_from_files(model, plan) -> dict[str, int]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     if err := M.missing_weights_error(plan): raise RuntimeError(err)
-    hf = unwrap(model); params = {**M.base_weights(hf), **M._persistent_buffers(hf)}
-    direct = {key: params[w].detach() for w, key in plan.direct.items()}      # keyed by the files' names: renamed as read
+    hf = unwrap(model)
+    params = {**M.base_weights(hf), **M._persistent_buffers(hf)}
+    # keyed by the files' names: renamed as read
+    direct = {key: params[w].detach() for w, key in plan.direct.items()}
     dcp.load(direct, storage_reader=HuggingFaceStorageReader(str(plan.model_dir)), no_dist=not dist.is_initialized())
     filled, slice_of = {w: _local(params[w]).numel() for w in plan.direct}, _slices(plan)
     with torch.no_grad():
         for target in plan.fused:
             for w, v in M.read_fused(target, plan, params, slice_of, L.base_of(hf)).items():
                 if tuple(v.shape) != tuple(_local(params[w]).shape):
-                    raise RuntimeError(f"{w}: the files' tensors make this rank's part {tuple(v.shape)}, the model's is "
-                                       f"{tuple(_local(params[w]).shape)}")
-                _local(params[w]).copy_(v); filled[w] = v.numel()
+                    raise RuntimeError(f"{w}: the files' tensors make this rank's part {tuple(v.shape)}, the model's "
+                                       f"is {tuple(_local(params[w]).shape)}")
+                _local(params[w]).copy_(v)
+                filled[w] = v.numel()
     return filled
 
 # %% ../nbs/28_placement.ipynb #cc21214e
@@ -222,28 +237,36 @@ def check_filled(model, filled: dict[str, int]):
     meta = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if missing or short or meta:
         bad = missing + short + [f"{n} (never allocated)" for n in meta]
-        raise RuntimeError(f"{len(bad)} weight(s) of this rank were not filled from the model's files: {', '.join(bad[:3])}"
-                           f"{' and more' if len(bad) > 3 else ''}; training would start from uninitialised memory, "
-                           "so the run stops before step 1")
+        raise RuntimeError(f"{len(bad)} weight(s) of this rank were not filled from the model's files: "
+                           f"{', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}; training would start from "
+                           f"uninitialised memory, so the run stops before step 1")
 
 # %% ../nbs/28_placement.ipynb #472bf12b
 def fill_from_rank0(model, cfg: TrainConfig, env: DistEnv) -> dict[str, int]:
-    "Rank 0 loads the whole model with `from_pretrained`, every rank gets its tensors (the fallback); `{weight: elements}`."
+    """Rank 0 loads the whole model with `from_pretrained`, every rank gets its tensors (the fallback); `{weight:
+    elements}`."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, StateDictOptions
     full, lacking = {}, []
     if env.rank == 0:
         from transformers import AutoModelForCausalLM
-        base, info = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+        base, info = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
+                                                          trust_remote_code=cfg.trust_remote_code,
                                                           output_loading_info=True)
         sd, dup = base.state_dict(), tied_duplicates(unwrap(model))
-        want = [k for k in get_model_state_dict(model) if k not in dup and not L.is_adapter_key(k)]   # the model's (peft's) names
+        # the model's (peft's) names
+        want = [k for k in get_model_state_dict(model) if k not in dup and not L.is_adapter_key(k)]
         lacking = sorted(set(info["missing_keys"]) | {L.base_key(k) for k in want if L.base_key(k) not in sd})
         full = {k: sd[L.base_key(k)] for k in want if L.base_key(k) in sd}
-    if env.world_size > 1: box = [lacking]; dist.broadcast_object_list(box, src=0); lacking = box[0]
+    if env.world_size > 1:
+        box = [lacking]
+        dist.broadcast_object_list(box, src=0)
+        lacking = box[0]
     if lacking:
-        raise RuntimeError(f"from_pretrained found no weights for {', '.join(lacking[:3])}{' and more' if len(lacking) > 3 else ''} "
-                           f"in {cfg.model} and initialised them at random; the run stops before step 1")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.world_size > 1,
+        raise RuntimeError(f"from_pretrained found no weights for "
+                           f"{', '.join(lacking[:3])}{' and more' if len(lacking) > 3 else ''} in {cfg.model} and "
+                           f"initialised them at random; the run stops before step 1")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=env.world_size > 1,
                                                                strict=False))
     return {w: _local(p).numel() for w, p in M.base_weights(unwrap(model)).items()}
 
@@ -257,7 +280,8 @@ def run_mesh(env: DistEnv):
 def fsdp_policies(cfg: TrainConfig) -> dict:
     "The `mp_policy` and `offload_policy` arguments of `fully_shard` that `cfg` asks for."
     from torch.distributed.fsdp import MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                              reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
     return dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
 
 # %% ../nbs/28_placement.ipynb #b685efc6
@@ -268,16 +292,19 @@ def shard_model(model, blocks: list, cfg: TrainConfig, env: DistEnv):
     for m in blocks:
         if adapters := L.adapter_modules(m): fully_shard(adapters, mesh=mesh, **policies)   # LoRA: a unit of their own
         fully_shard(m, mesh=mesh, **policies)
-    root = L.base_of(model)                                            # peft's wrapper holds no weights, and its generate
+    # peft's wrapper holds no weights, and its generate
+    root = L.base_of(model)
     fully_shard(root, mesh=mesh, reshard_after_forward=False, **policies)     # calls the inner model: that is the root
-    return model                                                              # (needed at once in backward: kept gathered)
+    # (needed at once in backward: kept gathered)
+    return model
 
 # %% ../nbs/28_placement.ipynb #bcd4c727
 def check_sharded(model, env: DistEnv):
     "Raise if this rank, one of several, holds all the model's parameters: strategy='fsdp' is then not in effect."
     total, local = sum(p.numel() for p in model.parameters()), local_param_count(model)
     if env.world_size > 1 and local >= total:
-        raise RuntimeError(f"strategy='fsdp' is not in effect: this rank holds all {total} parameters after fully_shard.")
+        raise RuntimeError(f"strategy='fsdp' is not in effect: this rank holds all {total} parameters after "
+                           f"fully_shard.")
 
 # %% ../nbs/28_placement.ipynb #3346a387
 def replicate(model, env: DistEnv):
@@ -289,9 +316,11 @@ def replicate(model, env: DistEnv):
 def setup_record(cfg: TrainConfig, env: DistEnv, blocks: int, plan=None) -> dict:
     "The header's account of the set-up: `load` (how `plan`, None for the fallback, was read), `mixed_precision`, ..."
     fsdp, bf16 = cfg.strategy == "fsdp", cfg.precision == "bf16"
-    load = (f"{'sharded' if fsdp else 'full'} read (DCP HuggingFaceStorageReader): {M.plan_summary(plan)}" if plan is not None else
+    load = (f"{'sharded' if fsdp else 'full'} read (DCP HuggingFaceStorageReader): {M.plan_summary(plan)}"
+            if plan is not None else
             f"rank 0 from_pretrained{', broadcast' if env.world_size > 1 else ''} (no safetensors files)")
-    mp = (dict(param_dtype="bfloat16", reduce_dtype="float32", master="float32") if fsdp else dict(autocast="bfloat16", master="float32"))
+    mp = (dict(param_dtype="bfloat16", reduce_dtype="float32", master="float32") if fsdp
+          else dict(autocast="bfloat16", master="float32"))
     return dict(load=load, mixed_precision=mp if bf16 else None, cpu_offload=fsdp and cfg.cpu_offload,
                 torch_compile="per block" if cfg.torch_compile else None, blocks=blocks)
 
@@ -301,8 +330,8 @@ def setup_model(cfg: TrainConfig, env: DistEnv, layout: str) -> tuple:
     model = build_empty_model(cfg, M.attention_for(cfg, layout, env.device_type))
     blocks = transformer_blocks(model)
     if not blocks and (cfg.strategy == "fsdp" or cfg.torch_compile):
-        raise RuntimeError(f"strategy='fsdp' and torch_compile work per transformer block, but {type(model).__name__} names "
-                           "none in _no_split_modules.")
+        raise RuntimeError(f"strategy='fsdp' and torch_compile work per transformer block, but {type(model).__name__} "
+                           f"names none in _no_split_modules.")
     if cfg.gradient_checkpointing: enable_checkpointing(model)
     model = L.add_adapters(model, cfg)                             # LoRA: adapters on the frozen base (else unchanged)
     blocks, files = transformer_blocks(model), checkpoint_dir(cfg.model)

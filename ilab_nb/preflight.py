@@ -24,9 +24,11 @@ __all__ = ['CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'PREFLIGH
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
-    "A problem found before the run was started (devices, disk, model); `field`: the config field (or `lora.key`) it is about."
+    """A problem found before the run was started (devices, disk, model); `field`: the config field (or `lora.key`) it
+    is about."""
     def __init__(self, msg: str, field: str | None = None):
-        super().__init__(msg); self.field = field
+        super().__init__(msg)
+        self.field = field
 
 # %% ../nbs/60_preflight.ipynb #4c52cdf3
 def mount_of(path) -> tuple:
@@ -46,7 +48,8 @@ _VIRTUAL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "trace
 def check_destination(path, name: str, choose: str) -> Path:
     """The folder where `path` would be made (`path`, or the nearest folder above it that exists), after a probe file
     was written and deleted there; else a `PreflightError` that names `name` and says to `choose` another."""
-    root = Path(path).expanduser().absolute(); p = root
+    root = Path(path).expanduser().absolute()
+    p = root
     while not os.path.lexists(p): p = p.parent
     what = f"{name} {root}" + (f": {p}" if p != root else "")
     if p.is_symlink() and not p.exists():
@@ -55,19 +58,23 @@ def check_destination(path, name: str, choose: str) -> Path:
         raise PreflightError(f"{what} is a file, not a directory; {choose}.")
     mount, fs = mount_of(p)
     if fs in _VIRTUAL_FS:
-        raise PreflightError(f"{name} {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; {choose}.")
+        raise PreflightError(f"{name} {root} is under {mount}, a virtual filesystem ({fs}) that cannot hold files; "
+                             f"{choose}.")
     try: fd, probe = tempfile.mkstemp(dir=p, prefix=".ilab_nb-probe-")
     except OSError as e:
-        why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user (EACCES)",
+        why = {errno.EROFS: "is on a read-only filesystem (EROFS)", errno.EACCES: "is not writable by this user "
+                                                                                  "(EACCES)",
                errno.EPERM: "is not writable by this user (EPERM)"}.get(
                    e.errno, f"cannot be written ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
         raise PreflightError(f"{what} {why}; {choose}.") from None
-    os.close(fd); os.unlink(probe)
+    os.close(fd)
+    os.unlink(probe)
     return p
 
 def check_runs_root(root) -> Path:
     "The folder where `root`'s run directories would be made, after a probe file was written and deleted there."
-    return check_destination(root, "runs_root", "choose a writable directory on a disk for the runs (runs_root= or $ILAB_NB_RUNS)")
+    return check_destination(root, "runs_root", "choose a writable directory on a disk for the runs (runs_root= or "
+                                                "$ILAB_NB_RUNS)")
 
 # %% ../nbs/60_preflight.ipynb #17bc56c1
 def resolve_hub_model(model, timeout=5.0) -> str:
@@ -77,20 +84,24 @@ def resolve_hub_model(model, timeout=5.0) -> str:
     import huggingface_hub as hf
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
     try: return hf.snapshot_download(model, local_files_only=True)
-    except HFValidationError as e: raise PreflightError(f"model={model!r} is not a local directory (relative paths are taken from "
-                                                         f"{Path.cwd()}) nor a valid hub id ({e}).") from None
+    except HFValidationError as e:
+        raise PreflightError(f"model={model!r} is not a local directory (relative paths are taken from "
+                              f"{Path.cwd()}) nor a valid hub id ({e}).") from None
     except Exception: pass      # not in the cache
     where = (f"model={model!r} is not a local directory (relative paths are taken from {Path.cwd()}) and not in the "
              f"Hugging Face cache ({hf.constants.HF_HUB_CACHE})")
     fix = "download the model where there is network and pass its local directory."
-    offline = hf.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")  # also set after import
+    # also set after import
+    offline = hf.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     if offline: raise PreflightError(f"{where}, and HF_HUB_OFFLINE is set, so the hub was not asked: {fix}")
     try: hf.model_info(model, timeout=timeout)
-    except RepositoryNotFoundError: raise PreflightError(f"{where}, and the hub ({hf.constants.ENDPOINT}) has no public model of that "
-                                                         "name: check the name, or pass a local directory.") from None
+    except RepositoryNotFoundError:
+        raise PreflightError(f"{where}, and the hub ({hf.constants.ENDPOINT}) has no public model of that "
+                             "name: check the name, or pass a local directory.") from None
     except HfHubHTTPError: pass  # the hub answered (gated, rate-limited, ...): loading the tokenizer says more
-    except Exception as e: raise PreflightError(f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: "
-                                                f"{type(e).__name__}: {e}): {fix}") from None
+    except Exception as e:
+        raise PreflightError(f"{where}, and there is no network to the hub ({hf.constants.ENDPOINT}: "
+                             f"{type(e).__name__}: {e}): {fix}") from None
     return model
 
 # %% ../nbs/60_preflight.ipynb #da9f33ff
@@ -101,8 +112,8 @@ def load_run_data(cfg) -> tuple:
     check_method(cfg.method, records[0]["kind"])
     evals = load_records(cfg.eval_data) if cfg.eval_data else []
     if evals and evals[0]["kind"] != records[0]["kind"]:
-        raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data {KIND_PLURALS[records[0]['kind']]}; "
-                        "give both in one shape")
+        raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data "
+                        f"{KIND_PLURALS[records[0]['kind']]}; give both in one shape")
     return records, evals
 
 # %% ../nbs/60_preflight.ipynb #ed2d8cfd
@@ -116,28 +127,34 @@ def check_model(cfg):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     try: mc = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    except Exception as e: raise PreflightError(f"could not read the model config in {cfg.model}: {type(e).__name__}: {e}") from None
+    except Exception as e:
+        raise PreflightError(f"could not read the model config in {cfg.model}: {type(e).__name__}: {e}") from None
     if mc.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(mc, "auto_map", None):
         raise PreflightError(f"{cfg.model} is a {mc.model_type!r} model, which has no causal-LM head in transformers; "
                              "give a decoder-only (causal LM) model.")
     if Path(cfg.model).expanduser().is_dir() and _weights_bytes(cfg.model) == 0:
-        raise PreflightError(f"{cfg.model} has no weight files (*.safetensors or *.bin); save the model there with save_pretrained.")
+        raise PreflightError(f"{cfg.model} has no weight files (*.safetensors or *.bin); save the model there with "
+                             f"save_pretrained.")
 
 # %% ../nbs/60_preflight.ipynb #15c86295
 def check_remote_code(cfg, trust_owner: bool = False) -> list | None:
-    "With `trust_remote_code`: the model's own code files and their owners (warned); another user's refused. None without it."
+    """With `trust_remote_code`: the model's own code files and their owners (warned); another user's refused. None
+    without it."""
     import warnings
     from ilab_nb.rundir import Action, OwnerError, _user, gate
     if not cfg.trust_remote_code: return None
     mp = Path(cfg.model).expanduser()
     if not mp.is_dir():
-        warnings.warn(f"trust_remote_code=True: the Python code of the hub repository {cfg.model} will run in this process and in "
-                      "every rank of the run"); return [cfg.model]
+        warnings.warn(f"trust_remote_code=True: the Python code of the hub repository {cfg.model} will run in this "
+                      f"process and in every rank of the run")
+        return [cfg.model]
     files = sorted(mp.rglob("*.py"))
-    try: gate(None, Action.code, "run its code", trust_owner, also=[mp])       # the folder's every file: its config names the code too
+    try:   # the folder's every file: its config names the code too
+        gate(None, Action.code, "run its code", trust_owner, also=[mp])
     except OwnerError as e: raise PreflightError(f"trust_remote_code: {e}", "trust_remote_code") from None
     code = [f"{f.relative_to(mp)} ({_user(f.stat().st_uid)})" for f in files]
-    warnings.warn(f"trust_remote_code=True: the model's own code will run in this process and in every rank of the run: "
+    warnings.warn(f"trust_remote_code=True: the model's own code will run in this process and in every rank of the "
+                  f"run: "
                   + (", ".join(code) if code else "no .py file") + f" in {mp}")
     return [str(f) for f in files]
 
@@ -147,8 +164,8 @@ def check_model_dir(cfg) -> Path:
     from ilab_nb.data import _HUB_ID
     mp = Path(cfg.model).expanduser()
     if not mp.exists() and not _HUB_ID.match(cfg.model):
-        raise PreflightError(f"model={cfg.model!r} does not exist (a folder moved or deleted?) and is no hub id; give the "
-                             "model's folder as it is now.", "model")
+        raise PreflightError(f"model={cfg.model!r} does not exist (a folder moved or deleted?) and is no hub id; give "
+                             f"the model's folder as it is now.", "model")
     if mp.exists() and not (mp / "config.json").is_file():
         raise PreflightError(f"model directory {cfg.model} has no config.json; give a Hugging Face model directory "
                              "(written by save_pretrained).")
@@ -166,11 +183,14 @@ _GPU_QUERY = ("import json, torch\n"
 # %% ../nbs/60_preflight.ipynb #95f66694
 @functools.lru_cache(maxsize=1)
 def query_gpus(force: bool = False) -> list:
-    "Visible CUDA devices (index, name, total_bytes, capability, uuid), asked of a subprocess: this process never initialises CUDA."
-    if not force and not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")): return []   # no driver: no GPU
+    """Visible CUDA devices (index, name, total_bytes, capability, uuid), asked of a subprocess: this process never
+    initialises CUDA."""
+    if not force and not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):   # no driver: no GPU
+        return []
     r = subprocess.run([sys.executable, "-c", _GPU_QUERY], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        raise PreflightError(f"could not query the CUDA devices (a subprocess running torch failed): {r.stderr.strip()[-500:]}")
+        raise PreflightError(f"could not query the CUDA devices (a subprocess running torch failed): "
+                             f"{r.stderr.strip()[-500:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 # %% ../nbs/60_preflight.ipynb #17216db4
@@ -186,8 +206,8 @@ def check_bf16(cfg, kind, gpus):
     slow = [g for g in used_gpus(cfg, gpus) if list(g["capability"]) < [8, 0]] if kind == "cuda" else []
     if kind == "cpu" or slow:
         where = "on CPU" if kind == "cpu" else (f"on {slow[0]['name']} (GPU {slow[0]['index']}, compute capability "
-                                                f"{'.'.join(map(str, slow[0]['capability']))}), which only emulates bf16 "
-                                                "(it needs 8.0, Ampere or later)")
+                                                f"{'.'.join(map(str, slow[0]['capability']))}), which only emulates "
+                                                f"bf16 (it needs 8.0, Ampere or later)")
         raise PreflightError(f"precision='bf16' (mixed) is not supported {where}; use precision='fp32'.")
 
 # %% ../nbs/60_preflight.ipynb #e8df9901
@@ -200,12 +220,15 @@ def preflight_device(cfg) -> tuple:
     if kind == "cuda":
         if n == 0:
             raise PreflightError(f"device={cfg.device!r}" + (f" with devices={cfg.devices}" if cfg.devices else "") +
-                                 " asks for CUDA GPUs, but torch sees none on this machine; use device='cpu' (and drop devices).")
+                                 " asks for CUDA GPUs, but torch sees none on this machine; use device='cpu' (and drop "
+                                 "devices).")
         bad = [d for d in cfg.devices or [] if d >= n]
-        if bad: raise PreflightError(f"devices={cfg.devices}: GPU {', '.join(map(str, bad))} does not exist; this machine has "
-                                     f"{n} GPU(s), numbered 0..{n - 1}.")
+        if bad:
+            raise PreflightError(f"devices={cfg.devices}: GPU {', '.join(map(str, bad))} does not exist; this machine "
+                                 f"has {n} GPU(s), numbered 0..{n - 1}.")
         if not cfg.devices and cfg.num_processes > n:
-            raise PreflightError(f"num_processes={cfg.num_processes} on CUDA needs that many GPUs, but there are {n}; lower num_processes.")
+            raise PreflightError(f"num_processes={cfg.num_processes} on CUDA needs that many GPUs, but there are {n}; "
+                                 f"lower num_processes.")
     check_bf16(cfg, kind, gpus)
     return kind, n
 
@@ -213,13 +236,15 @@ def preflight_device(cfg) -> tuple:
 def check_cpu_slots(cfg, kind) -> dict:
     "`{cpu_slots, oversubscribed}` of a CPU run, refusing more processes than slots without `oversubscribe_cpus`."
     if kind != "cpu":
-        if cfg.oversubscribe_cpus: raise PreflightError("oversubscribe_cpus=True is for CPU runs, but this run is on CUDA; drop it.")
+        if cfg.oversubscribe_cpus:
+            raise PreflightError("oversubscribe_cpus=True is for CPU runs, but this run is on CUDA; drop it.")
         return {}
     n, src = cpu_slots(), ("$ILAB_NB_CPU_SLOTS" if os.environ.get("ILAB_NB_CPU_SLOTS") else "its core count")
     if cfg.num_processes > n and not cfg.oversubscribe_cpus:
-        raise PreflightError(f"num_processes={cfg.num_processes} asks for {cfg.num_processes} CPU processes, but this machine has {n} "
-                             f"CPU slot(s) ({src}); lower num_processes to {n}, or set oversubscribe_cpus=True to run "
-                             f"{cfg.num_processes} processes on {n} slot(s) anyway (slower; the run holds every slot).")
+        raise PreflightError(f"num_processes={cfg.num_processes} asks for {cfg.num_processes} CPU processes, but this "
+                             f"machine has {n} CPU slot(s) ({src}); lower num_processes to {n}, or set "
+                             f"oversubscribe_cpus=True to run {cfg.num_processes} processes on {n} slot(s) anyway "
+                             f"(slower; the run holds every slot).")
     return {"cpu_slots": n, "oversubscribed": cfg.num_processes > n}
 
 # %% ../nbs/60_preflight.ipynb #0de011ec
@@ -241,7 +266,8 @@ def tensor_sizes(model_dir) -> dict:
 
 # %% ../nbs/60_preflight.ipynb #a2aa8686
 def count_params(model_dir) -> dict:
-    "Parameters in the model's safetensors files, read from their headers only: total, largest block, and outside the blocks."
+    """Parameters in the model's safetensors files, read from their headers only: total, largest block, and outside the
+    blocks."""
     return count_params_of(tensor_shapes(model_dir))
 
 def count_params_of(shapes: dict) -> dict:
@@ -278,38 +304,48 @@ def _estimate(cfg, shapes: dict, adapters: int | None = None) -> dict:
 def _lora_hint(cfg, shapes: dict, cap: int) -> str:
     if cfg.lora is not None: return ""
     need = _estimate(cfg.model_copy(update=dict(lora={"r": 8})), shapes)["device_bytes"]
-    return f", or LoRA adapters: lora={{'r': 8}} needs about {need / 2**30:.1f} GiB" + ("" if need <= 0.9 * cap else " (neither fits)")
+    return f", or LoRA adapters: lora={{'r': 8}} needs about {need / 2**30:.1f} GiB" + ("" if need <= 0.9 * cap
+            else " (neither fits)")
 
 # %% ../nbs/60_preflight.ipynb #039d1f93
 def kv_cache_bytes(model_config: dict, tokens: int, precision: str) -> int:
     "Bytes of the key/value cache `generate` keeps for `tokens` positions (all prompts of a batch together)."
-    c = model_config; heads = c.get("num_attention_heads") or 1
+    c = model_config
+    heads = c.get("num_attention_heads") or 1
     head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // heads
-    return 2 * (c.get("num_hidden_layers") or 0) * (c.get("num_key_value_heads") or heads) * head_dim * tokens * (2 if precision == "bf16" else 4)
+    return 2 * (c.get("num_hidden_layers") or 0) * (c.get("num_key_value_heads") or heads) * head_dim * tokens * (2
+            if precision == "bf16" else 4)
 
-def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0, adapters: int | None = None) -> dict | None:
-    """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless `ignore_memory_estimate`.
+def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
+                 adapters: int | None = None) -> dict | None:
+    """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless
+    `ignore_memory_estimate`.
     `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps;
-    `adapters`, LoRA's trainable parameters as built (`check_model_build`), replaces the count from the files' shapes."""
+    `adapters`, LoRA's trainable parameters as built (`check_model_build`), replaces the count from the files'
+    shapes."""
     mp = Path(cfg.model).expanduser()
-    if not (mp.is_dir() and any(mp.glob("*.safetensors"))): return None       # a hub id or .bin weights: nothing to read cheaply
+    if not (mp.is_dir() and any(mp.glob("*.safetensors"))):   # a hub id or .bin weights: nothing to read cheaply
+        return None
     shapes = tensor_shapes(mp)
     est = _estimate(cfg, shapes, adapters if cfg.lora is not None else None)
     if generation_tokens:
         mc = read_json_file(mp / "config.json")
         est["generation_bytes"] = g = kv_cache_bytes(mc, generation_tokens, cfg.precision)
-        est["extra"] += g; est["device_bytes"] += g
+        est["extra"] += g
+        est["device_bytes"] += g
     if kind != "cuda" or not gpus: return est
     used = used_gpus(cfg, gpus) or gpus
     est["device_total_bytes"] = cap = min(g["total_bytes"] for g in used)
     if est["device_bytes"] > 0.9 * cap and not cfg.ignore_memory_estimate:
         G = 2**30
         raise PreflightError(
-            f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU before activations "
-            f"(strategy={cfg.strategy!r}, {cfg.num_processes} processes, precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: "
-            f"{est['per_rank_state'] / G:.1f} GiB of weights, gradients and AdamW state, {est['gathered'] / G:.1f} GiB gathered, "
-            f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
-            f"cpu_offload=True, or precision='bf16'{_lora_hint(cfg, shapes, cap)}; or set ignore_memory_estimate=True to start anyway.")
+            f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU "
+            f"before activations (strategy={cfg.strategy!r}, {cfg.num_processes} processes, "
+            f"precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: {est['per_rank_state'] / G:.1f} GiB of "
+            f"weights, gradients and AdamW state, {est['gathered'] / G:.1f} GiB gathered, {est['extra'] / G:.1f} GiB "
+            f"other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
+            f"cpu_offload=True, or precision='bf16'{_lora_hint(cfg, shapes, cap)}; or set ignore_memory_estimate=True "
+            f"to start anyway.")
     return est
 
 # %% ../nbs/60_preflight.ipynb #65c594f9
@@ -337,29 +373,36 @@ def tokenizer_bytes(model_dir) -> int:
     return sum(f.stat().st_size for pat in pats for f in p.glob(pat) if f.is_file()) if p.is_dir() else 0
 
 def checkpoint_bytes(params: int, tensors: int, tokenizer: int, ranks: int) -> int:
-    "One checkpoint: 16 bytes a trained parameter, the framing of each trained tensor, each rank's extras, the tokenizer, small files."
+    """One checkpoint: 16 bytes a trained parameter, the framing of each trained tensor, each rank's extras, the
+    tokenizer, small files."""
     return 16 * params + CKPT_TENSOR_BYTES * tensors + CKPT_RANK_BYTES * ranks + tokenizer + CKPT_FILES_BYTES
 
 # %% ../nbs/60_preflight.ipynb #4add0726
-def check_disk(cfg, runs_root, total_steps: int | None = None, trainable: int | None = None, trainable_tensors: int | None = None) -> dict:
+def check_disk(cfg, runs_root, total_steps: int | None = None, trainable: int | None = None,
+               trainable_tensors: int | None = None) -> dict:
     """Estimate the disk the run's checkpoints and final model need and compare it to what is free under `runs_root`.
-    `total_steps`: the plan's (`check_data`); `trainable`, `trainable_tensors`: what a LoRA run trains (`check_model_build`)."""
+    `total_steps`: the plan's (`check_data`); `trainable`, `trainable_tensors`: what a LoRA run trains
+    (`check_model_build`)."""
     w = _weights_bytes(cfg.model)
     try: sizes = tensor_sizes(cfg.model)
-    except Exception: sizes = {}                 # .bin files or an unreadable header: assume 16-bit files (the common case)
+    except Exception:   # .bin files or an unreadable header: assume 16-bit files (the common case)
+        sizes = {}
     n = sum(sizes.values()) or w // 2
     steps = cfg.max_steps if cfg.max_steps > 0 else total_steps
     written = ((steps - 1) // cfg.save_steps + 1 if cfg.save_steps else 1) if steps else (cfg.save_total_limit or 3)
     on_disk = min((cfg.save_total_limit or written) + 1, written)   # the newest is written before the oldest is pruned
     a = trainable if cfg.lora is not None and trainable else 0
-    per_ckpt = checkpoint_bytes(a or n, (trainable_tensors or 0) if a else len(sizes), tokenizer_bytes(cfg.model), cfg.num_processes)
+    per_ckpt = checkpoint_bytes(a or n, (trainable_tensors or 0) if a else len(sizes), tokenizer_bytes(cfg.model),
+                                cfg.num_processes)
     final = (4 * n if not a or cfg.merge_lora else 0) + 4 * a
     need, free = final + on_disk * per_ckpt, _free_bytes(runs_root)
     if need > free:
-        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {size_text(need)} for {on_disk} checkpoint(s) "
-                             f"of {size_text(per_ckpt)} ({'LoRA adapters, ' if a else ''}{written} written, "
-                             f"{'the newest ' + str(cfg.save_total_limit) + ' kept' if cfg.save_total_limit else 'all kept'}) and the "
-                             f"final model ({size_text(final)} in float32, {count_text(n)} parameters), but {size_text(free)} is free. "
+        raise PreflightError(f"Not enough free disk under {runs_root}: the run needs about {size_text(need)} for "
+                             f"{on_disk} checkpoint(s) of {size_text(per_ckpt)} "
+                             f"({'LoRA adapters, ' if a else ''}{written} written, "
+                             f"{'the newest ' + str(cfg.save_total_limit) + ' kept' if cfg.save_total_limit else 'all kept'}) "  # noqa: E501
+                             f"and the final model ({size_text(final)} in float32, {count_text(n)} parameters), but "
+                             f"{size_text(free)} is free. "
                              "Free some space, choose another runs_root, or set save_total_limit.")
     return {"weights_bytes": w, "params": n, "checkpoints_written": written, "checkpoints_kept": on_disk,
             "checkpoint_bytes": per_ckpt, "need_bytes": need, "free_bytes": free}
@@ -369,7 +412,8 @@ def cluster_device(cfg) -> tuple:
     "(`'cpu'`|`'cuda'`, GPUs per node) that the nodes of a cluster run of `cfg` train on."
     g = cfg.slurm.gpus_per_node if cfg.slurm else None
     if g: return "cuda", g
-    if cfg.device == "cuda": raise PreflightError("device='cuda' on SLURM needs slurm.gpus_per_node (GPUs per node, one process each).")
+    if cfg.device == "cuda":
+        raise PreflightError("device='cuda' on SLURM needs slurm.gpus_per_node (GPUs per node, one process each).")
     return "cpu", 0
 
 # %% ../nbs/60_preflight.ipynb #1452d5c7
@@ -377,8 +421,9 @@ def backend_preflight(cfg, runs_root) -> dict:
     "Checks of the backend that will run `cfg` (SLURM: sbatch, partition, nodes, shared runs root)."
     if cfg.backend == "local":
         if cfg.num_machines > 1:
-            raise PreflightError(f"num_machines={cfg.num_machines} with backend='local': a FineTuneSession starts one machine. Use "
-                                 "backend='slurm', or start each machine yourself with ilab_nb.launcher.accelerate_command.")
+            raise PreflightError(f"num_machines={cfg.num_machines} with backend='local': a FineTuneSession starts one "
+                                 f"machine. Use backend='slurm', or start each machine yourself with "
+                                 f"ilab_nb.launcher.accelerate_command.")
         return {}
     from ilab_nb.slurm import preflight_slurm, SlurmError
     try: return {"slurm": preflight_slurm(cfg, runs_root)}
@@ -393,8 +438,10 @@ def first_sample(record: dict, tok) -> dict:
         t = tokenize_pair(record, tok)
         for side in ("chosen", "rejected"):
             if not any(l != -100 for l in t[f"{side}_labels"]):
-                raise PreflightError(f"the first pair ({record['source']}) has no {side} answer tokens after the chat template")
-        return {"input_ids": t["chosen_input_ids"] + t["rejected_input_ids"], "labels": t["chosen_labels"] + t["rejected_labels"]}
+                raise PreflightError(f"the first pair ({record['source']}) has no {side} answer tokens after the chat "
+                                     f"template")
+        return {"input_ids": t["chosen_input_ids"] + t["rejected_input_ids"],
+                "labels": t["chosen_labels"] + t["rejected_labels"]}
     if record["kind"] == "text":
         ids = tok(record["text"], add_special_tokens=False)["input_ids"]
         return {"input_ids": ids, "labels": ids}
@@ -410,15 +457,17 @@ _TRACKER_IMPORTS = {"tensorboard": "torch.utils.tensorboard", "mlflow": "mlflow.
 @functools.lru_cache(maxsize=None)
 def _import_error(module: str) -> str | None:
     import importlib
-    try: importlib.import_module(module); return None
+    try:
+        importlib.import_module(module)
+        return None
     except Exception as e: return f"{type(e).__name__}: {e}"
 
 def check_tracker_imports(report_to) -> None:
     "Import the module each tracker of `report_to` runs on (once per process); refuse one that does not import."
     for name in report_to:
         if (err := _import_error(_TRACKER_IMPORTS[name])) is not None:
-            raise PreflightError(f"report_to={name!r}: {_TRACKER_IMPORTS[name]} is installed but does not import ({err}); "
-                                 f"repair the {name} install, or drop {name!r} from report_to.")
+            raise PreflightError(f"report_to={name!r}: {_TRACKER_IMPORTS[name]} is installed but does not import "
+                                 f"({err}); repair the {name} install, or drop {name!r} from report_to.")
 
 # %% ../nbs/60_preflight.ipynb #7967166d
 def check_mlflow_uri(uri: str, timeout: float = 5.0) -> str:
@@ -428,14 +477,15 @@ def check_mlflow_uri(uri: str, timeout: float = 5.0) -> str:
     name, u = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's file store"), urlparse(uri)
     choose = "set MLFLOW_TRACKING_URI to a writable directory or a server that answers, or drop 'mlflow' from report_to"
     if u.scheme in ("", "file"): check_destination(unquote(u.path) or uri, name, choose)
-    elif u.scheme == "sqlite": check_destination(Path(unquote(u.path)).parent if u.path not in ("", "/:memory:") else ".", name, choose)
+    elif u.scheme == "sqlite":
+        check_destination(Path(unquote(u.path)).parent if u.path not in ("", "/:memory:") else ".", name, choose)
     elif u.scheme in ("http", "https"):
         try: urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).close()
         except urllib.error.HTTPError: pass                      # a server answered
         except Exception as e:
             why = getattr(e, "reason", e)
-            raise PreflightError(f"{name} {uri}: no MLflow server answers there ({type(why).__name__}: {why}); start the server, "
-                                 f"or {choose}.") from None
+            raise PreflightError(f"{name} {uri}: no MLflow server answers there ({type(why).__name__}: {why}); start "
+                                 f"the server, or {choose}.") from None
     return uri
 
 # %% ../nbs/60_preflight.ipynb #6fec9094
@@ -454,43 +504,48 @@ def check_wandb(run_dir, timeout: float = 5.0) -> dict:
     from ilab_nb.trackers import wandb_dir
     mode = (os.environ.get("WANDB_MODE") or "online").lower()
     drop = "or drop 'wandb' from report_to"
-    where = check_destination(wandb_dir(run_dir), "WANDB_DIR" if os.environ.get("WANDB_DIR") else "the run directory (W&B's files)",
+    where = check_destination(wandb_dir(run_dir), "WANDB_DIR" if os.environ.get("WANDB_DIR")
+                              else "the run directory (W&B's files)",
                               f"set WANDB_DIR to a writable directory, {drop}")
     if mode in ("offline", "dryrun", "disabled"): return dict(mode=mode, dir=str(where))
     base = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
-    offline = f"set WANDB_MODE=offline to keep the run's W&B files in its directory (send them later with `wandb sync`), {drop}"
+    offline = (f"set WANDB_MODE=offline to keep the run's W&B files in its directory (send them later with `wandb "
+               f"sync`), {drop}")
     if not _wandb_key(base):
-        raise PreflightError(f"report_to='wandb' is online (WANDB_MODE={mode}) but no W&B API key is set (WANDB_API_KEY, or `wandb "
-                             f"login`): log in, or {offline}.")
+        raise PreflightError(f"report_to='wandb' is online (WANDB_MODE={mode}) but no W&B API key is set "
+                             f"(WANDB_API_KEY, or `wandb login`): log in, or {offline}.")
     try: urllib.request.urlopen(base.rstrip("/") + "/healthz", timeout=timeout).close()
     except urllib.error.HTTPError: pass                      # a server answered
     except Exception as e:
         why = getattr(e, "reason", e)
-        raise PreflightError(f"report_to='wandb': no W&B server answers at {base} ({type(why).__name__}: {why}); {offline}.") from None
+        raise PreflightError(f"report_to='wandb': no W&B server answers at {base} ({type(why).__name__}: {why}); "
+                             f"{offline}.") from None
     return dict(mode=mode, dir=str(where), base_url=base)
 
 # %% ../nbs/60_preflight.ipynb #ad1c0036
 def check_destinations(cfg, runs_root) -> dict:
-    "The writable folders (and URIs) of everything the run writes outside its run directory; a `PreflightError` for one that is not."
+    """The writable folders (and URIs) of everything the run writes outside its run directory; a `PreflightError` for
+    one that is not."""
     from ilab_nb.slots import locks_dir
     from ilab_nb.trackers import tensorboard_dir, mlflow_tracking_uri
     out, run_dir = {}, Path(runs_root).expanduser().absolute() / ".ilab_nb-run"      # a run directory to be
     if cfg.backend == "local":
         name = "ILAB_NB_LOCKS" if os.environ.get("ILAB_NB_LOCKS") else "the device locks' directory"
-        out["locks_dir"] = str(check_destination(locks_dir(), name, "set ILAB_NB_LOCKS to a writable directory on a disk "
-                                                 "(this machine's device locks and queue)"))
+        out["locks_dir"] = str(check_destination(locks_dir(), name, "set ILAB_NB_LOCKS to a writable directory on a "
+                                                 "disk (this machine's device locks and queue)"))
     check_tracker_imports(cfg.report_to)
     if "tensorboard" in cfg.report_to:
         tb = Path(os.path.normpath(tensorboard_dir(run_dir, cfg.logging_dir)))
-        out["logging_dir"] = str(check_destination(tb, "logging_dir", "choose a writable logging_dir (relative paths are "
-                                                   "taken from the run directory)"))
+        out["logging_dir"] = str(check_destination(tb, "logging_dir", "choose a writable logging_dir (relative paths "
+                                                   "are taken from the run directory)"))
     if "mlflow" in cfg.report_to: out["mlflow_tracking_uri"] = check_mlflow_uri(mlflow_tracking_uri(run_dir))
     if "wandb" in cfg.report_to: out["wandb"] = check_wandb(run_dir)
     return out
 
 # %% ../nbs/60_preflight.ipynb #881eee8d
 def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
-    "`{prompt_tokens, generation_tokens}` of `cfg.eval_prompts`; a `PreflightError` with the numbers when they do not fit."
+    """`{prompt_tokens, generation_tokens}` of `cfg.eval_prompts`; a `PreflightError` with the numbers when they do not
+    fit."""
     if not cfg.eval_prompts: return None
     lens = []
     for p in cfg.eval_prompts:             # as the worker's generate_samples formats them
@@ -502,19 +557,22 @@ def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
                    else (cfg.max_seq_len, f"max_seq_len={cfg.max_seq_len}"))
     for i, n in enumerate(lens):
         if n + new > limit:
-            raise PreflightError(f"eval_prompts[{i}] is {n} tokens after the chat template; with eval_max_new_tokens={new} its answer "
-                                 f"would reach {n + new} tokens, past {what}: shorten the prompt or lower eval_max_new_tokens.")
+            raise PreflightError(f"eval_prompts[{i}] is {n} tokens after the chat template; with "
+                                 f"eval_max_new_tokens={new} its answer would reach {n + new} tokens, past {what}: "
+                                 f"shorten the prompt or lower eval_max_new_tokens.")
     batch = len(lens) * (max(lens) + new)
     if batch > cfg.max_tokens_per_batch:
-        raise PreflightError(f"the {len(lens)} eval_prompts are generated in one batch padded to the longest: {len(lens)} x ({max(lens)} "
-                             f"+ eval_max_new_tokens={new}) = {batch} tokens, more than max_tokens_per_batch={cfg.max_tokens_per_batch} "
-                             "(a training micro-batch), so an evaluation would take more memory than a training step: use fewer or "
-                             "shorter prompts, or lower eval_max_new_tokens.")
+        raise PreflightError(f"the {len(lens)} eval_prompts are generated in one batch padded to the longest: "
+                             f"{len(lens)} x ({max(lens)} + eval_max_new_tokens={new}) = {batch} tokens, more than "
+                             f"max_tokens_per_batch={cfg.max_tokens_per_batch} (a training micro-batch), so an "
+                             f"evaluation would take more memory than a training step: use fewer or shorter prompts, "
+                             f"or lower eval_max_new_tokens.")
     return {"prompt_tokens": lens, "generation_tokens": batch}
 
 # %% ../nbs/60_preflight.ipynb #c1f273f6
 def tied_adapted(model) -> list:
-    "The adapted layers of a peft `model` whose weight is the input embedding's (a tied output layer); [] without adapters."
+    """The adapted layers of a peft `model` whose weight is the input embedding's (a tied output layer); [] without
+    adapters."""
     from ilab_nb.lora import base_of, is_adapted
     if not is_adapted(model): return []
     from peft.tuners.lora import LoraLayer
@@ -527,23 +585,27 @@ def _linear_names(model) -> list:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
 
 def lora_problem(model, cfg) -> PreflightError | None:
-    "What `cfg.lora` asks of `model` (built, no adapters yet) that it cannot give: layers it lacks, a rank above its layers'."
+    """What `cfg.lora` asks of `model` (built, no adapters yet) that it cannot give: layers it lacks, a rank above its
+    layers'."""
     import torch
     if cfg.lora is None: return None
     name, n = type(model).__name__, getattr(model.config, "num_hidden_layers", None)
     lt = cfg.lora.get("layers_to_transform")
     if lt is not None and n and (bad := [i for i in ([lt] if isinstance(lt, int) else lt) if not 0 <= i < n]):
-        return PreflightError(f"lora.layers_to_transform: {name} has layers 0..{n - 1}; {bad} are not among them", "lora.layers_to_transform")
-    widest = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)), default=0)
+        return PreflightError(f"lora.layers_to_transform: {name} has layers 0..{n - 1}; {bad} are not among them",
+                              "lora.layers_to_transform")
+    widest = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)),
+                 default=0)
     if widest and (r := cfg.lora.get("r", 8)) > widest:
-        return PreflightError(f"lora.r={r} is more than any linear layer of {name} can take: the widest has rank {widest} "
-                              f"(min of its inputs and outputs), and a larger r adds parameters, not rank; use r <= {widest} "
-                              "(8 to 64 is usual)", "lora.r")
+        return PreflightError(f"lora.r={r} is more than any linear layer of {name} can take: the widest has rank "
+                              f"{widest} (min of its inputs and outputs), and a larger r adds parameters, not rank; "
+                              f"use r <= {widest} (8 to 64 is usual)", "lora.r")
     return None
 
 # %% ../nbs/60_preflight.ipynb #ea459882
 def check_model_build(cfg, kind: str) -> dict:
-    "Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they would refuse."
+    """Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they
+    would refuse."""
     from ilab_nb import batching as B, lora as L, models as M
     mc = M.model_config(cfg)
     try:
@@ -556,31 +618,39 @@ def check_model_build(cfg, kind: str) -> dict:
     try: model = L.add_adapters(model, cfg)
     except (ValueError, TypeError) as e:
         if "not found in the base model" in str(e):
-            raise PreflightError(f"lora.target_modules={cfg.lora.get('target_modules')!r} matches no layer of {type(model).__name__}; "
-                                 f"its linear layers are {', '.join(linear)} (or 'all-linear')", "lora.target_modules") from None
+            raise PreflightError(f"lora.target_modules={cfg.lora.get('target_modules')!r} matches no layer of "
+                                 f"{type(model).__name__}; its linear layers are {', '.join(linear)} (or 'all-linear')",
+                                 "lora.target_modules") from None
         raise PreflightError(f"lora: peft cannot add these adapters to {type(model).__name__}: {e}", "lora") from None
     if tied := tied_adapted(model):
-        raise PreflightError(f"lora.target_modules adapts {', '.join(tied)}, whose weight is tied to the input embedding "
-                             "(tie_word_embeddings): merged into final/, its update would change both, and the merged model would "
-                             "not be the adapted one; leave it out ('all-linear' does)", "lora.target_modules")
+        raise PreflightError(f"lora.target_modules adapts {', '.join(tied)}, whose weight is tied to the input "
+                             f"embedding (tie_word_embeddings): merged into final/, its update would change both, and "
+                             f"the merged model would not be the adapted one; leave it out ('all-linear' does)",
+                             "lora.target_modules")
     mp = Path(cfg.model).expanduser()
     plan = M.weight_plan(model, mp) if mp.is_dir() and any(mp.glob("*.safetensors")) else None
-    if plan is not None and (err := M.missing_weights_error(plan) or M.wrong_shapes_error(plan, model)): raise PreflightError(err)
+    if plan is not None and (err := M.missing_weights_error(plan) or M.wrong_shapes_error(plan, model)):
+        raise PreflightError(err)
     info = L.finetuning_info(model, cfg)
     return dict(model_class=type(L.base_of(model)).__name__, layout=layout, attn_implementation=attn, **info,
                 embedding_rows=L.base_of(model).get_input_embeddings().num_embeddings,
                 trainable_tensors=sum(1 for p in model.parameters() if p.requires_grad),
-                weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with from_pretrained")
+                weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with "
+                                                                      "from_pretrained")
 
 # %% ../nbs/60_preflight.ipynb #939aba7c
 def check_vocab(tok, rows: int, model_dir, data_top: int):
-    "A `PreflightError` when the data's token ids (`data_top`, its largest) or the pad/EOS/BOS ids reach past the model's `rows` embedding rows."
-    special = {n: i for n in ("pad_token_id", "eos_token_id", "bos_token_id") if isinstance(i := getattr(tok, n, None), int)}
-    top, what = max([(data_top, "the data's tokens reach id")] + [(i, f"the tokenizer's {n} is") for n, i in special.items()])
+    """A `PreflightError` when the data's token ids (`data_top`, its largest) or the pad/EOS/BOS ids reach past the
+    model's `rows` embedding rows."""
+    special = {n: i for n in ("pad_token_id", "eos_token_id", "bos_token_id") if isinstance(i := getattr(tok, n, None),
+            int)}
+    top, what = max([(data_top, "the data's tokens reach id")] + [(i, f"the tokenizer's {n} is") for n,
+                                                                  i in special.items()])
     if top >= rows:
         raise PreflightError(f"{what} {top}, but the model has {rows} embedding rows (vocab_size in "
-                             f"{Path(model_dir) / 'config.json'}): ids {rows}..{top} would index past it; use the model's own "
-                             "tokenizer, or resize its embeddings (model.resize_token_embeddings(len(tokenizer))) and save it again")
+                             f"{Path(model_dir) / 'config.json'}): ids {rows}..{top} would index past it; use the "
+                             f"model's own tokenizer, or resize its embeddings "
+                             f"(model.resize_token_embeddings(len(tokenizer))) and save it again")
 
 # %% ../nbs/60_preflight.ipynb #13d712dd
 def check_eval_tasks(cfg, records, evals) -> list[str]:
@@ -592,11 +662,13 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
 
 # %% ../nbs/60_preflight.ipynb #1d3e5fbc
-PREFLIGHT_ROWS = 20_000      # records tokenized before launch: all of a set up to this many, else an even sample of them
+# records tokenized before launch: all of a set up to this many, else an even sample of them
+PREFLIGHT_ROWS = 20_000
 
 def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
     """Build the run's train and eval samples as its ranks will (its method's `build`): a `PreflightError` for what they
-    would refuse; per set `{records, checked, samples, note}`, and `total_steps` (`estimated` when a sample was checked)."""
+    would refuse; per set `{records, checked, samples, note}`, and `total_steps` (`estimated` when a sample was
+    checked)."""
     from ilab_nb.data import DataError, split_records
     from ilab_nb.batching import plan_steps
     from ilab_nb.worker import training_method
@@ -610,14 +682,17 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
         try:
             with no_hf_progress_bars(): ds, stats = method.build(sample, tok, cache_dir=None)
         except DataError as e:
-            said = f"{'the eval data' if what == 'eval' else 'the training data'}" + (f" (an even sample of {len(sample):,} of its "
-                   f"{len(rs):,} records)" if len(sample) < len(rs) else "")
-            raise PreflightError(f"{said}: {e}", "max_seq_len" if "max_seq_len" in str(e) or "too long" in str(e) else None) from None
+            said = f"{'the eval data' if what == 'eval' else 'the training data'}" + (f" (an even sample of "
+                   f"{len(sample):,} of its {len(rs):,} records)" if len(sample) < len(rs) else "")
+            raise PreflightError(f"{said}: {e}", "max_seq_len" if "max_seq_len" in str(e) or "too long" in str(e)
+                                 else None) from None
         out[what] = dict(records=len(rs), checked=len(sample), samples=stats["samples"], note=stats.get("note"))
         out["top_token_id"] = max([out.get("top_token_id", -1)] + [max(map(max, filter(None, ds[c])), default=-1)
                                                                   for c in ds.column_names if c.endswith("input_ids")])
         if what == "train":
-            try: steps = len(plan_steps(method.lengths(ds, layout), cfg, cfg.num_processes, layout, method.budget(layout)))
+            try:
+                steps = len(plan_steps(method.lengths(ds, layout), cfg, cfg.num_processes, layout,
+                                       method.budget(layout)))
             except (RuntimeError, ValueError) as e: raise PreflightError(f"the training data: {e}") from None
             exact = len(sample) == len(rs) or cfg.max_steps > 0
             out.update(total_steps=steps if exact else math.ceil(steps * len(rs) / len(sample)), estimated=not exact)
@@ -626,19 +701,22 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
 # %% ../nbs/60_preflight.ipynb #10185012
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 10_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
-    "Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`: 11_rundir."
+    """Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`:
+    11_rundir."""
     from ilab_nb.data import load_tokenizer, ensure_chat_template, template_note
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
     check_runs_root(runs_root)
     destinations = check_destinations(cfg, runs_root)
     model_id = cfg.model
-    cfg = cfg.model_copy(update=dict(model=resolve_hub_model(model_id)))   # a cached hub model: its local snapshot; the caller's cfg stays
+    # a cached hub model: its local snapshot; the caller's cfg stays
+    cfg = cfg.model_copy(update=dict(model=resolve_hub_model(model_id)))
     records, evals = load_run_data(cfg)
     remote_code = check_remote_code(cfg, trust_owner)
     mp = check_model_dir(cfg)
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    no_template = template_note(tok, records[0]["kind"])    # said in the result (and the run's header), not silently filled in
+    # said in the result (and the run's header), not silently filled in
+    no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
@@ -650,11 +728,14 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     check_vocab(tok, built["embedding_rows"], mp, data.pop("top_token_id"))
     if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
-                          generation_tokens=(prompts or {}).get("generation_tokens", 0), adapters=built["trainable_params"])
+                          generation_tokens=(prompts or {}).get("generation_tokens", 0),
+                          adapters=built["trainable_params"])
     disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"], built["trainable_tensors"])
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),
             "num_eval_records": len(evals), "data_kind": records[0]["kind"], "sample_tokens": len(sample["input_ids"]),
             "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}),
-            **({"model_id": model_id, "model_path": cfg.model} if model_id != cfg.model else {}), "model": built, "memory": memory, "data": data,
-            **({"remote_code": remote_code} if remote_code is not None else {}), **cpus, **disk, **backend_preflight(cfg, runs_root)}
+            **({"model_id": model_id, "model_path": cfg.model} if model_id != cfg.model else {}), "model": built,
+            "memory": memory, "data": data,
+            **({"remote_code": remote_code} if remote_code is not None else {}), **cpus, **disk,
+            **backend_preflight(cfg, runs_root)}

@@ -23,8 +23,9 @@ def log_line(rec: dict) -> str:
                 f"lr {rec['learning_rate']:.3g} grad_norm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s")
     if k == "eval": return f"eval at step {rec['step']}: loss {rec['eval_loss']:.4f} over {rec['eval_tokens']} tokens"
     if k == "header":
-        return (f"{rec['world_size']} x {rec['device_type']} ({rec['backend'] or 'no process group'}, {rec['strategy']}, "
-                f"{rec['precision']}, {rec['layout']} batches), {rec['total_steps']} steps") + "".join(f"\n{n}" for n in data_notes(rec))
+        return (f"{rec['world_size']} x {rec['device_type']} ({rec['backend'] or 'no process group'}, "
+                f"{rec['strategy']}, {rec['precision']}, {rec['layout']} batches), {rec['total_steps']} "
+                f"steps") + "".join(f"\n{n}" for n in data_notes(rec))
     return f"{rec.get('event', k)} at step {rec.get('step')}" + (f": {rec['path']}" if rec.get("path") else "") + (
         f": {rec['error']}" if rec.get("error") else "")
 
@@ -39,8 +40,12 @@ class MetricsWriter:
         if torn: self.f.write("\n")
     def write(self, kind: str, **fields):
         if self.f is None: return
-        rec = dict(schema=SCHEMA_VERSION, kind=kind, run_id=self.run_id, attempt=self.attempt, time=time.time(), **fields)
-        with writing(self.path): self.f.write(json.dumps(rec) + "\n"); self.f.flush(); os.fsync(self.f.fileno())
+        rec = dict(schema=SCHEMA_VERSION, kind=kind, run_id=self.run_id, attempt=self.attempt, time=time.time(),
+                   **fields)
+        with writing(self.path):
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+            os.fsync(self.f.fileno())
         with writing(self.log): print(log_line(rec), flush=True)      # and a line a person reads in logs/rank-0.log
     def close(self):
         if self.f is not None: self.f.close()
@@ -51,7 +56,8 @@ _COLLECTIVE = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|Broken pi
 
 def is_collective_error(e: BaseException) -> bool:
     "True when `e` is a failed exchange with other ranks: usually the consequence of another rank's end."
-    if {c.__name__ for c in type(e).__mro__} & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}: return True
+    if {c.__name__ for c in type(e).__mro__} & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}:
+        return True
     return bool(_COLLECTIVE.search(f"{type(e).__name__}: {e}"))
 
 # %% ../nbs/19_rankfiles.ipynb #bcd7378d
@@ -65,12 +71,15 @@ def record_rank(paths: RunPaths, rank: int, attempt: int, status: str, **fields)
     for _ in range(2):
         try:
             if not d.parent.is_dir(): return                 # the run directory is gone: never re-create it
-            d.mkdir(exist_ok=True); write_json_atomic(acct, rec)
+            d.mkdir(exist_ok=True)
+            write_json_atomic(acct, rec)
             if status == RankState.running: reserve.write_bytes(b"\0" * RANK_RESERVE_BYTES)
             else: reserve.unlink(missing_ok=True)
             return
         except OSError as e:
-            if e.errno == errno.ENOSPC and reserve.exists(): reserve.unlink(missing_ok=True); continue   # the room kept for it
+            if e.errno == errno.ENOSPC and reserve.exists():   # the room kept for it
+                reserve.unlink(missing_ok=True)
+                continue
             try: print(f"[ilab_nb.worker] could not record rank {rank} {status}: {e}", file=sys.stderr, flush=True)
             except OSError: pass
             return

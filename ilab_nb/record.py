@@ -26,7 +26,9 @@ def summary_rows(monitor) -> list[tuple]:
     losses = [r for r in ev if isinstance(r.get("eval_loss"), (int, float))]
     if losses:
         best = min(losses, key=lambda r: r["eval_loss"])
-        rows += [("best eval loss", best["step"], f(best["eval_loss"], ".4f")), ("last eval loss", losses[-1]["step"], f(losses[-1]["eval_loss"], ".4f"))]
+        rows += [("best eval loss", best["step"], f(best["eval_loss"], ".4f")), ("last eval "
+                                                                                 "loss", losses[-1]["step"],
+                                                                                 f(losses[-1]["eval_loss"], ".4f"))]
     if tr and "rewards/margins" in tr[-1]:
         rows += [("DPO margin", tr[-1]["step"], f(tr[-1]["rewards/margins"], ".3f")),
                  ("chosen preferred", tr[-1]["step"], f(tr[-1].get("rewards/accuracies"), ".0%"))]
@@ -43,33 +45,36 @@ def loss_png(monitor) -> bytes:
     return D.LossPlot().draw(D.run_curves(monitor.records))
 
 def _img(png: bytes, alt: str) -> str:
-    return html_of('<img alt="{}" src="data:image/png;base64,{}" style="max-width:900px;width:100%;height:auto;display:block;'
-                   'margin:6px 0">', alt, base64.b64encode(png).decode())
+    return html_of('<img alt="{}" src="data:image/png;base64,{}" '
+                   'style="max-width:900px;width:100%;height:auto;display:block;margin:6px 0">', alt,
+                   base64.b64encode(png).decode())
 
 # %% ../nbs/41_record.ipynb #95081b53
 def _summary_html(rows) -> str:
     if not rows: return ""
     td = 'style="padding:2px 12px 2px 0"'
-    body = html_join(html_of("<tr><td " + td + ">{}</td><td " + td + " style='color:#5f6368'>step {}</td><td " + td + "><b>{}</b></td></tr>",
-                             w, D.format_number(s, ","), v) for w, s, v in rows)
+    body = html_join(html_of("<tr><td " + td + ">{}</td><td " + td + " style='color:#5f6368'>step {}</td><td " + td
+                             + "><b>{}</b></td></tr>", w, D.format_number(s, ","), v) for w, s, v in rows)
     return html_of('<table style="font-size:13px;border-collapse:collapse;margin:6px 0">{}</table>', body)
 
 def _attach_html(monitor, when: float) -> str:
     return html_of('<div style="font-size:12px;color:#5f6368;margin-top:6px">run <code>{rid}</code> in <code>{d}</code>'
-                   ' · from any kernel: <code>FineTuneSession.attach("{rid}")</code> · in a shell: <code>ilab-nb status {rid}</code>'
-                   ' · recorded {t}</div>', rid=monitor.run_id, d=str(monitor.run_dir),
+                   ' · from any kernel: <code>FineTuneSession.attach("{rid}")</code> · in a shell: <code>ilab-nb '
+                   'status {rid}</code> · recorded {t}</div>', rid=monitor.run_id, d=str(monitor.run_dir),
                    t=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)))
 
 # %% ../nbs/41_record.ipynb #e840e38b
 def evaluations_html(run_dir) -> str:
     "The run's evaluations as HTML: each one's progress and results table ('' without any)."
-    return html_join(html_of('<div style="margin-top:6px">{}</div>', ev.record_bundle()["text/html"]) for ev in evaluations_of(run_dir))
+    return html_join(html_of('<div style="margin-top:6px">{}</div>', ev.record_bundle()["text/html"])
+                     for ev in evaluations_of(run_dir))
 
 # %% ../nbs/41_record.ipynb #37db8be3
 def record_html(monitor, status: str | None = None, png: bytes | None = None, state: dict | None = None) -> str:
     "The run's record as one HTML fragment (inline styles, the loss plot inlined, no script); `png`, `state`: if known."
     monitor.poll()
-    state = state if state is not None else monitor.state(); status = status or status_of(state)
+    state = state if state is not None else monitor.state()
+    status = status or status_of(state)
     h = monitor.header or {}
     top = (html_of(D._BADGE, c=D.STATUS_COLOURS.get(status, "#5f6368"), s=str(status)) + " "
            + D._header_html(monitor.run_id, state.get("attempt") or h.get("attempt"), h))
@@ -78,19 +83,24 @@ def record_html(monitor, status: str | None = None, png: bytes | None = None, st
     if status == State.failed: parts.append(D._failure_html(state))
     elif status == State.cancelled: parts.append(D._cancelled_html(state, resumable=False))
     if status in (State.failed, State.cancelled) and cks:
-        parts.append(html_of('<div style="font-size:12.5px;margin:4px 0"><code>FineTuneSession.attach("{}").resume()</code> goes on '
-                             'from its latest complete checkpoint (step {}).</div>', monitor.run_id, cks[-1].get("step", "?")))
-    parts.append(html_of('<div style="margin:6px 0">{}</div>', D._progress_html(monitor.progress(), status, monitor.header)))
+        parts.append(html_of('<div style="font-size:12.5px;margin:4px '
+                             '0"><code>FineTuneSession.attach("{}").resume()</code> goes on from its latest complete '
+                             'checkpoint (step {}).</div>', monitor.run_id, cks[-1].get("step", "?")))
+    parts.append(html_of('<div style="margin:6px 0">{}</div>', D._progress_html(monitor.progress(), status,
+                                                                                monitor.header)))
     if monitor.note: parts.append(D.note_html(monitor.note, "#b06000"))     # records skipped as unreadable
     parts.append(_summary_html(summary_rows(monitor)))
-    if monitor.train_records or monitor.eval_records: parts.append(_img(png or loss_png(monitor), f"loss of run {monitor.run_id}"))
+    if monitor.train_records or monitor.eval_records:
+        parts.append(_img(png or loss_png(monitor), f"loss of run {monitor.run_id}"))
     latest, previous = D.latest_samples(monitor.records)
     if latest is not None: parts.append(D.samples_html(latest, previous))
-    parts.append(html_of('<div style="font-size:12.5px;margin-top:6px"><b>Checkpoints ({})</b>{}</div>', len(cks), D._checkpoints_html(cks)))
+    parts.append(html_of('<div style="font-size:12.5px;margin-top:6px"><b>Checkpoints ({})</b>{}</div>', len(cks),
+                         D._checkpoints_html(cks)))
     parts.append(evaluations_html(monitor.run_dir))
     parts.append(_attach_html(monitor, time.time()))
-    return html_of('<div class="ilab-record" style="max-width:940px;font-family:system-ui,-apple-system,sans-serif;color:#202124">'
-                   '{}</div>', html_join(parts))
+    return html_of('<div class="ilab-record" '
+                   'style="max-width:940px;font-family:system-ui,-apple-system,sans-serif;color:#202124">{}</div>',
+                   html_join(parts))
 
 # %% ../nbs/41_record.ipynb #8dc1855d
 def record_text(monitor, status: str | None = None) -> str:
@@ -120,12 +130,14 @@ def report_page(title: str, body: str) -> str:
 
 def write_report(run_dir, state: dict | None = None) -> Path:
     "Write the run's `report.html` and `loss.png` into its directory (`state`: the state to show, else `state.json`)."
-    m = RunMonitor(run_dir); m.poll()
+    m = RunMonitor(run_dir)
+    m.poll()
     state = state if state is not None else m.state()
     status, paths = status_of(state), RunPaths(run_dir)
     png = loss_png(m) if (m.train_records or m.eval_records) else None
     if png: _write_atomic(paths.loss_png, png)
-    _write_atomic(paths.report, report_page(f"ilab_nb run {m.run_id}: {status}", record_html(m, status, png, state)).encode())
+    _write_atomic(paths.report, report_page(f"ilab_nb run {m.run_id}: {status}",
+                                            record_html(m, status, png, state)).encode())
     return paths.report
 
 # %% ../nbs/41_record.ipynb #40dd351d

@@ -84,12 +84,17 @@ class RunPaths:
     root: Path
     def __post_init__(self): object.__setattr__(self, "root", Path(self.root))
     run_id = property(lambda self: self.root.name, doc="The run id: the directory's name.")
-    config = property(lambda self: self.root / "config.json", doc="The run's `TrainConfig`, written once by the session.")
-    state = property(lambda self: self.root / "state.json", doc="Status and processes, replaced atomically by the run store.")
-    state_prev = property(lambda self: self.root / "state.json.prev", doc="The last good copy of `state.json`, written with it.")
+    config = property(lambda self: self.root / "config.json", doc="The run's `TrainConfig`, written once by the "
+                                                                  "session.")
+    state = property(lambda self: self.root / "state.json", doc="Status and processes, replaced atomically by the run "
+                                                                "store.")
+    state_prev = property(lambda self: self.root / "state.json.prev", doc="The last good copy of `state.json`, written "
+                                                                          "with it.")
     state_lock = property(lambda self: self.root / ".state.lock", doc="The lock every writer of `state.json` holds.")
-    heartbeat = property(lambda self: self.root / ".heartbeat", doc="Touched by the supervisor: a heartbeat a full disk cannot stop.")
-    reserve = property(lambda self: self.root / ".reserve", doc="Space the supervisor sets aside and frees to write the final state on a full disk.")
+    heartbeat = property(lambda self: self.root / ".heartbeat", doc="Touched by the supervisor: a heartbeat a full "
+                                                                    "disk cannot stop.")
+    reserve = property(lambda self: self.root / ".reserve", doc="Space the supervisor sets aside and frees to write "
+                                                                "the final state on a full disk.")
     events = property(lambda self: self.root / "events.jsonl", doc="Lifecycle events, append-only.")
     metrics = property(lambda self: self.root / "metrics.jsonl", doc="Rank 0's records: header, train, eval, event.")
     control = property(lambda self: self.root / "control", doc="Requests to the run from anyone.")
@@ -98,20 +103,30 @@ class RunPaths:
     supervisor_log = property(lambda self: self.root / "logs" / "supervisor.log", doc="The supervisor's log.")
     ranks = property(lambda self: self.root / "ranks", doc="Each rank's own account of itself, `rank-N.json`.")
     cache = property(lambda self: self.root / "cache", doc="The tokenized dataset cache.")
-    data = property(lambda self: self.root / "data", doc="Data handed over from memory, written once as JSONL by `start()`.")
+    data = property(lambda self: self.root / "data", doc="Data handed over from memory, written once as JSONL by "
+                                                         "`start()`.")
     checkpoints = property(lambda self: self.root / "checkpoints", doc="`step-NNNNNNNN/` folders, complete or absent.")
     final = property(lambda self: self.root / "final", doc="The finished model, Hugging Face format.")
     final_tmp = property(lambda self: self.root / ".tmp-final", doc="Where `final/` is written before its rename.")
-    tensorboard = property(lambda self: self.root / "tensorboard", doc="TensorBoard's event files (unless `logging_dir` says).")
-    mlflow_run = property(lambda self: self.root / "mlflow.json", doc="The MLflow run this run logs to, for a resumed attempt.")
-    reference_logps = property(lambda self: self.root / "cache" / "reference_logps.pt", doc="A DPO run's reference log-probabilities.")
-    accelerate_config = property(lambda self: self.root / "accelerate.yaml", doc="The run's own `accelerate launch` config.")
-    fork = property(lambda self: self.root / "fork.json", doc="A forked run's lineage: parent run, its directory, the step forked.")
-    report = property(lambda self: self.root / "report.html", doc="The run's record as a page: status, figures, plot, samples.")
+    tensorboard = property(lambda self: self.root / "tensorboard", doc="TensorBoard's event files (unless "
+                                                                       "`logging_dir` says).")
+    mlflow_run = property(lambda self: self.root / "mlflow.json", doc="The MLflow run this run logs to, for a resumed "
+                                                                      "attempt.")
+    reference_logps = property(lambda self: self.root / "cache" / "reference_logps.pt", doc="A DPO run's reference "
+                                                                                            "log-probabilities.")
+    accelerate_config = property(lambda self: self.root / "accelerate.yaml", doc="The run's own `accelerate launch` "
+                                                                                 "config.")
+    fork = property(lambda self: self.root / "fork.json", doc="A forked run's lineage: parent run, its directory, the "
+                                                              "step forked.")
+    report = property(lambda self: self.root / "report.html", doc="The run's record as a page: status, figures, plot, "
+                                                                  "samples.")
     loss_png = property(lambda self: self.root / "loss.png", doc="The run's loss plot, beside its report.")
-    wandb = property(lambda self: self.root / "wandb", doc="W&B's files of the run (unless `WANDB_DIR` says), offline runs too.")
-    evals = property(lambda self: self.root / "eval", doc="The run's evaluations, each `eval/<eval_id>/` a run directory of its own.")
-    exports = property(lambda self: self.root / "export", doc="The run's exported files (GGUF, with their Ollama Modelfiles).")
+    wandb = property(lambda self: self.root / "wandb", doc="W&B's files of the run (unless `WANDB_DIR` says), offline "
+                                                           "runs too.")
+    evals = property(lambda self: self.root / "eval", doc="The run's evaluations, each `eval/<eval_id>/` a run "
+                                                          "directory of its own.")
+    exports = property(lambda self: self.root / "export", doc="The run's exported files (GGUF, with their Ollama "
+                                                              "Modelfiles).")
 
 # %% ../nbs/11_rundir.ipynb #a8aa6c03
 SWEEPS_DIR = ".sweeps"
@@ -138,7 +153,8 @@ def rank_account(self:RunPaths, rank) -> Path:
 # %% ../nbs/11_rundir.ipynb #d9fa05a8
 @patch
 def rank_reserve(self:RunPaths, rank) -> Path:
-    "Space `rank` sets aside beside its account while it trains, and frees so that its last account fits on a full disk."
+    """Space `rank` sets aside beside its account while it trains, and frees so that its last account fits on a full
+    disk."""
     return self.ranks / f".rank-{rank}.reserve"
 
 # %% ../nbs/11_rundir.ipynb #16eef27e
@@ -168,8 +184,10 @@ def attempt_config(self:RunPaths, attempt: int) -> Path:
 # %% ../nbs/11_rundir.ipynb #3628a28c
 @patch
 def config_for(self:RunPaths, attempt: int | None = None) -> Path:
-    "The config attempt `attempt` runs with (None: the newest): its own file, else the newest earlier one, else config.json."
-    nums = sorted(int(q.stem.rsplit("-", 1)[1]) for q in self.root.glob("config-attempt-*.json") if q.stem.rsplit("-", 1)[1].isdigit())
+    """The config attempt `attempt` runs with (None: the newest): its own file, else the newest earlier one, else
+    config.json."""
+    nums = sorted(int(q.stem.rsplit("-", 1)[1]) for q in self.root.glob("config-attempt-*.json")
+                  if q.stem.rsplit("-", 1)[1].isdigit())
     nums = [n for n in nums if attempt is None or n <= int(attempt)]
     return self.attempt_config(nums[-1]) if nums else self.config
 
@@ -221,10 +239,12 @@ def no_follow(path, flags):
         raise RunDirLinkError(f"{path} is a symbolic link (to {os.readlink(path)}); ilab_nb does not follow "
                               "links in a run directory: remove it") from None
 
-OWN_LINKS = ("wandb",)   # folders whose tool links its own files (W&B: latest-run, debug.log): links that stay inside are theirs
+# folders whose tool links its own files (W&B: latest-run, debug.log): links that stay inside are theirs
+OWN_LINKS = ("wandb",)
 
 def _wandb_cache() -> Path:
-    "W&B's cache of this user (`WANDB_CACHE_DIR`, else `~/.cache/wandb`): its service links each run's `debug-core.log` there."
+    """W&B's cache of this user (`WANDB_CACHE_DIR`, else `~/.cache/wandb`): its service links each run's
+    `debug-core.log` there."""
     return Path(os.environ.get("WANDB_CACHE_DIR") or Path.home() / ".cache" / "wandb")
 
 def _own_link(root, p: Path) -> bool:
@@ -234,7 +254,8 @@ def _own_link(root, p: Path) -> bool:
             and (to.is_relative_to(os.path.realpath(top)) or to.is_relative_to(os.path.realpath(_wandb_cache()))))
 
 def links_in(root) -> list:
-    "Every symbolic link under `root` (not `root` itself), without following any; a tool's own links inside its folder (`OWN_LINKS`) aside."
+    """Every symbolic link under `root` (not `root` itself), without following any; a tool's own links inside its folder
+    (`OWN_LINKS`) aside."""
     out = []
     for d, dirs, files in os.walk(root, followlinks=False):
         out += [Path(d, n) for n in dirs + files if os.path.islink(os.path.join(d, n))]
@@ -243,7 +264,8 @@ def links_in(root) -> list:
 def refuse_links(root, doing: str):
     "`RunDirLinkError` naming the links under `root` (the first three and a count) before `doing`; None without any."
     if not (links := links_in(root)): return
-    shown = ", ".join(f"{p.relative_to(root)} -> {os.readlink(p)}" for p in links[:3]) + (f" and {len(links) - 3} more" if len(links) > 3 else "")
+    shown = ", ".join(f"{p.relative_to(root)} -> {os.readlink(p)}" for p in links[:3]) + (f" and {len(links) - 3} more"
+            if len(links) > 3 else "")
     raise RunDirLinkError(f"{root} holds {len(links)} symbolic link(s) ({shown}); ilab_nb does not follow links "
                           f"in a run directory, so it will not {doing}: remove them")
 
@@ -269,8 +291,8 @@ def refuse_foreign(paths, doing: str, trust_owner: bool = False):
     for p in paths:
         if os.path.lexists(p) and (why := owner_problem(p)):
             raise OwnerError(f"{p} {why}; ilab_nb will not {doing} unless you trust its owner (trust_owner=True; "
-                             "ilab-nb: --trust-owner): that would run, with your rights, what its files name (a model and its code, "
-                             "pickled state)")
+                             "ilab-nb: --trust-owner): that would run, with your rights, what its files name (a model "
+                             "and its code, pickled state)")
 
 # %% ../nbs/11_rundir.ipynb #c2590a6d
 class Action(Name):
@@ -303,26 +325,31 @@ def gate(run_dir, action: Action, doing: str, trust_owner: bool = False, also=()
     if Action(action) == Action.read: return p
     extra = [q for a in also if a for q in (Path(a), *(sorted(Path(a).rglob("*")) if Path(a).is_dir() else []))]
     if p is None: return refuse_foreign(extra, doing, trust_owner)
-    if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed (or never created); there is nothing to {doing}")
-    if os.path.islink(p.root): raise RunDirLinkError(f"{p.root} is a symbolic link; ilab_nb will not {doing} through it")
+    if not p.root.is_dir():
+        raise RunGoneError(f"{p.root}: run directory removed (or never created); there is nothing to {doing}")
+    if os.path.islink(p.root):
+        raise RunDirLinkError(f"{p.root} is a symbolic link; ilab_nb will not {doing} through it")
     refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *extra], doing, trust_owner)
     refuse_links(p.root, doing)
     if hard := hard_links_in(p.root):
-        raise RunDirLinkError(f"{hard[0]} has {os.lstat(hard[0]).st_nlink} names (a hard link, {len(hard)} in all); a run "
-                              f"appends to it, which would change the other name too, so ilab_nb will not {doing}: remove it")
+        raise RunDirLinkError(f"{hard[0]} has {os.lstat(hard[0]).st_nlink} names (a hard link, {len(hard)} in all); a "
+                              f"run appends to it, which would change the other name too, so ilab_nb will not {doing}: "
+                              f"remove it")
     return p
 
 # %% ../nbs/11_rundir.ipynb #6f47c5d0
 ENTRY_POINTS = {}   # "Class.method" -> the kinds of action it declared
 
 def gated(*actions: Action, doing: str, where=lambda self: self.run_dir, unless=None):
-    "Decorator: `gate` the run directory `where(self)` for each of `actions` before the method runs (not when `unless(self)`: nothing to do)."
+    """Decorator: `gate` the run directory `where(self)` for each of `actions` before the method runs (not when
+    `unless(self)`: nothing to do)."""
     def deco(f):
         import functools, inspect
         sig = inspect.signature(f)
         @functools.wraps(f)
         def inner(self, *args, **kw):
-            b = sig.bind(self, *args, **kw); b.apply_defaults()
+            b = sig.bind(self, *args, **kw)
+            b.apply_defaults()
             if unless is None or not unless(self):
                 for a in actions: gate(where(self), a, doing, b.arguments.get("trust_owner", False))
             return f(self, *args, **kw)
@@ -335,27 +362,35 @@ def gated(*actions: Action, doing: str, where=lambda self: self.run_dir, unless=
 # %% ../nbs/11_rundir.ipynb #e587a2c8
 def _parent_ok(path: Path):
     if os.path.islink(path.parent):
-        raise RunDirLinkError(f"{path.parent} is a symbolic link (to {os.readlink(path.parent)}); ilab_nb does not write "
-                              "through links: remove it")
+        raise RunDirLinkError(f"{path.parent} is a symbolic link (to {os.readlink(path.parent)}); ilab_nb does not "
+                              f"write through links: remove it")
 
 def write_file(path, data, mode: int = 0o644) -> Path:
     "Replace `path` with `data` (str or bytes) atomically, never through a link at `path` or as its parent."
-    path = Path(path); _parent_ok(path)
+    path = Path(path)
+    _parent_ok(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        with os.fdopen(fd, "wb") as f: f.write(data.encode() if isinstance(data, str) else data); f.flush(); os.fsync(f.fileno())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException: tmp.unlink(missing_ok=True); raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 def open_append(path, mode: str = "a", **kw):
     "`open(path, mode)` to append to (or create) a file of a run: not through a symbolic link, not into a hard link."
-    path = Path(path); _parent_ok(path)
+    path = Path(path)
+    _parent_ok(path)
     f = open(path, mode, opener=no_follow, **kw)
     if (n := os.fstat(f.fileno()).st_nlink) > 1:
         f.close()
-        raise RunDirLinkError(f"{path} has {n} names (a hard link); appending to it would change the other too: remove it")
+        raise RunDirLinkError(f"{path} has {n} names (a hard link); appending to it would change the other too: remove "
+                              f"it")
     return f
 
 # %% ../nbs/11_rundir.ipynb #3df13410
@@ -370,9 +405,13 @@ def tail_lines(path, n=50) -> list:
     "The last `n` lines of a text file ([] if it does not exist or is a symbolic link), reading only the end of it."
     try:
         with open(path, "rb", opener=no_follow) as f:
-            f.seek(0, 2); size = f.tell(); block = 8192 * max(1, n // 50 + 1)
+            f.seek(0, 2)
+            size = f.tell()
+            block = 8192 * max(1, n // 50 + 1)
             while True:
-                start = max(0, size - block); f.seek(start); data = f.read(size - start)
+                start = max(0, size - block)
+                f.seek(start)
+                data = f.read(size - start)
                 if start == 0 or data.count(b"\n") > n: break
                 block *= 4
     except OSError: return []
@@ -385,16 +424,19 @@ def checkpoint_step(path) -> int:
 
 # %% ../nbs/11_rundir.ipynb #c49b6b03
 CKPT_MARKER = "COMPLETE"   # written last into a checkpoint directory, before its rename: present = complete
-TRAINER_STATE = "trainer_state.json"   # in a checkpoint: its step, epoch and metrics, as Hugging Face's Trainer names it
+# in a checkpoint: its step, epoch and metrics, as Hugging Face's Trainer names it
+TRAINER_STATE = "trainer_state.json"
 
 def complete_checkpoints(run_dir) -> list:
     "The complete checkpoint folders of the run in `run_dir` (with the `COMPLETE` marker), oldest first."
-    found = [c for c in RunPaths(run_dir).checkpoints.glob("step-*") if c.name[5:].isdigit() and (c / CKPT_MARKER).exists()]
+    found = [c for c in RunPaths(run_dir).checkpoints.glob("step-*") if c.name[5:].isdigit()
+             and (c / CKPT_MARKER).exists()]
     return sorted(found, key=checkpoint_step)
 
 # %% ../nbs/11_rundir.ipynb #ed84c114
 def standing_records(records, kinds=("train", "eval")) -> list:
-    "The records of `kinds` that stand: a header resumed from step S drops the earlier records past S (a later attempt started over: all)."
+    """The records of `kinds` that stand: a header resumed from step S drops the earlier records past S (a later attempt
+    started over: all)."""
     out = []
     for r in records:
         if r.get("kind") == "header" and (r.get("resumed_from_step") is not None or (r.get("attempt") or 1) > 1):
@@ -405,10 +447,13 @@ def standing_records(records, kinds=("train", "eval")) -> list:
 # %% ../nbs/11_rundir.ipynb #e3b38720
 SCHEMA_VERSION = 1
 
-_DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")   # TRL's
+# TRL's
+_DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected")
 
 SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: type}, values: {field: allowed}}
-    "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, samples, event",
+    "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, samples, "
+                                             "event",
                    required=dict(schema="int", kind="str", run_id="str", attempt="int", time="float")),
     "header": dict(file="metrics.jsonl", doc="first record of every attempt, written by rank 0 before step 1",
                    required=dict(world_size="int", backend="str?", strategy="str", distributed_type="str", device="str",
@@ -416,7 +461,8 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                  total_steps="int", num_train_samples="int", num_eval_samples="int",
                                  resumed_from_step="int?", params_total="int", params_per_rank="list",
                                  gradient_checkpointing="bool", plan="dict", data_stats="dict", versions="dict",
-                                 load="str", mixed_precision="dict?", cpu_offload="bool", torch_compile="str?", loss="str",
+                                 load="str", mixed_precision="dict?", cpu_offload="bool", torch_compile="str?",
+                                 loss="str",
                                  num_machines="int", nodes="list"),
                    optional=dict(blocks="int", finetuning="str", trainable_params="int", lora="dict?", method="str",
                                  data_kind="str", changes="dict", schedule="dict", forked_from="dict",
@@ -428,11 +474,14 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                   optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}}),
     "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step",
                  required=dict(step="int", epoch="float", eval_loss="float", eval_tokens="int"),
-                 optional={"eval_perplexity": "float", "eval_pairs": "int", **{f"eval_{k}": "float" for k in _DPO_METRICS}}),
+                 optional={"eval_perplexity": "float", "eval_pairs": "int",
+                           **{f"eval_{k}": "float" for k in _DPO_METRICS}}),
     "samples": dict(file="metrics.jsonl",
-                    doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds they took",
+                    doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds "
+                        "they took",
                     required=dict(step="int", epoch="float", seconds="float", max_new_tokens="int", samples="list")),
-    "task": dict(file="metrics.jsonl", doc="an evaluation's (eval/<eval_id>/metrics.jsonl): each model x task as it starts and ends",
+    "task": dict(file="metrics.jsonl", doc="an evaluation's (eval/<eval_id>/metrics.jsonl): each model x task as it "
+                                           "starts and ends",
                  required=dict(model="str", task="str", status="str"), values=dict(status=("running", "done")),
                  optional=dict(seconds="float", n="int?", scores="dict")),
     "event": dict(file="metrics.jsonl", doc="`event` in " + " | ".join(METRICS_EVENTS),
@@ -446,8 +495,10 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                 command="list", launcher="dict", world_size="int?", exit_code="int?", ended_at="float",
                                 reason="str", failed_rank="int?", signal="any", log_tail="list", log_file="str",
                                 stop_requested_at="float", forced="bool", resume_from="str?", resumed_from_step="int",
-                                attempts="list", backend="str", job_id="str", job_attempt="int", job_restarts="int", job_state="str?",
-                                pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?", scancel_at="float",
+                                attempts="list", backend="str", job_id="str", job_attempt="int", job_restarts="int",
+                                job_state="str?",
+                                pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?",
+                                scancel_at="float",
                                 claimed_by="str", tracker_errors="list", changes="dict", forked_from="dict",
                                 evaluation="str", eval_error="str", tasks="list",
                                 **{f"{s}_at": "float" for s in STATES})),
@@ -457,7 +508,8 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                                     killed="int", from_step="int", forced="bool", job_id="str?", script="str",
                                     changes="dict", config="str", forked_from="dict")),
     "rank": dict(file="ranks/rank-N.json", doc="each rank's own account, replaced atomically by that rank",
-                 required=dict(rank="int", attempt="int", status="str", pid="int", host="str", local_rank="int", time="float"),
+                 required=dict(rank="int", attempt="int", status="str", pid="int", host="str", local_rank="int",
+                               time="float"),
                  values=dict(status=tuple(RankState)), optional=dict(error="str", collective="any", outcome="str")),
 }
 
@@ -473,7 +525,8 @@ def _type_ok(v, t) -> bool:
 
 # %% ../nbs/11_rundir.ipynb #a6a1e881
 def schema_problems(rec: dict, kind: str) -> list:
-    "What is wrong with `rec` as a record of `kind` (metrics kinds: header, train, eval, event; or state, lifecycle, rank)."
+    """What is wrong with `rec` as a record of `kind` (metrics kinds: header, train, eval, event; or state, lifecycle,
+    rank)."""
     rows = ([SCHEMA["record"]] if SCHEMA[kind]["file"] == "metrics.jsonl" else []) + [SCHEMA[kind]]
     known = {f: t for r in rows for f, t in {**r.get("required", {}), **r.get("optional", {})}.items()}
     out = [f"{kind} record lacks required field {f!r}" for r in rows for f in r.get("required", {}) if f not in rec]
@@ -500,9 +553,9 @@ def record_problem(rec) -> str | None:
 # %% ../nbs/11_rundir.ipynb #2abd5174
 def schema_markdown() -> str:
     "The schema section of ARCHITECTURE.md, from `SCHEMA`."
-    out = textwrap.wrap("Types: `int`, `float`, `str`, `bool`, `list`, `dict`, `any`; `?` = may be null. Metrics records carry "
-                        f"`schema={SCHEMA_VERSION}`. Generated from `ilab_nb.rundir.SCHEMA` by `tools/schema_doc.py`; do not "
-                        "edit it here.", 112) + [""]
+    out = textwrap.wrap("Types: `int`, `float`, `str`, `bool`, `list`, `dict`, `any`; `?` = may be null. Metrics "
+                        f"records carry `schema={SCHEMA_VERSION}`. Generated from `ilab_nb.rundir.SCHEMA` by "
+                        f"`tools/schema_doc.py`; do not edit it here.", 112) + [""]
     for kind, row in SCHEMA.items():
         out.append(f"- `{kind}` ({row['file']}): {row['doc']}.")
         for label in ("required", "optional"):

@@ -56,7 +56,8 @@ def new_run_id(name=None) -> str:
 
 # %% ../nbs/13_runstore.ipynb #8fb94268
 def start_ticks(pid: int) -> int | None:
-    "The start of process `pid` in clock ticks since boot (Linux's /proc/<pid>/stat field 22), or None where there is none."
+    """The start of process `pid` in clock ticks since boot (Linux's /proc/<pid>/stat field 22), or None where there is
+    none."""
     try: stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError: return None
     return int(stat[stat.rindex(")") + 2:].split()[19])
@@ -107,7 +108,8 @@ def alive(self:ProcessRef) -> bool:
 def write_json_atomic(path, obj):
     "Replace `path` with `obj` as JSON atomically (tmp file, fsync, rename, fsync dir)."
     path = Path(path)
-    write_file(path, json.dumps(obj, indent=1, default=str))     # never through a link (11_rundir); no tmp file left on failure
+    # never through a link (11_rundir); no tmp file left on failure
+    write_file(path, json.dumps(obj, indent=1, default=str))
     try:
         fd = os.open(path.parent, os.O_RDONLY)
         try: os.fsync(fd)
@@ -120,29 +122,37 @@ def ends_mid_line(path) -> bool:
     try:
         with open(path, "rb", opener=no_follow) as f:
             if f.seek(0, 2) == 0: return False
-            f.seek(-1, 2); return f.read(1) != b"\n"
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
     except OSError: return False
 
 # %% ../nbs/13_runstore.ipynb #027f0697
 def append_jsonl(path, obj):
     "Append one JSON object as one line (one write call), on a line of its own even after a torn last line."
     line = json.dumps(obj, default=str) + "\n"
-    with open(path, "a", opener=no_follow) as f: f.write(("\n" if ends_mid_line(path) else "") + line); f.flush()
+    with open(path, "a", opener=no_follow) as f:
+        f.write(("\n" if ends_mid_line(path) else "") + line)
+        f.flush()
 
 # %% ../nbs/13_runstore.ipynb #22ca7523
 @contextmanager
 def dir_lock(path):
     "An exclusive `flock` on `path`, created if missing, but never its directory (`FileNotFoundError` then)."
     fd = no_follow(path, os.O_RDWR | os.O_CREAT)
-    try: fcntl.flock(fd, fcntl.LOCK_EX); yield path
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path
     finally: os.close(fd)
 
 # %% ../nbs/13_runstore.ipynb #e86d58ea
 RUN_ENV = "ILAB_NB_RUN_DIR"
 
 def run_processes(run_dir, launcher=None) -> list:
-    "Live processes of the run in `run_dir`: tagged with `ILAB_NB_RUN_DIR`, or in the process group of `launcher` (a live `ProcessRef`)."
-    run_dir = str(Path(run_dir).absolute()); me = os.getpid(); found = []
+    """Live processes of the run in `run_dir`: tagged with `ILAB_NB_RUN_DIR`, or in the process group of `launcher` (a
+    live `ProcessRef`)."""
+    run_dir = str(Path(run_dir).absolute())
+    me = os.getpid()
+    found = []
     pgid = launcher.pid if launcher is not None and launcher.alive() else None
     for p in psutil.process_iter(["pid", "status", "create_time"]):
         if p.pid == me or p.info["status"] == psutil.STATUS_ZOMBIE: continue
@@ -195,7 +205,8 @@ def create_run(self:RunStore, run_id) -> Path:
 @patch
 def read_state(self:RunStore, run_id) -> dict:
     "The run's `state.json`; rebuilt from its last good copy and events if unreadable ({} if it has none)."
-    p = RunPaths(self.run_dir(run_id)); st = read_json(p.state)
+    p = RunPaths(self.run_dir(run_id))
+    st = read_json(p.state)
     if isinstance(st, dict): return st
     if not p.state.exists() and not p.state_prev.exists(): return {}
     return rebuild_state(p.root)
@@ -207,31 +218,40 @@ ATTEMPT_ENDING = ("reason", "exit_code", "signal", "failed_rank", "log_tail", "e
 def next_attempt(st: dict) -> dict:
     "State `st` as its next attempt begins: the last attempt's summary appended to `attempts`, its ending cleared."
     prev = {k: st.get(k) for k in ("attempt", "status", "reason", "exit_code", "ended_at")}
-    return {**{k: v for k, v in st.items() if k not in ATTEMPT_ENDING}, "attempts": st.get("attempts", []) + [prev] if st else []}
+    return {**{k: v for k, v in st.items() if k not in ATTEMPT_ENDING}, "attempts": st.get("attempts", []) + [prev]
+            if st else []}
 
 # %% ../nbs/13_runstore.ipynb #c7c67729
 @patch
 def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fields) -> dict:
-    """Merge `fields` into the run's state atomically; returns the new state. Raises `StateError` out of a terminal state,
-    or when the state under the lock does not match `expect` (`{field: allowed values}`): a claim two callers cannot both win."""
+    """Merge `fields` into the run's state atomically; returns the new state. Raises `StateError` out of a terminal
+    state,
+    or when the state under the lock does not match `expect` (`{field: allowed values}`): a claim two callers cannot
+    both win."""
     if "status" in fields and fields["status"] not in STATES:
         raise ValueError(f"Unknown status {fields['status']!r}; expected one of {STATES}")
     p = RunPaths(self.run_dir(run_id))
     with dir_lock(p.state_lock):
-        st = self.read_state(run_id); now = time.time()
+        st = self.read_state(run_id)
+        now = time.time()
         st.pop("rebuilt_from", None)
-        if st.pop("state_error", None) and p.state.exists(): os.replace(p.state, p.state_corrupt(now))   # keep the bad bytes
+        # keep the bad bytes
+        if st.pop("state_error", None) and p.state.exists(): os.replace(p.state, p.state_corrupt(now))
         for k, allowed in (expect or {}).items():
             if st.get(k) not in allowed:
-                raise StateError(f"Run {run_id} is now {st.get('status', 'without a state')} (attempt {st.get('attempt', '?')}"
-                                 + (f", {st['claimed_by']}" if st.get("claimed_by") else "") + f"): its {k} is {st.get(k)!r}, "
-                                 f"not {' or '.join(map(repr, allowed))}; nothing was written.")
+                raise StateError(f"Run {run_id} is now {st.get('status', 'without a state')} (attempt "
+                                 f"{st.get('attempt', '?')}"
+                                 + (f", {st['claimed_by']}" if st.get("claimed_by") else "") + f"): its {k} is "
+                                 f"{st.get(k)!r}, not {' or '.join(map(repr, allowed))}; nothing was written.")
         if st.get("status") in TERMINAL and not new_attempt:
             raise StateError(f"Run {run_id} is already {st['status']}; its state is final "
                              f"(refused update {sorted(fields)}). Resume it to start a new attempt.")
         if new_attempt: st = next_attempt(st)
-        st.update(fields); st["run_id"] = run_id; st["updated_at"] = now
-        st.setdefault("created_at", now); st.setdefault("attempt", 1)
+        st.update(fields)
+        st["run_id"] = run_id
+        st["updated_at"] = now
+        st.setdefault("created_at", now)
+        st.setdefault("attempt", 1)
         if "status" in fields:
             st[f"{fields['status']}_at"] = now
             if fields["status"] in TERMINAL: st["ended_at"] = now
@@ -275,7 +295,9 @@ _EVENT_STATUS = {Event.created: State.queued, Event.resumed: State.queued, Event
 # %% ../nbs/13_runstore.ipynb #bfb4d53e
 def rebuild_state(run_dir) -> dict:
     "A run's state from `state.json.prev` and later events; `{'state_error': why}` if neither helps."
-    d = Path(run_dir); p = RunPaths(d); st = read_json(p.state_prev)
+    d = Path(run_dir)
+    p = RunPaths(d)
+    st = read_json(p.state_prev)
     st = dict(st) if isinstance(st, dict) else {}
     src = [p.state_prev.name] if st else []
     evs = []
@@ -289,7 +311,8 @@ def rebuild_state(run_dir) -> dict:
         if (e.get("time") or 0) <= (st.get("updated_at") or 0): continue
         status = _EVENT_STATUS[e["event"]]
         if st.get("status") in TERMINAL and e["event"] != Event.resumed: continue
-        st.update(status=status, updated_at=e.get("time")); st.setdefault("created_at", e.get("time"))
+        st.update(status=status, updated_at=e.get("time"))
+        st.setdefault("created_at", e.get("time"))
         if e.get("attempt") is not None: st["attempt"] = e["attempt"]
         for k in ("reason", "exit_code"):
             if k in e: st[k] = e[k]
@@ -306,7 +329,8 @@ def _why_dead(st, now, stale_s, spawn_grace_s):
     sup = ProcessRef.from_dict(st.get("supervisor"))
     if sup is None:
         t0 = st.get("queued_at") or st.get("created_at") or now
-        return None if now - t0 < spawn_grace_s else f"no supervisor registered within {spawn_grace_s:.0f} s of queueing"
+        return None if now - t0 < spawn_grace_s else (f"no supervisor registered within {spawn_grace_s:.0f} s of "
+                                                      f"queueing")
     if not sup.alive():
         return f"its supervisor (pid {sup.pid}) is gone: it died without recording how the run ended"
     hb = st.get("heartbeat_at")
@@ -324,14 +348,17 @@ def _beat_at(d, st):
 
 # %% ../nbs/13_runstore.ipynb #2af81f70
 def refresh_local(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> dict:
-    "The state of a run on this machine after finalizing it as `failed` if its supervisor is gone or hung (written if the disk allows)."
-    st = self.read_state(run_id); d = self.run_dir(run_id)
+    """The state of a run on this machine after finalizing it as `failed` if its supervisor is gone or hung (written if
+    the disk allows)."""
+    st = self.read_state(run_id)
+    d = self.run_dir(run_id)
     if not st or st.get("status") in TERMINAL or st.get("state_error"): return st
     why = _why_dead({**st, "heartbeat_at": _beat_at(d, st)}, time.time(), STALE_S if stale_s is None else stale_s,
                     SPAWN_GRACE_S if spawn_grace_s is None else spawn_grace_s)
     if why is None: return st
     if "heartbeat" in why:     # alive but silent: give it one more beat (a machine waking from sleep, say)
-        time.sleep(1.5 * HEARTBEAT_S); st = self.read_state(run_id)
+        time.sleep(1.5 * HEARTBEAT_S)
+        st = self.read_state(run_id)
         if st.get("status") in TERMINAL or time.time() - (_beat_at(d, st) or 0) < 2 * HEARTBEAT_S: return st
     sup = ProcessRef.from_dict(st.get("supervisor"))
     if sup is not None and sup.alive():    # hung, not dead: stop it too

@@ -10,12 +10,14 @@ from pathlib import Path
 import psutil
 
 from .config import TrainConfig, ConfigError, InMemoryData, config_line, load_config, with_changes
-from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id, write_json_atomic,
+from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id,
+                              write_json_atomic,
                               kill_run_processes, run_processes)
 from .core import no_hf_progress_bars, patch, require_torch
 from .live import finalize_displays
 from .monitor import RunMonitor
-from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated, read_json,
+from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated,
+                            read_json,
                             status_of)
 from .slots import DeviceSlots, device_request
 from .launcher import spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
@@ -36,8 +38,10 @@ class FineTuneSession:
     `FineTuneSession.attach(run_id)` or `FineTuneSession.list_runs()`."""
     def __init__(self, model=None, data=None, *, config=None, runs_root=None, run_id=None, name=None, queue=True,
                  trust_owner=False, **config_fields):
-        fields = {**({"model": model} if model is not None else {}), **({"data": data} if data is not None else {}), **config_fields}
-        if isinstance(config, (str, os.PathLike)): gate(None, Action.code, "use it as a config", trust_owner, also=[config])
+        fields = {**({"model": model} if model is not None else {}), **({"data": data} if data is not None else {}),
+                  **config_fields}
+        if isinstance(config, (str, os.PathLike)):
+            gate(None, Action.code, "use it as a config", trust_owner, also=[config])
         cfg = load_config(config if config is not None else {}, **fields)
         self.config = _resolve_paths(cfg, config)
         self.store = RunStore(runs_root)
@@ -48,7 +52,8 @@ class FineTuneSession:
         self.queue = queue
         try: self.preflight = preflight(self.config, self.store.root, trust_owner)
         except PreflightError as e:            # about a field of a config file: its line there too
-            if not (e.field and isinstance(config, (str, os.PathLike)) and (n := config_line(config, e.field, fields))): raise
+            if not (e.field and isinstance(config, (str, os.PathLike)) and (n := config_line(config, e.field, fields))):
+                raise
             raise PreflightError(f"{e} ({config}, line {n})", e.field) from None
         self.config = _with_model_path(self.config, self.preflight)
         self._init_common()
@@ -93,14 +98,18 @@ def _lineage(fork: dict | None) -> str | None:
 # %% ../nbs/61_session.ipynb #b2bd139d
 @patch(cls_method=True)
 def list_runs(cls:FineTuneSession, runs_root=None) -> list:
-    """Every run under the runs root, oldest first: `{run_id, status, attempt, step, total_steps, loss, created_at, reason,
+    """Every run under the runs root, oldest first: `{run_id, status, attempt, step, total_steps, loss, created_at,
+    reason,
     forked_from, changed}`: a fork's parent as `run@step`, and the attempts that changed settings with their fields."""
     store, out = RunStore(runs_root), []
     for rid in store.list_runs():
         try: st = store.refresh(rid)
         except OSError as e: st = {"state_error": f"{type(e).__name__}: {e}"}
-        m = RunMonitor(store.run_dir(rid)); m.poll(); pr = m.progress()
-        out.append({"run_id": rid, "status": status_of(st, State.incomplete), "attempt": st.get("attempt"), "step": pr["step"],
+        m = RunMonitor(store.run_dir(rid))
+        m.poll()
+        pr = m.progress()
+        out.append({"run_id": rid, "status": status_of(st, State.incomplete), "attempt": st.get("attempt"),
+                    "step": pr["step"],
                     "total_steps": pr["total_steps"], "loss": pr["loss"], "created_at": st.get("created_at"),
                     "reason": st.get("reason"), "forked_from": _lineage(st.get("forked_from")),
                     "changed": {int(a): sorted(ch) for a, ch in (st.get("changes") or {}).items()}, "note": m.note})
@@ -132,17 +141,21 @@ def _request(self:FineTuneSession) -> dict:
 @patch
 def start(self:FineTuneSession) -> FineTuneSession:
     "Start the run in the background and return at once."
-    if self.store.exists(self.run_id): raise RuntimeError(f"Run {self.run_id} was already started; use resume() to continue it.")
+    if self.store.exists(self.run_id):
+        raise RuntimeError(f"Run {self.run_id} was already started; use resume() to continue it.")
     request = self._request()
     if not self.queue:
         busy = DeviceSlots().blockers(request)
-        if busy: raise DevicesBusyError(f"The devices of run {self.run_id} ({', '.join(request['pool'])}) are busy: held by or "
-                                        f"promised to run(s) {', '.join(map(str, busy))}. Wait for it, stop it, or start with queue=True.")
+        if busy:
+            raise DevicesBusyError(f"The devices of run {self.run_id} ({', '.join(request['pool'])}) are busy: held by "
+                                   f"or promised to run(s) {', '.join(map(str, busy))}. Wait for it, stop it, or start "
+                                   f"with queue=True.")
     d = self.store.create_run(self.run_id)
     self.config = write_memory_data(self.config, d)   # data held in memory -> data/*.jsonl, named in config.json
     self.config.to_json(RunPaths(d).config)
     self.store.write_state(self.run_id, status=State.queued, attempt=1, request=request, device=request["kind"],
-                           num_processes=self.config.num_processes, devices=self.config.devices, preflight=self.preflight)
+                           num_processes=self.config.num_processes, devices=self.config.devices,
+                           preflight=self.preflight)
     self.store.append_event(self.run_id, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}")
     self._spawn(1)
     return self
@@ -188,7 +201,8 @@ def reason(self:FineTuneSession):
 @gated(Action.read, doing="read its progress")
 def progress(self:FineTuneSession) -> dict:
     "`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` of the run so far."
-    self.monitor.poll(); return self.monitor.progress()
+    self.monitor.poll()
+    return self.monitor.progress()
 
 # %% ../nbs/61_session.ipynb #ce0da64f
 @patch
@@ -211,7 +225,8 @@ def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
     t0, bar = time.time(), None
     try:
         while True:
-            st = self.state; status = status_of(st)
+            st = self.state
+            status = status_of(st)
             if progress:
                 pr = self.progress()
                 if bar is None and pr["total_steps"]:
@@ -219,13 +234,16 @@ def wait(self:FineTuneSession, timeout=None, progress=None, poll_s=0.5) -> str:
                     bar = tqdm(total=pr["total_steps"], desc=self.run_id, unit="step", dynamic_ncols=True)
                 if bar is not None:
                     bar.n = pr["step"] or 0
-                    bar.set_postfix_str(f"{status} loss={pr['loss']:.4f}" if pr["loss"] is not None else status, refresh=False)
+                    bar.set_postfix_str(f"{status} loss={pr['loss']:.4f}" if pr["loss"] is not None else status,
+                                        refresh=False)
                     bar.refresh()
             if status in TERMINAL:
-                if not self._evaluating(st): finalize_displays(self.run_id, run_views_only=True)    # else the dashboard follows the evaluation to its end
+                if not self._evaluating(st):   # else the dashboard follows the evaluation to its end
+                    finalize_displays(self.run_id, run_views_only=True)
                 return status
-            if status == State.created: raise RuntimeError(f"Run {self.run_id} has no state in {self.run_dir}: it was not started "
-                                                   "(call start()), or its directory was deleted.")
+            if status == State.created:
+                raise RuntimeError(f"Run {self.run_id} has no state in {self.run_dir}: it was not started "
+                           "(call start()), or its directory was deleted.")
             if status == State.unreadable and not run_processes(self.run_dir):
                 raise RuntimeError(f"Run {self.run_id}: {st['state_error']} No process of the run is alive; "
                                    f"see its logs in {self.run_dir / 'logs'}.")
@@ -253,7 +271,8 @@ def metrics(self:FineTuneSession, as_frame=False, kinds=("train", "eval")):
 @patch
 @gated(Action.read, doing="read its logs")
 def logs(self:FineTuneSession, n=50, rank=None) -> str:
-    "The last `n` lines of the most relevant log (the failing rank's, else rank 0's, else the supervisor's), or of `rank`."
+    """The last `n` lines of the most relevant log (the failing rank's, else rank 0's, else the supervisor's), or of
+    `rank`."""
     return "\n".join(self.monitor.log_tail(n, rank))
 
 # %% ../nbs/61_session.ipynb #a68e451b
@@ -267,12 +286,15 @@ def checkpoints(self:FineTuneSession) -> list:
 @patch
 @gated(Action.write, doing="stop it", unless=lambda self: self._unstarted() or self.state.get("status") in TERMINAL)
 def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None, *, trust_owner: bool = False) -> str:
-    "Ask the run to stop (graceful, then forced after `grace_s`); with `wait`, block until it has ended. Returns the status."
+    """Ask the run to stop (graceful, then forced after `grace_s`); with `wait`, block until it has ended. Returns the
+    status."""
     st = self.state
     if not st or st.get("status") in TERMINAL: return st.get("status", State.created)
-    stop = self.paths.stop; stop.parent.mkdir(exist_ok=True)
+    stop = self.paths.stop
+    stop.parent.mkdir(exist_ok=True)
     if not stop.exists():
-        write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}", "grace_s": grace_s})
+        write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}",
+                                 "grace_s": grace_s})
     if not wait: return self.status
     g = grace_s if grace_s is not None else float(os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
     waited = timeout if timeout is not None else g + TERM_GRACE_S + 30
@@ -288,8 +310,10 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None, *, trust_o
         try: p.kill()
         except psutil.Error: pass          # it died meanwhile (another caller's stop, say)
     kill_run_processes(self.run_dir, ProcessRef.from_dict(st.get("launcher")))
-    try: self.store.write_state(self.run_id, status=State.cancelled, forced=True,
-                                reason=f"stopped on request; nothing had ended {waited:.0f} s after the request, so stop() killed the run")
+    try:
+        self.store.write_state(self.run_id, status=State.cancelled, forced=True,
+                               reason=f"stopped on request; nothing had ended {waited:.0f} s after the request, so "
+                                      f"stop() killed the run")
     except StateError: return self.status     # another caller (or the supervisor) recorded the ending first: one event
     self.store.append_event(self.run_id, Event.cancelled, by=f"stop() in pid {os.getpid()}", forced=True)
     return self.status
@@ -300,13 +324,16 @@ def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=No
     "`(config, diff, preflight)` of the run going on from `ckpt` with `changes` to `base` (default: its config now)."
     base = base or self.config
     if base is None: raise RuntimeError(f"Run {self.run_id}: its config.json cannot be read, so it cannot {what}.")
-    cfg, diff = with_changes(base, changes, what, refused={} if ckpt.get("path") is None else None)   # no checkpoint: nothing to honour
+    # no checkpoint: nothing to honour
+    cfg, diff = with_changes(base, changes, what, refused={} if ckpt.get("path") is None else None)
     step, epoch, why = ckpt["step"], ckpt.get("epoch"), None
     if cfg.max_steps > 0 and cfg.max_steps <= step: why = ("max_steps", cfg.max_steps, f"max_steps={cfg.max_steps}")
     elif cfg.max_steps <= 0 and epoch is not None and cfg.num_train_epochs <= epoch + 1e-9:
-        why = ("num_train_epochs", cfg.num_train_epochs, f"num_train_epochs={cfg.num_train_epochs:g} (the checkpoint is at epoch {epoch:g})")
-    if why: raise ConfigError([dict(field=why[0], type="resume", input=why[1], msg=f"{what}: {why[2]} ends at or before the "
-                                    f"checkpoint of step {step}; give a larger {why[0]} to go on from it")])
+        why = ("num_train_epochs", cfg.num_train_epochs, f"num_train_epochs={cfg.num_train_epochs:g} (the checkpoint "
+                                                         f"is at epoch {epoch:g})")
+    if why:
+        raise ConfigError([dict(field=why[0], type="resume", input=why[1], msg=f"{what}: {why[2]} ends at or before "
+                                f"the checkpoint of step {step}; give a larger {why[0]} to go on from it")])
     if not diff: return cfg, diff, self.preflight
     pf = preflight(cfg, self.store.root, trust_owner)
     return _with_model_path(cfg, pf), diff, pf
@@ -314,39 +341,48 @@ def _changed(self:FineTuneSession, changes: dict, ckpt: dict, what: str, base=No
 # %% ../nbs/61_session.ipynb #326f3925
 @patch
 def _resume_point(self:FineTuneSession, st: dict, changes: dict) -> dict:
-    "The checkpoint a resume of the run in state `st` goes on from (its latest complete one; none: from the start), or why not."
+    """The checkpoint a resume of the run in state `st` goes on from (its latest complete one; none: from the start), or
+    why not."""
     status = st.get("status")
     if status not in (State.failed, State.cancelled, State.completed):
-        raise RuntimeError(f"Run {self.run_id} is {status or 'not started'}; only a cancelled, failed or completed run can be resumed.")
+        raise RuntimeError(f"Run {self.run_id} is {status or 'not started'}; only a cancelled, failed or completed run "
+                           f"can be resumed.")
     ckpts = self.checkpoints
-    if not ckpts and status != State.completed: return dict(step=0, epoch=0.0, path=None)     # ended before its first checkpoint
-    if not ckpts: raise RuntimeError(f"Run {self.run_id} is completed but has no complete checkpoint to go on from; start a new run instead.")
+    if not ckpts and status != State.completed:   # ended before its first checkpoint
+        return dict(step=0, epoch=0.0, path=None)
+    if not ckpts:
+        raise RuntimeError(f"Run {self.run_id} is completed but has no complete checkpoint to go on from; start a new "
+                           f"run instead.")
     if status == State.completed and not changes:
-        raise RuntimeError(f"Run {self.run_id} is completed at step {ckpts[-1]['step']}; resume it with a larger max_steps (or "
-                           f"num_train_epochs) to go on, e.g. resume(max_steps={2 * ckpts[-1]['step']}).")
+        raise RuntimeError(f"Run {self.run_id} is completed at step {ckpts[-1]['step']}; resume it with a larger "
+                           f"max_steps (or num_train_epochs) to go on, e.g. resume(max_steps={2 * ckpts[-1]['step']}).")
     return ckpts[-1]
 
 # %% ../nbs/61_session.ipynb #1ae24adc
 @patch
 def _may_act(self:FineTuneSession, doing: str, ck: dict, trust_owner: bool = False):
-    "Refuse to `doing` a run whose directory holds a symbolic link or another user's files (11_rundir), or a DPO run without its reference."
+    """Refuse to `doing` a run whose directory holds a symbolic link or another user's files (11_rundir), or a DPO run
+    without its reference."""
     gate(self.run_dir, Action.code, doing, trust_owner, also=[ck.get("path")])     # the checkpoint it unpickles too
     if why := self._reference_problem(ck): raise RuntimeError(why)
 
 # %% ../nbs/61_session.ipynb #733b5346
 @patch
 def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
-    "Why a DPO run cannot go on from checkpoint `ck`: the reference log-probabilities it computed before step 1 are gone or unreadable."
+    """Why a DPO run cannot go on from checkpoint `ck`: the reference log-probabilities it computed before step 1 are
+    gone or unreadable."""
     if not ck.get("path") or self.config is None or self.config.method != "dpo": return None
     p = self.paths.reference_logps
     if not p.exists(): why = "missing"
     else:
         import torch
-        try: torch.load(p, weights_only=True); why = None
+        try:
+            torch.load(p, weights_only=True)
+            why = None
         except Exception as e: why = f"unreadable ({type(e).__name__}: cut short, or not what the run wrote)"
-    return why and (f"Run {self.run_id}: {p} is {why}. DPO goes on against the reference log-probabilities the run computed "
-                    "from its starting model before step 1, and a checkpoint's model is no longer that model, so they cannot "
-                    "be computed again from it: put the file back, or start a new run")
+    return why and (f"Run {self.run_id}: {p} is {why}. DPO goes on against the reference log-probabilities the run "
+                    f"computed from its starting model before step 1, and a checkpoint's model is no longer that "
+                    f"model, so they cannot be computed again from it: put the file back, or start a new run")
 
 # %% ../nbs/61_session.ipynb #60f78469
 @patch
@@ -355,9 +391,11 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
     """Continue the run from its latest complete checkpoint (none: from the start) as a new attempt; returns at once.
     `changes`: settings that change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...:
     `ilab_nb.config.RESUME_CHANGEABLE`). `trust_owner`: act on a run another user owns (11_rundir)."""
-    st = self.state; ck = self._resume_point(st, changes)
+    st = self.state
+    ck = self._resume_point(st, changes)
     self._may_act("resume it", ck, trust_owner)
-    cfg, diff, pf = self._changed(changes, ck, "resume", trust_owner=trust_owner) if changes or self.config is not None else (None, {}, None)
+    cfg, diff, pf = self._changed(changes, ck, "resume",
+                                  trust_owner=trust_owner) if changes or self.config is not None else (None, {}, None)
     attempt, by = int(st.get("attempt", 1)) + 1, f"pid {os.getpid()} on {socket.gethostname()}"
     paths, upd, before = self.paths, {}, (self.config, self.preflight)
     if diff:
@@ -365,14 +403,17 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
         upd = dict(changes={**(st.get("changes") or {}), str(attempt): diff}, request=self._request(),
                    num_processes=cfg.num_processes, devices=cfg.devices)
     try:     # the claim: under the state's lock the run must still be this ended attempt, so one caller of many wins
-        self.store.write_state(self.run_id, new_attempt=True, expect={"status": (State.failed, State.cancelled, State.completed),
+        self.store.write_state(self.run_id, new_attempt=True, expect={"status": (State.failed, State.cancelled,
+                State.completed),
                                                                       "attempt": (attempt - 1,)},
-                               status=State.queued, attempt=attempt, resume_from=ck["path"], resumed_from_step=ck["step"],
+                               status=State.queued, attempt=attempt, resume_from=ck["path"],
+                               resumed_from_step=ck["step"],
                                claimed_by=f"resumed by {by}", **upd)
     except StateError as e:
         self.config, self.preflight = before
         raise RuntimeError(f"Run {self.run_id} was not resumed: another caller resumed it first. {e}") from None
-    if diff: cfg.to_json(paths.attempt_config(attempt))     # after the claim: only the winner writes the attempt's config
+    if diff:   # after the claim: only the winner writes the attempt's config
+        cfg.to_json(paths.attempt_config(attempt))
     if paths.stop.exists(): paths.stop.rename(paths.stop.with_name(f"stop.attempt-{attempt - 1}"))
     self.store.append_event(self.run_id, Event.resumed, attempt=attempt, from_step=ck["step"], by=by,
                             **(dict(changes=diff, config=paths.attempt_config(attempt).name) if diff else {}))
@@ -381,9 +422,11 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
 
 # %% ../nbs/61_session.ipynb #1c3cbc80
 def _link_tree(src: Path, dst: Path, only: str | None = None, trust_owner: bool = False):
-    "Copy the tree `src` (or its one file `only`) to `dst` as hard links (a plain copy where links are refused): regular files only."
+    """Copy the tree `src` (or its one file `only`) to `dst` as hard links (a plain copy where links are refused):
+    regular files only."""
     def link(a, b):
-        if not stat.S_ISREG(os.lstat(a).st_mode): raise RunDirLinkError(f"{a} is not a regular file; a fork copies only those")
+        if not stat.S_ISREG(os.lstat(a).st_mode):
+            raise RunDirLinkError(f"{a} is not a regular file; a fork copies only those")
         try: os.link(a, b)
         except OSError: shutil.copy2(a, b)
     if only is not None: return link(Path(src) / only, Path(dst) / only)
@@ -394,58 +437,75 @@ def _link_tree(src: Path, dst: Path, only: str | None = None, trust_owner: bool 
 @patch
 @gated(Action.read, doing="find its checkpoint")
 def checkpoint_at(self:FineTuneSession, step=None) -> tuple[dict, TrainConfig]:
-    "The complete checkpoint at `step` (default: the latest) and the config of the attempt that wrote it: what a fork starts from."
+    """The complete checkpoint at `step` (default: the latest) and the config of the attempt that wrote it: what a fork
+    starts from."""
     ckpts = self.checkpoints
     if not ckpts: raise RuntimeError(f"Run {self.run_id} has no complete checkpoint to fork from.")
     if isinstance(step, str) and step.strip().isdigit(): step = int(step)              # "2", as a command line gives it
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise TypeError(f"step must be a checkpoint's step number (one of {[c['step'] for c in ckpts]}) or None, not {step!r}")
+        raise TypeError(f"step must be a checkpoint's step number (one of {[c['step'] for c in ckpts]}) or None, not "
+                        f"{step!r}")
     ck = ckpts[-1] if step is None else next((c for c in ckpts if c["step"] == step), None)
-    if ck is None: raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has {[c['step'] for c in ckpts]}.")
+    if ck is None:
+        raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {step}; it has "
+                                f"{[c['step'] for c in ckpts]}.")
     wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")      # the attempt that saved it
     return ck, TrainConfig.read_json(self.paths.config_for(wrote))
 
 # %% ../nbs/61_session.ipynb #d7fa9e66
-def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig, trust_owner: bool = False) -> tuple[TrainConfig, Path]:
-    "Link the fork's starting files from `src` into `dst`; returns the config with its data paths moved, and the checkpoint."
+def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig,
+                trust_owner: bool = False) -> tuple[TrainConfig, Path]:
+    """Link the fork's starting files from `src` into `dst`; returns the config with its data paths moved, and the
+    checkpoint."""
     if src.data.exists():                     # data written from memory into the parent: the fork's own copy
         _link_tree(src.data, dst.data, trust_owner=trust_owner)
-        moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data) else q for q in ps]
+        moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data)
+                                   else q for q in ps]
         cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
-    if src.reference_logps.exists(): dst.cache.mkdir(exist_ok=True); _link_tree(src.cache, dst.cache, only=src.reference_logps.name)
+    if src.reference_logps.exists():
+        dst.cache.mkdir(exist_ok=True)
+        _link_tree(src.cache, dst.cache, only=src.reference_logps.name)
     at, tmp = dst.checkpoint(ck["step"]), dst.checkpoint_tmp(ck["step"])
-    _link_tree(Path(ck["path"]), tmp, trust_owner=trust_owner); os.replace(tmp, at)                 # complete or absent, like any checkpoint
+    _link_tree(Path(ck["path"]), tmp, trust_owner=trust_owner)   # complete or absent, like any checkpoint
+    os.replace(tmp, at)
     return cfg, at
 
 # %% ../nbs/61_session.ipynb #061d0291
 @patch
 @gated(Action.code, doing="fork it")
-def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False, **changes) -> FineTuneSession:
+def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False,
+         **changes) -> FineTuneSession:
     """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
     (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
     ck, base = self.checkpoint_at(step)
     self._may_act("fork it", ck, trust_owner)
     cfg, diff, pf = self._changed(changes, ck, "fork", base, trust_owner)
     if not pf:                                                       # the fork's own devices and memory, as a new run's
-        pf = preflight(cfg, self.store.root, trust_owner); cfg = _with_model_path(cfg, pf)
+        pf = preflight(cfg, self.store.root, trust_owner)
+        cfg = _with_model_path(cfg, pf)
     new = type(self).__new__(type(self))
     new.store, new.queue, new.preflight = self.store, queue, pf
     new.run_id = validate_run_id(run_id) if run_id is not None else new_run_id(name or "fork")
-    if self.store.run_dir(new.run_id).exists(): raise FileExistsError(f"Run {new.run_id!r} already exists in {self.store.root}.")
+    if self.store.run_dir(new.run_id).exists():
+        raise FileExistsError(f"Run {new.run_id!r} already exists in {self.store.root}.")
     new._init_common()
     src, dst = self.paths, RunPaths(self.store.create_run(new.run_id))
     try: cfg, at = _fork_files(src, dst, ck, cfg, trust_owner)
-    except OSError as e:          # the parent pruned that checkpoint meanwhile, a full disk, ...: no half-made fork is left
+    # the parent pruned that checkpoint meanwhile, a full disk, ...: no half-made fork is left
+    except OSError as e:
         shutil.rmtree(dst.root, ignore_errors=True)
         raise RuntimeError(f"Could not fork run {self.run_id} at step {ck['step']}: {type(e).__name__}: {e}") from None
     lineage = dict(run_id=self.run_id, step=ck["step"], checkpoint=ck["path"], run_dir=str(self.run_dir), changes=diff)
     write_json_atomic(dst.fork, lineage)
-    new.config = cfg; cfg.to_json(dst.config)
+    new.config = cfg
+    cfg.to_json(dst.config)
     request = new._request()
     self.store.write_state(new.run_id, status=State.queued, attempt=1, request=request, device=request["kind"],
                            num_processes=cfg.num_processes, devices=cfg.devices, preflight=pf, forked_from=lineage,
-                           resume_from=str(at), resumed_from_step=ck["step"], **({"changes": {"1": diff}} if diff else {}))
-    self.store.append_event(new.run_id, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}", forked_from=lineage)
+                           resume_from=str(at), resumed_from_step=ck["step"],
+                           **({"changes": {"1": diff}} if diff else {}))
+    self.store.append_event(new.run_id, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}",
+                            forked_from=lineage)
     new._spawn(1, resume=str(at))
     return new
 
@@ -470,10 +530,12 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     if isinstance(checkpoint, int):
         for c in ckpts:
             if c["step"] == checkpoint: return Path(c["path"])
-        raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {checkpoint}; it has {[c['step'] for c in ckpts]}.")
+        raise FileNotFoundError(f"Run {self.run_id} has no complete checkpoint at step {checkpoint}; it has "
+                                f"{[c['step'] for c in ckpts]}.")
     p = Path(checkpoint)
     if not (p / "config.json").exists() and adapter_folder(p) is None:
-        raise FileNotFoundError(f"{p} is not a model directory (no config.json) nor an adapter folder (no adapter_config.json).")
+        raise FileNotFoundError(f"{p} is not a model directory (no config.json) nor an adapter folder (no "
+                                f"adapter_config.json).")
     return p
 
 # %% ../nbs/61_session.ipynb #4a2b8ffd
@@ -482,7 +544,8 @@ def _load(self:FineTuneSession, p: Path, **kwargs):
     from transformers import AutoTokenizer
     from ilab_nb.lora import load_trained
     from ilab_nb.models import model_files_problem     # with torch: imported by what loads a model, not by `ilab-nb ls`
-    if (why := model_files_problem(p, kwargs.get("base_model"))) is not None: raise ValueError(why)   # not safetensors' own words
+    # not safetensors' own words
+    if (why := model_files_problem(p, kwargs.get("base_model"))) is not None: raise ValueError(why)
     trc = bool(self.config and self.config.trust_remote_code)
     with no_hf_progress_bars():        # no tqdm widget in the output a saved notebook keeps (10_core)
         return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
@@ -494,9 +557,11 @@ def _listed(self:FineTuneSession, p: Path) -> bool: return str(p) in {c["path"] 
 @patch
 @gated(Action.code, doing="load its model")
 def load_model(self:FineTuneSession, checkpoint=None, *, trust_owner: bool = False, **kwargs):
-    "`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path; `base_model=`: adapters' moved base)."
+    """`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path; `base_model=`:
+    adapters' moved base)."""
     for tries_left in (2, 1, 0):
-        p = self.model_path(checkpoint); listed = self._listed(p)      # a complete checkpoint of this run, when chosen
+        p = self.model_path(checkpoint)   # a complete checkpoint of this run, when chosen
+        listed = self._listed(p)
         gate(self.run_dir, Action.code, "load its model", trust_owner, also=[p, kwargs.get("base_model")])
         try: return self._load(p, **kwargs)
         except Exception:
@@ -510,7 +575,8 @@ def load_model(self:FineTuneSession, checkpoint=None, *, trust_owner: bool = Fal
 # %% ../nbs/61_session.ipynb #74f96fe8
 @patch
 def __repr__(self:FineTuneSession):
-    st = self.state; status = status_of(st)
+    st = self.state
+    status = status_of(st)
     pr = self.progress() if st else {}
     s = f"FineTuneSession(run_id={self.run_id!r}, status={status!r}"
     if pr.get("step") is not None: s += f", step={pr['step']}/{pr['total_steps'] or '?'}"
@@ -539,7 +605,9 @@ def record(self:FineTuneSession):
 def _ipython_display_(self:FineTuneSession):
     from IPython.display import display
     try: d = self.dashboard()
-    except ImportError: print(repr(self)); return
+    except ImportError:
+        print(repr(self))
+        return
     display(d)                        # live with a display handle, then the record (15_live's LiveDisplay)
 
 # %% ../nbs/61_session.ipynb #8d0dda21
@@ -560,11 +628,13 @@ def report(self:FineTuneSession, *, trust_owner: bool = False):
 # %% ../nbs/61_session.ipynb #8666cda6
 @patch
 @gated(Action.code, Action.write, doing="evaluate it")
-def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None, batch_size: int = 16,
+def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None,
+             batch_size: int = 16,
              *, base_model=None, trust_owner: bool = False):
     "Queue an evaluation of this run (lm-eval task names, or 'heldout' / 'heldout_preference'); returns it, started."
     from ilab_nb.evaluation import start_evaluation
-    return start_evaluation(self, tasks, checkpoint, base, limit, num_processes, batch_size, queue=self.queue, base_model=base_model)
+    return start_evaluation(self, tasks, checkpoint, base, limit, num_processes, batch_size, queue=self.queue,
+                            base_model=base_model)
 
 @patch(as_prop=True)
 @gated(Action.read, doing="list its evaluations")
@@ -579,9 +649,11 @@ def evaluations(self:FineTuneSession) -> list:
 def export(self:FineTuneSession, format: str = "gguf", dtype: str = "q8_0", checkpoint=None, path=None,
            modelfile: bool = True, progress: bool | None = None, *, base_model=None, overwrite: bool = False,
            trust_owner: bool = False):
-    "The run's model (`final/`, or `checkpoint`: step, 'latest' or path) as a GGUF file (f32, f16, bf16, q8_0); its path."
+    """The run's model (`final/`, or `checkpoint`: step, 'latest' or path) as a GGUF file (f32, f16, bf16, q8_0); its
+    path."""
     from ilab_nb.export import export_run
-    return export_run(self, format, dtype, checkpoint, path, modelfile, progress, base_model=base_model, overwrite=overwrite)
+    return export_run(self, format, dtype, checkpoint, path, modelfile, progress, base_model=base_model,
+                      overwrite=overwrite)
 
 # %% ../nbs/61_session.ipynb #29362335
 @patch(cls_method=True)

@@ -18,7 +18,8 @@ __all__ = ['locks_dir', 'cpu_slots', 'device_request', 'visible_devices', 'cuda_
 # %% ../nbs/32_slots.ipynb #cc599db1
 def locks_dir(path=None) -> Path:
     "Directory of the machine's device locks and queue: `path`, else `$ILAB_NB_LOCKS`, else `~/.cache/ilab_nb/locks`."
-    return Path(path or os.environ.get("ILAB_NB_LOCKS") or Path.home() / ".cache" / "ilab_nb" / "locks").expanduser().absolute()
+    return Path(path or os.environ.get("ILAB_NB_LOCKS")
+                or Path.home() / ".cache" / "ilab_nb" / "locks").expanduser().absolute()
 
 # %% ../nbs/32_slots.ipynb #8522103b
 def cpu_slots() -> int:
@@ -27,14 +28,17 @@ def cpu_slots() -> int:
 
 # %% ../nbs/32_slots.ipynb #5174539a
 def device_request(kind, num_processes, devices=None, gpus=None, oversubscribe=False) -> dict:
-    "The slots a run needs: `{kind, pool, need}`; a CPU run takes one CPU slot per process, or every slot when `oversubscribe`."
+    """The slots a run needs: `{kind, pool, need}`; a CPU run takes one CPU slot per process, or every slot when
+    `oversubscribe`."""
     if kind == "cuda": return cuda_request(num_processes, devices, gpus)
     if kind == "cpu":
-        n = cpu_slots(); req = {"kind": "cpu", "pool": [f"cpu-{i}" for i in range(n)], "need": min(num_processes, n)}
+        n = cpu_slots()
+        req = {"kind": "cpu", "pool": [f"cpu-{i}" for i in range(n)], "need": min(num_processes, n)}
         if num_processes <= n: return req
         if not oversubscribe:
             raise ValueError(f"{num_processes} CPU processes need {num_processes} CPU slots, but this machine has {n} "
-                             "($ILAB_NB_CPU_SLOTS or the core count); lower num_processes or set oversubscribe_cpus=True.")
+                             "($ILAB_NB_CPU_SLOTS or the core count); lower num_processes or set "
+                             "oversubscribe_cpus=True.")
         return {**req, "oversubscribed": True, "ranks": num_processes}
     raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
 
@@ -46,7 +50,8 @@ def visible_devices() -> list[str] | None:
 
 # %% ../nbs/32_slots.ipynb #a2c4cfa7
 def cuda_request(num_processes, devices=None, gpus=None) -> dict:
-    "The GPU slots of a run: visible indices `devices` (else the first `num_processes`), named and masked as the machine sees them."
+    """The GPU slots of a run: visible indices `devices` (else the first `num_processes`), named and masked as the
+    machine sees them."""
     gpus = {g["index"]: g for g in gpus or []}
     mask = visible_devices()
     chosen = list(devices) if devices else list(range(len(gpus) or num_processes))
@@ -62,7 +67,8 @@ def cuda_request(num_processes, devices=None, gpus=None) -> dict:
 class DeviceSlots:
     "Per-machine device slots (flock lock files) with a first-come-first-served queue of tickets on disk."
     def __init__(self, path=None):
-        self.dir = locks_dir(path); self.qdir = self.dir / "queue"
+        self.dir = locks_dir(path)
+        self.qdir = self.dir / "queue"
         self.qdir.mkdir(parents=True, exist_ok=True)
         self.held = []
 
@@ -75,7 +81,8 @@ def holder(self:DeviceSlots, name) -> dict | None:
     lk = self._lock(name)
     try: lk.acquire(timeout=0)
     except Timeout: return read_json(self.dir / f"{name}.holder", {}) or {"run_id": "an unknown process"}
-    lk.release(); return None
+    lk.release()
+    return None
 
 # %% ../nbs/32_slots.ipynb #f65904e9
 @patch
@@ -96,8 +103,10 @@ def tickets(self:DeviceSlots) -> list:
         t = read_json(p)
         ref = ProcessRef.from_dict((t or {}).get("owner"))
         if ref is None or not ref.alive():
-            p.unlink(missing_ok=True); continue
-        t["path"] = str(p); out.append(t)
+            p.unlink(missing_ok=True)
+            continue
+        t["path"] = str(p)
+        out.append(t)
     return out
 
 # %% ../nbs/32_slots.ipynb #03e962f1
@@ -136,7 +145,8 @@ def release(self:DeviceSlots):
 @patch
 def blockers(self:DeviceSlots, request, ticket=None) -> list:
     "Run ids in the way of `request`: live tickets before `ticket` with overlapping pools, then holders of its pool."
-    pool = set(request["pool"]); out = []
+    pool = set(request["pool"])
+    out = []
     for t in self.tickets():
         if ticket is not None and t["path"] == str(ticket): break
         if pool & set(t["request"]["pool"]): out.append(t["run_id"])

@@ -27,8 +27,8 @@ class SlurmError(RuntimeError):
 def slurm(*args, timeout=60, check=True) -> str:
     "Run a SLURM command (`sbatch`, `scontrol`, ...) and return its stdout; `SlurmError` when it fails."
     if shutil.which(args[0]) is None:
-        raise SlurmError(f"`{args[0]}` is not on PATH: this machine cannot talk to SLURM. Run from a cluster login node, "
-                         "or use backend='local'.")
+        raise SlurmError(f"`{args[0]}` is not on PATH: this machine cannot talk to SLURM. Run from a cluster login "
+                         f"node, or use backend='local'.")
     r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
         raise SlurmError(f"`{shlex.join(args)}` failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}")
@@ -36,7 +36,8 @@ def slurm(*args, timeout=60, check=True) -> str:
 
 # %% ../nbs/50_slurm.ipynb #c3fbbed5
 SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cephfs", "glusterfs", "fuse.glusterfs", "cifs", "smb3",
-             "9p", "virtiofs", "wekafs", "pvfs2", "orangefs", "fuse.sshfs", "fuse.juicefs", "fuse.ceph", "panfs", "afs", "quobyte"}
+             "9p", "virtiofs", "wekafs", "pvfs2", "orangefs", "fuse.sshfs", "fuse.juicefs", "fuse.ceph", "panfs", "afs",
+             "quobyte"}
 
 def fs_type(path) -> tuple:
     "(mount point, filesystem type) of the filesystem that holds `path` (from /proc/mounts)."
@@ -49,7 +50,8 @@ def fs_type(path) -> tuple:
         parts = line.split()
         if len(parts) < 3: continue
         mnt = parts[1].replace("\\040", " ")
-        if (str(p) == mnt or str(p).startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]): best = (mnt, parts[2])
+        if (str(p) == mnt or str(p).startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+            best = (mnt, parts[2])
     return best
 
 # %% ../nbs/50_slurm.ipynb #d6d8713a
@@ -63,12 +65,14 @@ def check_shared(root, partition=None) -> str:
     "Why the runs root `root` is visible from every node of `partition`; `SlurmError` saying why not."
     hosts = partition_hosts(partition)
     me = {socket.gethostname(), socket.getfqdn()}
-    if hosts and all(h in me for h in hosts): return f"every node of the partition runs on this machine ({', '.join(hosts)})"
+    if hosts and all(h in me for h in hosts):
+        return f"every node of the partition runs on this machine ({', '.join(hosts)})"
     mnt, fs = fs_type(root)
     if fs in SHARED_FS or fs.split(".")[-1] in SHARED_FS: return f"{root} is on a {fs} filesystem ({mnt})"
-    raise SlurmError(f"The runs root {root} is on a local {fs} filesystem ({mnt}) of {socket.gethostname()}, which the nodes "
-                     f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''} cannot see. Put runs_root (or $ILAB_NB_RUNS) on a "
-                     "filesystem every node mounts (your cluster's shared home, project or scratch).")
+    raise SlurmError(f"The runs root {root} is on a local {fs} filesystem ({mnt}) of {socket.gethostname()}, which the "
+                     f"nodes {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''} cannot see. Put runs_root (or "
+                     f"$ILAB_NB_RUNS) on a filesystem every node mounts (your cluster's shared home, project or "
+                     f"scratch).")
 
 # %% ../nbs/50_slurm.ipynb #6d2fe7ab
 def partitions() -> dict:
@@ -98,7 +102,8 @@ def preflight_slurm(cfg: TrainConfig, runs_root) -> dict:
         raise SlurmError(f"slurm.partition={opts.partition!r} is not a partition of this cluster; sinfo lists "
                          f"{', '.join(parts) or 'none'}.")
     if part is not None and parts.get(part, 0) < cfg.num_machines:
-        raise SlurmError(f"num_machines={cfg.num_machines} nodes are asked for, but partition {part!r} has {parts.get(part, 0)}.")
+        raise SlurmError(f"num_machines={cfg.num_machines} nodes are asked for, but partition {part!r} has "
+                         f"{parts.get(part, 0)}.")
     return {"partition": part, "shared_runs_root": check_shared(runs_root, part)}
 
 # %% ../nbs/50_slurm.ipynb #e916b357
@@ -108,7 +113,8 @@ def _sh(tok: str) -> str:
 
 # %% ../nbs/50_slurm.ipynb #3c6f6a28
 def slurm_seconds(t) -> int | None:
-    "Seconds of a SLURM time (`minutes`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`); None for none/unlimited."
+    """Seconds of a SLURM time (`minutes`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`); None for
+    none/unlimited."""
     if t is None or str(t).strip().lower() in ("", "infinite", "unlimited"): return None
     days, _, rest = str(t).strip().rpartition("-")
     f = [int(x) for x in rest.split(":")]
@@ -130,7 +136,8 @@ def sbatch_lines(cfg: TrainConfig, run_dir, attempt) -> list:
     lines = [f"--job-name=ilab_nb-{rd.name}", f"--nodes={cfg.num_machines}", "--ntasks-per-node=1",
              f"--output={RunPaths(rd).slurm_output()}", "--open-mode=append", f"--chdir={rd}",
              "--requeue" if o.requeue else "--no-requeue"]
-    for flag, v in (("partition", o.partition), ("account", o.account), ("time", o.time), ("gpus-per-node", o.gpus_per_node),
+    for flag, v in (("partition", o.partition), ("account", o.account), ("time", o.time),
+                    ("gpus-per-node", o.gpus_per_node),
                     ("cpus-per-task", o.cpus_per_task), ("mem", o.mem), ("qos", o.qos)):
         if v is not None: lines.append(f"--{flag}={v}")
     lead = signal_lead_s(o.time)
@@ -143,14 +150,16 @@ def node_command(cfg: TrainConfig, run_dir, attempt, resume=None) -> list:
     o = cfg.slurm
     d = {**cfg.model_dump(mode="json"), "machine_rank": "$SLURM_NODEID", "main_process_ip": "$MAIN_IP",
          "device": "cuda" if o and o.gpus_per_node else cfg.device if cfg.device != "auto" else "cpu"}
-    cmd = accelerate_command(run_dir, d, attempt="$ATTEMPT", resume="$RESUME" if (resume or (o and o.requeue)) else None,
+    cmd = accelerate_command(run_dir, d, attempt="$ATTEMPT", resume="$RESUME" if (resume or (o and o.requeue))
+                             else None,
                              port="$MAIN_PORT")
     cmd[0] = (o.python if o and o.python else sys.executable)
     return cmd
 
 # %% ../nbs/50_slurm.ipynb #da56cd31
 def _node_body(cmd: list, rd: Path) -> str:
-    w = cmd.index("ilab_nb.worker" if "ilab_nb.worker" in cmd else str(rd)) - 1    # the worker's `-m`: the rest on one line
+    # the worker's `-m`: the rest on one line
+    w = cmd.index("ilab_nb.worker" if "ilab_nb.worker" in cmd else str(rd)) - 1
     lines = [[cmd[0], cmd[1], cmd[2]]]
     for t in cmd[3:w]:
         if t.startswith("--"): lines.append([t])
@@ -166,18 +175,21 @@ def _setup_lines(cfg: TrainConfig, rd: Path, attempt, resume) -> list:
     return ["set -uo pipefail", *(o.setup if o else []),
             f"export {RUN_ENV}={shlex.quote(str(rd))}   # every process of the run carries it",
             ("" if "-packages" in pkg
-             else f"export PYTHONPATH={shlex.quote(pkg)}${{PYTHONPATH:+:$PYTHONPATH}}   # this ilab_nb: a source checkout\n")
+             else f"export PYTHONPATH={shlex.quote(pkg)}${{PYTHONPATH:+:$PYTHONPATH}}   # this ilab_nb: a source "
+                  f"checkout\n")
             + "export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
             f"export RUN_DIR={shlex.quote(str(rd))} ATTEMPT={attempt}"
-            + (f" RESUME={shlex.quote(str(resume))}" if resume else ' RESUME=""' if (o is not None and o.requeue) else "")]
+            + (f" RESUME={shlex.quote(str(resume))}" if resume else ' RESUME=""' if (o is not None and o.requeue)
+               else "")]
 
 # %% ../nbs/50_slurm.ipynb #7be894ef
 def _head_lines(cfg: TrainConfig, py: str) -> list:
-    return ["# The machine of rank 0 is the first node of the allocation: the address SLURM uses for it, a port free there now.",
+    return ["# The machine of rank 0 is the first node of the allocation: the address SLURM uses for it, a port free "
+            "there now.",
             'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
             """MAIN_IP=$(scontrol show node "$HEAD_NODE" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')""",
             f"MAIN_PORT={cfg.main_process_port}" if cfg.main_process_port else
-            f"""MAIN_PORT=$({shlex.quote(py)} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')""",
+            f"""MAIN_PORT=$({shlex.quote(py)} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')""",  # noqa: E501
             "export MAIN_IP MAIN_PORT"]
 
 # %% ../nbs/50_slurm.ipynb #660fe6e8
@@ -196,7 +208,8 @@ _TRAP_LINES = [
     "", "# SLURM's signal before the time limit (--signal=B:USR1@N): the graceful stop, so every rank saves first.",
     "stop_for_time_limit() {",
     f'  mkdir -p "{RunPaths("$RUN_DIR").control}"',
-    f'  printf \'{{"by": "{TIME_LIMIT_BY}", "job_id": "%s", "time": %s, "grace_s": %s}}\\n\' "$SLURM_JOB_ID" "$(date +%s)" '
+    f'  printf \'{{"by": "{TIME_LIMIT_BY}", "job_id": "%s", "time": %s, "grace_s": %s}}\\n\' "$SLURM_JOB_ID" "$(date '
+    f'+%s)" '
     '"${ILAB_NB_SIGNAL_LEAD_S:-60}" > "$RUN_DIR/control/.stop.tmp" && mv -n "$RUN_DIR/control/.stop.tmp" '
     f'"{RunPaths("$RUN_DIR").stop}"',
     "}", "trap stop_for_time_limit USR1"]
@@ -205,7 +218,8 @@ def _node_lines(body: str) -> list:
     return ["", "# Every node: one `accelerate launch` for its share of the processes, its own log.",
             "read -r -d '' NODE_CMD <<'NODE'",
             f'exec >>"{RunPaths("$RUN_DIR").node_log("$SLURMD_NODENAME")}" 2>&1',
-            'echo "== ilab_nb attempt $ATTEMPT: node $SLURMD_NODENAME (node rank $SLURM_NODEID) of job $SLURM_JOB_ID, $(date -u) =="',
+            'echo "== ilab_nb attempt $ATTEMPT: node $SLURMD_NODENAME (node rank $SLURM_NODEID) of job $SLURM_JOB_ID, '
+            '$(date -u) =="',
             "exec " + body, "NODE", *_TRAP_LINES, "",
             "# srun in the background: bash runs a trap only between commands, and `wait` returns for it.",
             'srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "$NODE_CMD" &',
@@ -227,7 +241,8 @@ def sbatch_script(cfg: TrainConfig, run_dir, attempt=1, resume=None) -> str:
          *[f"#SBATCH {l}" for l in sbatch_lines(cfg, rd, attempt)], "",
          *_setup_lines(cfg, rd, attempt, resume), "", *_head_lines(cfg, py)]
     if o is not None and o.requeue: s += _REQUEUE_LINES
-    if (lead := signal_lead_s(o.time if o else None)): s += [f"export ILAB_NB_SIGNAL_LEAD_S={lead}   # --signal's lead: the stop's grace"]
+    if (lead := signal_lead_s(o.time if o else None)):
+        s += [f"export ILAB_NB_SIGNAL_LEAD_S={lead}   # --signal's lead: the stop's grace"]
     return "\n".join(s + _node_lines(_node_body(node_command(cfg, rd, attempt, resume), rd)))
 
 # %% ../nbs/50_slurm.ipynb #792ae320
@@ -235,7 +250,8 @@ def submit(cfg: TrainConfig, run_dir, attempt=1, resume=None) -> str:
     "Write the batch script of this attempt into `run_dir`, submit it, and return the job id."
     p = Path(run_dir) / script_name(attempt)
     write_accelerate_config(run_dir)                 # the nodes' accelerate launch reads no user default config
-    p.write_text(sbatch_script(cfg, run_dir, attempt, resume)); p.chmod(0o755)
+    p.write_text(sbatch_script(cfg, run_dir, attempt, resume))
+    p.chmod(0o755)
     out = slurm("sbatch", "--parsable", str(p)).strip()
     job = out.splitlines()[-1].split(";")[0] if out else ""
     if not job.isdigit(): raise SlurmError(f"sbatch accepted {p} but printed no job id: {out!r}")
@@ -249,7 +265,8 @@ def parse_scontrol(line: str) -> dict:
 # %% ../nbs/50_slurm.ipynb #b94ac7c1
 def job_info(job_id) -> dict | None:
     "`scontrol show job` of `job_id` as a dict (JobState, Reason, NodeList, ExitCode, ...); None once SLURM forgot it."
-    if shutil.which("scontrol") is None: raise SlurmError("`scontrol` is not on PATH: this machine cannot ask SLURM about jobs.")
+    if shutil.which("scontrol") is None:
+        raise SlurmError("`scontrol` is not on PATH: this machine cannot ask SLURM about jobs.")
     r = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         if "Invalid job id" in r.stderr or "Invalid job id" in r.stdout: return None
@@ -269,11 +286,13 @@ def node_reports(run_dir, attempt) -> list:
 
 # %% ../nbs/50_slurm.ipynb #1560c6d7
 def failure_cause(reports, records=None) -> dict | None:
-    "The report of the rank that caused the failure (`records`: the ranks' own accounts, `{rank: record}`): `cause_of`'s rules."
+    """The report of the rank that caused the failure (`records`: the ranks' own accounts, `{rank: record}`):
+    `cause_of`'s rules."""
     return cause_of(reports, records or {})
 
 # %% ../nbs/50_slurm.ipynb #7b231e14
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE",
          "SPECIAL_EXIT", "REVOKED"}
 _WHY = {"TIMEOUT": "reached its time limit ({TimeLimit})", "NODE_FAIL": "lost a node of {NodeList} (SLURM: {Reason})",
         "PREEMPTED": "was preempted (slurm.requeue is off)", "OUT_OF_MEMORY": "ran out of memory",
@@ -285,22 +304,28 @@ def classify_job(job, info, events, header_seen, stop_requested, forced=False, t
     `time_limit`: the stop request came from SLURM's signal before the time limit)."""
     state = (info or {}).get("JobState", "").split()[0] if info else None
     if state is not None and state not in ENDED:
-        if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"): return State.queued, info.get("Reason")
+        if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"):
+            return State.queued, info.get("Reason")
         return (State.running if header_seen else State.starting), None
     kinds = {e.get("event") for e in events}
     if Event.completed in kinds and state in (None, "COMPLETED"): return State.completed, None
     if Event.stopped in kinds and time_limit:
         ck = [e for e in events if e.get("event") == Event.checkpoint]
         saved = f"saved checkpoint {Path(ck[-1]['path']).name} first" if ck and ck[-1].get("path") else "stopped"
-        step = next((e.get("step") for e in reversed(events) if e.get("event") == Event.stopped and e.get("step")), None)
-        return State.failed, (f"SLURM job {job} reached its time limit ({(info or {}).get('TimeLimit', '?')}): told before it, "
-                              f"every rank {saved}" + (f" at step {step}" if step else "") + "; resume() continues it")
+        step = next((e.get("step") for e in reversed(events) if e.get("event") == Event.stopped and e.get("step")),
+                    None)
+        return State.failed, (f"SLURM job {job} reached its time limit ({(info or {}).get('TimeLimit', '?')}): told "
+                              f"before it, every rank {saved}" + (f" at step {step}" if step
+                                                                  else "") + "; resume() continues it")
     if Event.stopped in kinds: return State.cancelled, "stopped on request"
     if state == "CANCELLED":
         if stop_requested:
-            return State.cancelled, "stopped on request" + (" (SLURM job cancelled after the grace period)" if forced else "")
+            return State.cancelled, "stopped on request" + (" (SLURM job cancelled after the grace period)" if forced
+                                                            else "")
         return State.cancelled, f"SLURM job {job} was cancelled outside ilab_nb (scancel or an administrator)"
-    if state in _WHY: return State.failed, f"SLURM job {job} " + _WHY[state].format(**{"TimeLimit": "?", "NodeList": "?", "Reason": "?", **info})
+    if state in _WHY:
+        return State.failed, f"SLURM job {job} " + _WHY[state].format(**{"TimeLimit": "?", "NodeList": "?",
+                                                                         "Reason": "?", **info})
     if state is None:
         return State.failed, f"SLURM job {job} is no longer known to SLURM and the run recorded no outcome"
     return State.failed, f"SLURM job {job} ended {state} (exit code {info.get('ExitCode', '?')})"
@@ -365,9 +390,11 @@ def _finish(store, run_id, status, why, job_id=None, job_state=None, events=(), 
     if status == State.failed and str(job_state or "").startswith("NODE_FAIL"):
         lost = failed_nodes((info or {}).get("NodeList"))
         if lost:
-            why = f"SLURM job {job_id} lost node " + ", ".join(f"{n} ({st}" + (f": {r})" if r else ")") for n, st, r in lost)
+            why = f"SLURM job {job_id} lost node " + ", ".join(f"{n} ({st}" + (f": {r})" if r else ")") for n, st,
+                                                               r in lost)
             fields = dict(failed_node=lost[0][0], failed_rank=None)
-        why, more = _failure_fields(rd, run_id, why, job_id, (), None)   # the node is the cause, not the ranks it took down
+        # the node is the cause, not the ranks it took down
+        why, more = _failure_fields(rd, run_id, why, job_id, (), None)
         fields = {**more, **fields}
     elif status == State.failed:
         why, fields = _failure_fields(rd, run_id, why, job_id, events, attempt)
@@ -375,7 +402,8 @@ def _finish(store, run_id, status, why, job_id=None, job_state=None, events=(), 
     try: st = store.write_state(run_id, status=status, job_state=job_state, pending_reason=None, **fields)
     except StateError: return store.read_state(run_id)
     _write_report(store.run_dir(run_id), st)
-    store.append_event(run_id, status, job_id=job_id, by=f"observer pid {os.getpid()}", **({"reason": why} if why else {}))
+    store.append_event(run_id, status, job_id=job_id, by=f"observer pid {os.getpid()}",
+                       **({"reason": why} if why else {}))
     return st
 
 def _write_report(run_dir, state: dict):
@@ -388,25 +416,31 @@ def _write_report(run_dir, state: dict):
 # %% ../nbs/50_slurm.ipynb #8bc3f2c7
 def _scancel_after_grace(store, run_id, st: dict, job, attempt, stop: dict) -> dict:
     "`scancel` a running job asked to stop once the stop's grace period is over; returns the state (`forced` then)."
-    grace = float(stop.get("grace_s") if stop.get("grace_s") is not None else os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
+    grace = float(stop.get("grace_s") if stop.get("grace_s") is not None else os.environ.get("ILAB_NB_STOP_GRACE_S",
+            STOP_GRACE_S))
     if time.time() - float(stop.get("time", 0)) <= grace: return st
     slurm("scancel", str(job), check=False)
     st = store.write_state(run_id, forced=True, scancel_at=time.time())
-    store.append_event(run_id, Event.scancel, attempt=attempt, job_id=job, reason="no exit within the stop grace period")
+    store.append_event(run_id, Event.scancel, attempt=attempt, job_id=job, reason="no exit within the stop grace "
+                                                                                  "period")
     return st
 
 # %% ../nbs/50_slurm.ipynb #03b2146f
 def _record_observation(store, run_id, st: dict, job, info, attempt, stop, forced) -> dict:
     state, restarts = (info or {}).get("JobState"), int(st.get("job_restarts") or 0)
-    if info and int(info.get("Restarts", "0") or 0) and st.get("requeue"):   # requeued by SLURM: the script resumes as the next attempt
-        restarts = int(info["Restarts"]); attempt = int(st["job_attempt"]) + restarts
+    # requeued by SLURM: the script resumes as the next attempt
+    if info and int(info.get("Restarts", "0") or 0) and st.get("requeue"):
+        restarts = int(info["Restarts"])
+        attempt = int(st["job_attempt"]) + restarts
     header, events = _attempt_records(store.run_dir(run_id), attempt)
     status, why = classify_job(job, info, events, header, stop is not None, forced,
                                time_limit=(stop or {}).get("by") == TIME_LIMIT_BY)
     if status in TERMINAL:
-        return _finish(store, run_id, status, why, job_id=job, job_state=state, events=events, attempt=attempt, info=info)
+        return _finish(store, run_id, status, why, job_id=job, job_state=state, events=events, attempt=attempt,
+                       info=info)
     upd = {k: v for k, v in dict(status=status, pending_reason=why if status == State.queued else None, job_state=state,
-                                  attempt=attempt, job_restarts=restarts).items() if st.get(k, 0 if k == "job_restarts" else None) != v}
+                                  attempt=attempt, job_restarts=restarts).items()
+                                  if st.get(k, 0 if k == "job_restarts" else None) != v}
     return store.write_state(run_id, **upd) if upd else st
 
 # %% ../nbs/50_slurm.ipynb #bd6acd40
@@ -415,16 +449,19 @@ def refresh_run(store: RunStore, run_id) -> dict:
     st = store.read_state(run_id)
     if st.get("status") in TERMINAL: return st
     rd, attempt, job = store.run_dir(run_id), int(st.get("attempt", 1)), st.get("job_id")
-    if job is None or int(st.get("job_attempt", 0)) + int(st.get("job_restarts") or 0) != attempt:   # being submitted right now
+    # being submitted right now
+    if job is None or int(st.get("job_attempt", 0)) + int(st.get("job_restarts") or 0) != attempt:
         if time.time() - (st.get("queued_at") or st.get("created_at") or 0) < SPAWN_GRACE_S: return st
         return _finish(store, run_id, State.failed, f"no SLURM job was recorded for attempt {attempt}")
     try: info = job_info(job)
-    except (SlurmError, OSError, subprocess.TimeoutExpired): return st     # SLURM cannot be asked from here: nothing to conclude
+    # SLURM cannot be asked from here: nothing to conclude
+    except (SlurmError, OSError, subprocess.TimeoutExpired): return st
     stop, state = _stop_request(rd), (info or {}).get("JobState")
     if stop and state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
         slurm("scancel", str(job), check=False)
         return _finish(store, run_id, State.cancelled, "stopped while queued", job_id=job)
-    if stop and state == "RUNNING" and not st.get("forced") and stop.get("by") != TIME_LIMIT_BY:   # the limit itself ends a late job
+    # the limit itself ends a late job
+    if stop and state == "RUNNING" and not st.get("forced") and stop.get("by") != TIME_LIMIT_BY:
         st = _scancel_after_grace(store, run_id, st, job, attempt, stop)
     return _record_observation(store, run_id, st, job, info, attempt, stop, bool(st.get("forced")))
 
@@ -433,12 +470,17 @@ def submit_attempt(store: RunStore, run_id, cfg: TrainConfig, attempt=1, resume=
     "Submit attempt `attempt` of SLURM run `run_id` and record its job id; returns the job id."
     rd = store.run_dir(run_id)
     store.write_state(run_id, backend="slurm")
-    try: gate(rd, Action.write, "submit it", trust_owner=True)   # SLURM would write its output through a link (its owner: judged by start/resume)
-    except RunDirLinkError as e: _finish(store, run_id, State.failed, f"Run {run_id} failed: {e}"); raise
+    # SLURM would write its output through a link (its owner: judged by start/resume)
+    try: gate(rd, Action.write, "submit it", trust_owner=True)
+    except RunDirLinkError as e:
+        _finish(store, run_id, State.failed, f"Run {run_id} failed: {e}")
+        raise
     try: job = submit(cfg, rd, attempt, resume)
     except SlurmError as e:
-        _finish(store, run_id, State.failed, f"Run {run_id} failed: it could not be submitted: {e}"); raise
-    store.write_state(run_id, job_id=job, job_attempt=attempt, job_restarts=0, requeue=bool(cfg.slurm and cfg.slurm.requeue),
+        _finish(store, run_id, State.failed, f"Run {run_id} failed: it could not be submitted: {e}")
+        raise
+    store.write_state(run_id, job_id=job, job_attempt=attempt, job_restarts=0,
+                      requeue=bool(cfg.slurm and cfg.slurm.requeue),
                       sbatch_script=script_name(attempt), pending_reason=None)
     store.append_event(run_id, Event.submitted, attempt=attempt, job_id=job, script=script_name(attempt))
     return job

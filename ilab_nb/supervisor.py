@@ -24,13 +24,15 @@ class RunSupervisor(Supervisor):
 # %% ../nbs/64_supervisor.ipynb #2457538c
 @patch
 def _start_evaluation(self:RunSupervisor) -> dict:
-    "`{evaluation: id}` of the evaluation of `eval_tasks` queued now, or `{eval_error: why}`; `{}` without `eval_tasks`."
+    """`{evaluation: id}` of the evaluation of `eval_tasks` queued now, or `{eval_error: why}`; `{}` without
+    `eval_tasks`."""
     cfg = read_json(self.paths.config_for(self.attempt), {}) or {}
     if not cfg.get("eval_tasks"): return {}
     try:
         from ilab_nb.session import FineTuneSession
         from ilab_nb.evaluation import start_evaluation
-        return {"evaluation": start_evaluation(FineTuneSession.attach(self.run_id, self.store.root), cfg["eval_tasks"]).eval_id}
+        return {"evaluation": start_evaluation(FineTuneSession.attach(self.run_id, self.store.root),
+                                               cfg["eval_tasks"]).eval_id}
     except Exception as e:
         log_note(f"the evaluation of eval_tasks was not started: {type(e).__name__}: {e}")
         return {"eval_error": f"{type(e).__name__}: {e}"}
@@ -39,7 +41,8 @@ def _start_evaluation(self:RunSupervisor) -> dict:
 @patch
 def _write_report(self:RunSupervisor, status, fields: dict):
     "The run's `report.html` as it ends, showing the final state about to be written (never fails the caller)."
-    if not self.run_dir.exists() or read_json(self.paths.config, {}).get("kind") == "eval": return   # an evaluation's: its run's
+    # an evaluation's: its run's
+    if not self.run_dir.exists() or read_json(self.paths.config, {}).get("kind") == "eval": return
     try:
         from ilab_nb.record import write_report
         st = {**self.store.read_state(self.run_id), **self.pending, **fields, "status": status}
@@ -50,10 +53,15 @@ def _write_report(self:RunSupervisor, status, fields: dict):
 def main(argv=None) -> int:
     "Supervise one attempt of the run in `run_dir` to its end; the exit code."
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.supervisor",
-                                 description="Supervise one attempt of a run (started detached by FineTuneSession.start).")
-    ap.add_argument("run_dir"); ap.add_argument("--attempt", type=int, default=1); ap.add_argument("--resume")
-    ap.add_argument("--no-queue", action="store_true"); ap.add_argument("--grace", type=float)
-    ap.add_argument("--locks"); ap.add_argument("--worker-module", default="ilab_nb.worker")
+                                 description="Supervise one attempt of a run (started detached by "
+                                             "FineTuneSession.start).")
+    ap.add_argument("run_dir")
+    ap.add_argument("--attempt", type=int, default=1)
+    ap.add_argument("--resume")
+    ap.add_argument("--no-queue", action="store_true")
+    ap.add_argument("--grace", type=float)
+    ap.add_argument("--locks")
+    ap.add_argument("--worker-module", default="ilab_nb.worker")
     a = ap.parse_args(argv)
     sup = RunSupervisor(a.run_dir, a.attempt, a.resume, queue=not a.no_queue, grace_s=a.grace, locks=a.locks,
                         worker_module=a.worker_module)
@@ -71,7 +79,9 @@ def _sweep_report(paths):
 # %% ../nbs/64_supervisor.ipynb #aa0fd135
 def _exit(code: int):
     "Flush and leave now (`os._exit`): the run's state is final."
-    try: sys.stdout.flush(); sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
     except OSError: pass
     os._exit(code)
 

@@ -33,8 +33,10 @@ def sweep_axes(fields: dict, grid: dict | None = None) -> tuple[dict, dict]:
         if k in TrainConfig.model_fields and isinstance(v, (list, tuple)) and not _takes_list(k): axes[k] = list(v)
         else: common[k] = v
     for k, v in (grid or {}).items():
-        if k in axes or k in common: raise ValueError(f"sweep: '{k}' is given both as a field and in grid=; give it once")
-        if not isinstance(v, (list, tuple)): raise ValueError(f"sweep: grid['{k}'] must be a list of values, got {type(v).__name__}")
+        if k in axes or k in common:
+            raise ValueError(f"sweep: '{k}' is given both as a field and in grid=; give it once")
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"sweep: grid['{k}'] must be a list of values, got {type(v).__name__}")
         axes[k] = list(v)
     for k, v in axes.items():
         if not v: raise ValueError(f"sweep: '{k}' has an empty list of values; give at least one")
@@ -52,20 +54,25 @@ def run_fields(common: dict, values: dict) -> dict:
     out = dict(common)
     for k, v in values.items():
         head, dot, key = k.partition(".")
-        if not dot: out[k] = v; continue
+        if not dot:
+            out[k] = v
+            continue
         if head not in TrainConfig.model_fields: raise ValueError(f"sweep: '{k}' names no config field '{head}'")
         base = out.get(head) or {}
-        if not isinstance(base, dict): base = base.model_dump(exclude_unset=True) if hasattr(base, "model_dump") else dict(base)
+        if not isinstance(base, dict):
+            base = base.model_dump(exclude_unset=True) if hasattr(base, "model_dump") else dict(base)
         out[head] = {**base, key: v}
     return out
 
 # %% ../nbs/62_sweep.ipynb #ddabffec
 def run_summary(monitor: RunMonitor) -> dict:
-    """Final train/eval loss, best eval loss and its step, mean tokens/s and steps of one run, from its records; and what
+    """Final train/eval loss, best eval loss and its step, mean tokens/s and steps of one run, from its records; and
+    what
     its method measures besides at the last evaluation (DPO: accuracy and margin; plain text: perplexity)."""
     monitor.poll()
     tr, ev = monitor.train_records, monitor.eval_records
-    best = min((r for r in ev if isinstance(r.get("eval_loss"), (int, float))), key=lambda r: r["eval_loss"], default=None)
+    best = min((r for r in ev if isinstance(r.get("eval_loss"), (int, float))), key=lambda r: r["eval_loss"],
+               default=None)
     tps = [r["tokens_per_s"] for r in tr if isinstance(r.get("tokens_per_s"), (int, float))]
     return dict(step=tr[-1]["step"] if tr else None, final_loss=tr[-1].get("loss") if tr else math.nan,
                 final_eval_loss=ev[-1].get("eval_loss") if ev else math.nan,
@@ -86,7 +93,8 @@ class Sweep:
     "A grid of fine-tuning runs queued together: `sessions`, `results()`, `dashboard()`, `stop()`, `attach()`."
     def __init__(self, sweep_id: str, spec: dict, sessions: list, runs_root=None):
         self.sweep_id, self.spec, self.sessions = sweep_id, spec, sessions
-        self.store = RunStore(runs_root); self.dir = sweeps_dir(self.store.root) / sweep_id
+        self.store = RunStore(runs_root)
+        self.dir = sweeps_dir(self.store.root) / sweep_id
 
     @property
     def axes(self) -> dict: return self.spec["axes"]
@@ -117,20 +125,25 @@ def create(cls:Sweep, model=None, data=None, *, grid=None, config=None, runs_roo
     sweep_id = new_run_id(name or "sweep")
     sessions = []
     for i, values in enumerate(combos):
-        try: sessions.append(FineTuneSession(model, data, config=config, runs_root=runs_root, run_id=f"{sweep_id}-{i:02d}",
-                                             **run_fields(common, values)))
+        try:
+            sessions.append(FineTuneSession(model, data, config=config, runs_root=runs_root,
+                                            run_id=f"{sweep_id}-{i:02d}",
+                                            **run_fields(common, values)))
         except Exception as e:
-            raise _named_error(e, f"sweep combination {i} ({', '.join(f'{k}={v!r}' for k, v in values.items())})") from None
+            raise _named_error(e, f"sweep combination {i} "
+                                  f"({', '.join(f'{k}={v!r}' for k, v in values.items())})") from None
     spec = dict(sweep_id=sweep_id, created_at=time.time(), by=f"pid {os.getpid()} on {socket.gethostname()}",
                 axes=axes, runs=[dict(run_id=s.run_id, values=v) for s, v in zip(sessions, combos)])
-    d = sweeps_dir(runs_root) / sweep_id; d.mkdir(parents=True)
+    d = sweeps_dir(runs_root) / sweep_id
+    d.mkdir(parents=True)
     write_json_atomic(d / "sweep.json", spec)
     for s in sessions: s.start()
     return cls(sweep_id, spec, sessions, runs_root)
 
 # %% ../nbs/62_sweep.ipynb #05b2007c
 @patch(cls_method=True)
-def sweep(cls:FineTuneSession, model=None, data=None, *, grid=None, config=None, runs_root=None, name=None, **fields) -> Sweep:
+def sweep(cls:FineTuneSession, model=None, data=None, *, grid=None, config=None, runs_root=None, name=None,
+          **fields) -> Sweep:
     "Queue one run per combination of the fields given as lists (`learning_rate=[1e-4, 3e-4]`); returns a `Sweep`."
     return Sweep.create(model, data, grid=grid, config=config, runs_root=runs_root, name=name, **fields)
 
@@ -138,7 +151,8 @@ def sweep(cls:FineTuneSession, model=None, data=None, *, grid=None, config=None,
 @patch
 @gated(Action.code, doing="fork it")
 def fork_sweep(self:FineTuneSession, step=None, *, grid=None, name=None, trust_owner: bool = False, **fields) -> Sweep:
-    "A `Sweep` of forks from this run's checkpoint at `step` (default: the latest), one per combination of the listed fields."
+    """A `Sweep` of forks from this run's checkpoint at `step` (default: the latest), one per combination of the listed
+    fields."""
     axes, common = sweep_axes(fields, grid)
     combos = sweep_combinations(axes)
     ck, base = self.checkpoint_at(step)
@@ -149,9 +163,11 @@ def fork_sweep(self:FineTuneSession, step=None, *, grid=None, name=None, trust_o
     spec = dict(sweep_id=sweep_id, created_at=time.time(), by=f"pid {os.getpid()} on {socket.gethostname()}", axes=axes,
                 forked_from=dict(run_id=self.run_id, step=ck["step"]),
                 runs=[dict(run_id=f"{sweep_id}-{i:02d}", values=v) for i, v in enumerate(combos)])
-    d = sweeps_dir(self.store.root) / sweep_id; d.mkdir(parents=True)
+    d = sweeps_dir(self.store.root) / sweep_id
+    d.mkdir(parents=True)
     write_json_atomic(d / "sweep.json", spec)
-    sessions = [self.fork(ck["step"], run_id=r["run_id"], trust_owner=trust_owner, **run_fields(common, r["values"])) for r in spec["runs"]]
+    sessions = [self.fork(ck["step"], run_id=r["run_id"], trust_owner=trust_owner, **run_fields(common, r["values"]))
+                for r in spec["runs"]]
     return Sweep(sweep_id, spec, sessions, self.store.root)
 
 
@@ -176,13 +192,14 @@ def _read_spec(path: Path) -> dict:
     "The sweep's `sweep.json`; a `ValueError` that says it is unreadable or incomplete (never 'no sweep')."
     try: spec = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"Sweep {path.parent.name}: {path} is unreadable ({type(e).__name__}: {e}); its runs are still "
-                         f"there: FineTuneSession.list_runs() lists them (their ids start with {path.parent.name}-).") from None
+        raise ValueError(f"Sweep {path.parent.name}: {path} is unreadable ({type(e).__name__}: {e}); its runs are "
+                         f"still there: FineTuneSession.list_runs() lists them (their ids start with "
+                         f"{path.parent.name}-).") from None
     runs = spec.get("runs") if isinstance(spec, dict) else None
     if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("run_id"), str) for r in runs) \
             or not isinstance(spec.get("axes"), dict):
-        raise ValueError(f"Sweep {path.parent.name}: {path} is incomplete (it needs 'axes' and 'runs' with a run_id each); "
-                         f"its runs are still there: FineTuneSession.list_runs() lists them.")
+        raise ValueError(f"Sweep {path.parent.name}: {path} is incomplete (it needs 'axes' and 'runs' with a run_id "
+                         f"each); its runs are still there: FineTuneSession.list_runs() lists them.")
     for r in runs: r.setdefault("values", {})
     return spec
 
@@ -192,9 +209,11 @@ def attach(cls:Sweep, sweep_id: str, runs_root=None) -> Sweep:
     d, store = sweeps_dir(runs_root) / validate_run_id(sweep_id), RunStore(runs_root)
     if not (d / "sweep.json").exists():
         known = sorted(p.name for p in sweeps_dir(runs_root).glob("*") if (p / "sweep.json").exists())[-5:]
-        raise FileNotFoundError(f"No sweep {sweep_id!r} in {d.parent}" + (f"; recent sweeps: {', '.join(known)}." if known else "."))
+        raise FileNotFoundError(f"No sweep {sweep_id!r} in {d.parent}" + (f"; recent sweeps: {', '.join(known)}."
+                                                                          if known else "."))
     spec = _read_spec(d / "sweep.json")
-    runs = [FineTuneSession.attach(r["run_id"], runs_root) if store.run_dir(r["run_id"]).is_dir() else MissingRun(r["run_id"], store)
+    runs = [FineTuneSession.attach(r["run_id"], runs_root) if store.run_dir(r["run_id"]).is_dir()
+            else MissingRun(r["run_id"], store)
             for r in spec["runs"]]
     return cls(sweep_id, spec, runs, runs_root)
 
@@ -207,12 +226,14 @@ def list_sweeps(cls:Sweep, runs_root=None) -> list:
 # %% ../nbs/62_sweep.ipynb #5e0114f6
 @patch
 def results(self:Sweep):
-    "A pandas DataFrame, one row per run: run id, the varied fields, status, final/best losses, tokens/s, evaluation scores."
+    """A pandas DataFrame, one row per run: run id, the varied fields, status, final/best losses, tokens/s, evaluation
+    scores."""
     import pandas as pd
     from ilab_nb.evaluations import latest_scores
     rows = []
     for s, r in zip(self.sessions, self.spec["runs"]):
-        rows.append(dict(run_id=s.run_id, **r["values"], status=s.status, **run_summary(s.monitor), **latest_scores(s.run_dir)))
+        rows.append(dict(run_id=s.run_id, **r["values"], status=s.status, **run_summary(s.monitor),
+                         **latest_scores(s.run_dir)))
     return pd.DataFrame(rows)
 
 # %% ../nbs/62_sweep.ipynb #0f2eff60
@@ -222,9 +243,12 @@ def wait(self:Sweep, timeout=None, poll_s: float = 1.0) -> list:
     t0 = time.time()
     while True:
         st = [s.status for s in self.sessions]
-        if all(_ended(x) for x in st): finalize_displays(self.sweep_id, run_views_only=True); return st
+        if all(_ended(x) for x in st):
+            finalize_displays(self.sweep_id, run_views_only=True)
+            return st
         if timeout is not None and time.time() - t0 > timeout:
-            raise TimeoutError(f"Sweep {self.sweep_id}: {sum(not _ended(x) for x in st)} run(s) still going after {timeout} s.")
+            raise TimeoutError(f"Sweep {self.sweep_id}: {sum(not _ended(x) for x in st)} run(s) still going after "
+                               f"{timeout} s.")
         time.sleep(poll_s)
 
 # %% ../nbs/62_sweep.ipynb #4d8b5024
@@ -233,14 +257,16 @@ def stop(self:Sweep, wait: bool = True, timeout=None, grace_s=None) -> list:
     """Ask every run to stop (queued ones are cancelled, running ones checkpoint first); returns their statuses.
     `timeout` and `grace_s` are `FineTuneSession.stop`'s, for each run."""
     for s in self.sessions: s.stop(wait=False, grace_s=grace_s)
-    return [s.stop(wait=True, timeout=timeout, grace_s=grace_s) for s in self.sessions] if wait else [s.status for s in self.sessions]
+    return [s.stop(wait=True, timeout=timeout, grace_s=grace_s) for s in self.sessions] if wait else [s.status
+            for s in self.sessions]
 
 # %% ../nbs/62_sweep.ipynb #f267fcd1
 @patch
 def compare(self:Sweep, **kwargs):
     "The runs' loss curves overlaid (`ilab_nb.compare.compare`), labelled by their varied values."
     from ilab_nb.compare import compare
-    pairs = [(s, r) for s, r in zip(self.sessions, self.spec["runs"]) if s.status != MISSING]   # a deleted run has no curve
+    # a deleted run has no curve
+    pairs = [(s, r) for s, r in zip(self.sessions, self.spec["runs"]) if s.status != MISSING]
     labels = [", ".join(f"{k}={v}" for k, v in r["values"].items()) for _, r in pairs]
     return compare([s for s, _ in pairs], labels=labels, **kwargs)
 
@@ -250,7 +276,8 @@ def _table_row(s, values: dict) -> list:
     from ilab_nb.dashboard import STATUS_COLOURS, format_number
     st, pr, sm = s.status, s.progress(), run_summary(s.monitor)
     return [s.run_id, *(str(v) for v in values.values()),      # text, escaped where the row is built
-            html_of("<b style='color:{}'>{}</b>", STATUS_COLOURS.get(st, '#5f6368'), st), f"{pr['step'] or 0}/{pr['total_steps'] or '?'}",
+            html_of("<b style='color:{}'>{}</b>", STATUS_COLOURS.get(st, '#5f6368'), st),
+            f"{pr['step'] or 0}/{pr['total_steps'] or '?'}",
             format_number(pr["loss"], ".4f"), format_number(sm["best_eval_loss"], ".4f")]
 
 # %% ../nbs/62_sweep.ipynb #e021d2e7
@@ -262,7 +289,8 @@ def sweep_table_html(sweep: Sweep) -> str:
     rows = [html_of("<tr>{}</tr>", html_join(html_of(_ROW, c) for c in _table_row(s, r["values"])))
             for s, r in zip(sweep.sessions, sweep.spec["runs"])]
     return html_of("<table style='border-collapse:collapse;font-size:13px'><tr>{}</tr>{}</table>",
-                   html_join(html_of("<th style='padding:2px 10px;text-align:left'>{}</th>", h) for h in head), html_join(rows))
+                   html_join(html_of("<th style='padding:2px 10px;text-align:left'>{}</th>", h) for h in head),
+                   html_join(rows))
 
 # %% ../nbs/62_sweep.ipynb #8eceee70
 class SweepDashboard(W.VBox):
@@ -273,7 +301,8 @@ class SweepDashboard(W.VBox):
         self.sweep, self.refresh_s, self._n, self.going = sweep, refresh_s, None, True
         self.refresher = Refresher(self.update, lambda: not self.going, lambda h: setattr(self.message, "value", h),
                                    refresh_s, name=f"ilab-sweep-{sweep.sweep_id}")
-        self.title = W.HTML(html_of("<b>Sweep {}</b> — {} runs over {}", sweep.sweep_id, len(sweep.sessions), ", ".join(sweep.axes)))
+        self.title = W.HTML(html_of("<b>Sweep {}</b> — {} runs over {}", sweep.sweep_id, len(sweep.sessions),
+                                    ", ".join(sweep.axes)))
         self.table, self.message = W.HTML(), W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px"))
         self.stop_button = W.Button(description="Stop all", icon="stop", button_style="danger")
@@ -289,7 +318,8 @@ def update(self:SweepDashboard) -> bool:
     self.table.value = sweep_table_html(self.sweep)
     n = sum(len(s.monitor.records) for s in self.sweep.sessions)
     if n != self._n:
-        self._n = n; self.image.value = self.sweep.compare().png()
+        self._n = n
+        self.image.value = self.sweep.compare().png()
     self.going = any(not _ended(s.status) for s in self.sweep.sessions)
     self.stop_button.layout.display = None if self.going else "none"
     return self.going
@@ -318,18 +348,21 @@ def sweep_record_html(sweep: Sweep) -> str:
     "The sweep's record as one HTML fragment: its title, the per-run table and the overlaid loss curves inlined."
     from ilab_nb.record import _img
     ended = all(_ended(s.status) for s in sweep.sessions)
-    head = html_of("<div style='font-size:14px;margin-bottom:6px'><b>Sweep {id}</b> — {n} runs over {axes}{going} · from any "
-                   "kernel: <code>Sweep.attach(\"{id}\")</code></div>", id=sweep.sweep_id, n=len(sweep.sessions),
+    head = html_of("<div style='font-size:14px;margin-bottom:6px'><b>Sweep {id}</b> — {n} runs over {axes}{going} · "
+                   "from any kernel: <code>Sweep.attach(\"{id}\")</code></div>", id=sweep.sweep_id,
+                   n=len(sweep.sessions),
                    axes=", ".join(sweep.axes), going="" if ended else " (some still going)")
     have = [s for s in sweep.sessions if not isinstance(s, MissingRun) and s.monitor.records]
     plot = _img(sweep.compare().png(), f"loss of sweep {sweep.sweep_id}") if have else ""
-    return html_of("<div class='ilab-sweep-record' style='max-width:940px;font-family:system-ui,-apple-system,sans-serif'>{}{}{}</div>",
+    return html_of("<div class='ilab-sweep-record' "
+                   "style='max-width:940px;font-family:system-ui,-apple-system,sans-serif'>{}{}{}</div>",
                    head, sweep_table_html(sweep), plot)
 
 @patch
 def record_bundle(self:Sweep) -> dict:
     "The MIME bundle of the sweep's record: `text/html` and `text/plain` (no widget view)."
-    return {"text/html": sweep_record_html(self), "text/plain": repr(self) + "\n" + self.results().to_string(index=False)}
+    return {"text/html": sweep_record_html(self),
+            "text/plain": repr(self) + "\n" + self.results().to_string(index=False)}
 
 @patch
 def report(self:Sweep):
@@ -343,7 +376,8 @@ def report(self:Sweep):
 def report_if_last(run_dir) -> Path | None:
     "Write the sweep report of the sweep `run_dir` belongs to, if every run of it has ended; its path, else None."
     from filelock import FileLock
-    run_dir = Path(run_dir); spec = RunPaths(run_dir).sweep_spec
+    run_dir = Path(run_dir)
+    spec = RunPaths(run_dir).sweep_spec
     if spec is None or run_dir.name not in [r["run_id"] for r in _read_spec(spec)["runs"]]: return None
     d, sid = spec.parent, spec.parent.name
     with FileLock(str(d / ".report.lock")):

@@ -21,7 +21,8 @@ def token_stream(texts: list, tokenizer) -> tuple[list, list]:
     if eos is None: raise ValueError("the tokenizer has no eos_token: a document's end cannot be marked; set one")
     ids, starts = [], []
     for enc in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
-        starts.append(len(ids)); ids += list(enc) + [eos]
+        starts.append(len(ids))
+        ids += list(enc) + [eos]
     return ids, starts
 
 # %% ../nbs/23_text.ipynb #ac7f252c
@@ -46,9 +47,11 @@ def build(self:TextSFT, records: list, tokenizer, cache_dir=None) -> tuple:
     rows, stats = pack_rows(ids, starts, self.cfg.max_seq_len)
     ds = datasets.Dataset.from_dict(dict(input_ids=rows, labels=rows, length=[len(r) for r in rows],
                                          num_loss_tokens=[len(r) - 1 for r in rows]))
-    stats.update(samples=len(rows), records=len(records), max_seq_len=self.cfg.max_seq_len, loss_tokens=len(ids) - len(rows),
+    stats.update(samples=len(rows), records=len(records), max_seq_len=self.cfg.max_seq_len,
+                 loss_tokens=len(ids) - len(rows),
                  note=f"{len(records):,} documents packed into {len(rows):,} rows of {self.cfg.max_seq_len:,} tokens "
-                      f"({100 * stats['packing_efficiency']:.1f} % real), {stats['split_documents']:,} split across rows")
+                      f"({100 * stats['packing_efficiency']:.1f} % real), {stats['split_documents']:,} split across "
+                      f"rows")
     return ds, stats
 
 # %% ../nbs/23_text.ipynb #27bf767a

@@ -15,7 +15,8 @@ __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTra
            'wandb_dir', 'WandbTracker', 'TrackedWriter', 'record_tracker_error', 'tracker_notes', 'open_trackers']
 
 # %% ../nbs/30_trackers.ipynb #d84537eb
-_DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+_DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+             "logps/rejected")
 _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch") + _DPO_KEYS
 _EVAL_KEYS = ("loss", "perplexity") + _DPO_KEYS
 
@@ -23,8 +24,11 @@ def record_scalars(rec: dict) -> dict:
     "The `{name: value}` scalars a tracker logs for one metrics record (empty for headers and events)."
     k = rec.get("kind")
     if k == "train": return {f"train/{n}": float(rec[n]) for n in _TRAIN_KEYS if isinstance(rec.get(n), (int, float))}
-    if k == "eval": return {f"eval/{n}": float(rec[f"eval_{n}"]) for n in _EVAL_KEYS if isinstance(rec.get(f"eval_{n}"), (int, float))}
-    if k == "samples" and isinstance(rec.get("seconds"), (int, float)): return {"eval/samples_seconds": float(rec["seconds"])}
+    if k == "eval":
+        return {f"eval/{n}": float(rec[f"eval_{n}"]) for n in _EVAL_KEYS if isinstance(rec.get(f"eval_{n}"),
+                (int, float))}
+    if k == "samples" and isinstance(rec.get("seconds"), (int, float)):
+        return {"eval/samples_seconds": float(rec["seconds"])}
     return {}
 
 # %% ../nbs/30_trackers.ipynb #0e42cffd
@@ -71,7 +75,8 @@ def log(self:TensorBoardTracker, rec: dict):
 def finish(self:TensorBoardTracker, status: str, final_path=None):
     if self.w is None: return
     if final_path: self.w.add_text("final_model_path", str(final_path))
-    self.w.close(); self.w = None
+    self.w.close()
+    self.w = None
 
 # %% ../nbs/30_trackers.ipynb #16c28419
 def mlflow_tracking_uri(run_dir) -> str:
@@ -113,15 +118,18 @@ class MLflowTracker:
         self.uri = mlflow_tracking_uri(paths.root)
         if self.uri.startswith("file:"): os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=self.uri)
-        self.run_id = _resumed_run(self.client, self.uri, paths.mlflow_run) or _new_run(self.client, self.uri, paths, config)
+        self.run_id = _resumed_run(self.client, self.uri, paths.mlflow_run) or _new_run(self.client, self.uri, paths,
+                config)
 
 # %% ../nbs/30_trackers.ipynb #49b57056
 @patch
 def log(self:MLflowTracker, rec: dict):
     from mlflow.entities import Metric
     sc = record_scalars(rec)
-    if sc: self.client.log_batch(self.run_id, metrics=[Metric(k, v, int(rec.get("time", time.time()) * 1000), int(rec.get("step") or 0))
-                                                      for k, v in sc.items()])
+    if sc:
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, int(rec.get("time", time.time()) * 1000),
+                                                           int(rec.get("step") or 0))
+                                                   for k, v in sc.items()])
 
 # %% ../nbs/30_trackers.ipynb #d54b5076
 _MLFLOW_STATUS = {Event.completed: "FINISHED", Event.stopped: "KILLED", Event.failed: "FAILED"}
@@ -153,7 +161,8 @@ class WandbTracker:
 def log(self:WandbTracker, rec: dict):
     data = dict(record_scalars(rec))
     if rec.get("kind") == "samples" and rec.get("samples"):
-        data["samples"] = self.wandb.Table(columns=["prompt", "answer"], data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
+        data["samples"] = self.wandb.Table(columns=["prompt", "answer"],
+                                           data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
     if data: self.run.log(data, step=int(rec.get("step") or 0))
 
 @patch
@@ -173,19 +182,22 @@ class TrackedWriter:
 
 # %% ../nbs/30_trackers.ipynb #23830699
 def record_tracker_error(paths: RunPaths, tracker: str, error: str, step=None) -> bool:
-    "Add `{tracker, error, step, time}` to `tracker_errors` in the run's state; False when it has no state or its state is final."
+    """Add `{tracker, error, step, time}` to `tracker_errors` in the run's state; False when it has no state or its
+    state is final."""
     from ilab_nb.runstore import RunStore, StateError
     if not paths.state.exists(): return False
     store = RunStore(paths.root.parent)
     try:
         prev = store.read_state(paths.run_id).get("tracker_errors") or []
-        store.write_state(paths.run_id, tracker_errors=prev + [dict(tracker=tracker, error=error, step=step, time=time.time())])
+        store.write_state(paths.run_id, tracker_errors=prev + [dict(tracker=tracker, error=error, step=step,
+                                                                    time=time.time())])
         return True
     except (StateError, OSError): return False
 
 def tracker_notes(state: dict) -> list[str]:
     "One sentence per tracker that broke during the run, from its state's `tracker_errors`."
-    return [f"{e.get('tracker')} broke" + (f" at step {e['step']}" if e.get("step") is not None else " at the run's set-up")
+    return [f"{e.get('tracker')} broke" + (f" at step {e['step']}" if e.get("step") is not None
+                                           else " at the run's set-up")
             + f" ({e.get('error')}); it got no more records (metrics.jsonl has them all)"
             for e in (state or {}).get("tracker_errors") or [] if isinstance(e, dict)]
 
@@ -201,7 +213,8 @@ def _each(self:TrackedWriter, what, *args):
     for t in list(self.trackers):
         try: getattr(t, what)(*args)
         except Exception as e:
-            self.trackers.remove(t); self._broke(t.name, e)
+            self.trackers.remove(t)
+            self._broke(t.name, e)
 
 # %% ../nbs/30_trackers.ipynb #61fdc0c6
 @patch
@@ -211,12 +224,14 @@ def write(self:TrackedWriter, kind: str, **fields):
     self._each("log", dict(kind=kind, time=time.time(), **fields))
     if kind == "event" and fields.get("event") in _MLFLOW_STATUS:
         final = self.paths.final if fields["event"] == Event.completed else None
-        self._each("finish", fields["event"], final); self.trackers = []
+        self._each("finish", fields["event"], final)
+        self.trackers = []
 
 # %% ../nbs/30_trackers.ipynb #3f42297d
 @patch
 def close(self:TrackedWriter):
-    self._each("finish", Event.failed, None); self.trackers = []
+    self._each("finish", Event.failed, None)
+    self.trackers = []
     self.writer.close()
 
 # %% ../nbs/30_trackers.ipynb #0b40cc0f

@@ -28,9 +28,11 @@ from .models import model_config
 from .methods import Method
 from .text import TextSFT
 from .dpo import DPO
-from .placement import (DistEnv, init_distributed, group_timeout, machines_in_effect, checkpointing_in_effect,   # 28_placement
+# 28_placement
+from .placement import (DistEnv, init_distributed, group_timeout, machines_in_effect, checkpointing_in_effect,
                                unwrap, local_param_count, setup_model, make_optimizer, make_scheduler)
-from .checkpoints import (save_checkpoint, prune_checkpoints, load_checkpoint, retarget_schedule, write_final,   # 29_checkpoints
+# 29_checkpoints
+from .checkpoints import (save_checkpoint, prune_checkpoints, load_checkpoint, retarget_schedule, write_final,
                                  seal_final)
 
 # %% auto #0
@@ -45,9 +47,13 @@ def redirect_output(log_path):
     "Send this process's stdout and stderr (file descriptors 1 and 2) to `log_path`, appending."
     log_path = Path(log_path)
     log_path.parent.mkdir(exist_ok=True)     # never the run directory itself: a deleted run stays deleted
-    with open_append(log_path, "ab") as f: fd = os.dup(f.fileno())      # never through a link, nor into a hard link (11_rundir)
-    sys.stdout.flush(); sys.stderr.flush()
-    os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
+    # never through a link, nor into a hard link (11_rundir)
+    with open_append(log_path, "ab") as f: fd = os.dup(f.fileno())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
@@ -58,18 +64,20 @@ def training_method(cfg: TrainConfig, kind: str) -> Method:
     return next(m for m in (Method, TextSFT, DPO) if m.name == cfg.method and kind in m.kinds)(cfg)
 
 def load_data(cfg: TrainConfig, tokenizer, method: Method, cache: Path):
-    "Tokenized train and eval datasets (eval may be None) and their statistics, as `method` builds them into `cache`; no collective."
+    """Tokenized train and eval datasets (eval may be None) and their statistics, as `method` builds them into `cache`;
+    no collective."""
     records = D.load_records(cfg.data)
     if cfg.eval_data: train_r, eval_r = records, D.load_records(cfg.eval_data)
     elif cfg.eval_split > 0: train_r, eval_r = D.split_records(records, cfg.eval_split, cfg.seed)
     else: train_r, eval_r = records, []
     if eval_r and eval_r[0]["kind"] != records[0]["kind"]:
-        raise D.DataError(f"eval_data holds {D.KIND_PLURALS[eval_r[0]['kind']]}, the training data {D.KIND_PLURALS[records[0]['kind']]}; "
-                          "give both in one shape")
+        raise D.DataError(f"eval_data holds {D.KIND_PLURALS[eval_r[0]['kind']]}, the training data "
+                          f"{D.KIND_PLURALS[records[0]['kind']]}; give both in one shape")
     train, train_stats = method.build(train_r, tokenizer, cache_dir=cache / "train")
     evals, eval_stats = method.build(eval_r, tokenizer, cache_dir=cache / "eval") if eval_r else (None, None)
     if len(train) == 0: raise RuntimeError(f"No training sample is left after tokenization: {train_stats}")
-    held = dict(rows=len(eval_r), sha256=D.records_sha256(eval_r))   # in the header: an evaluation compares its own (53_evaluation)
+    # in the header: an evaluation compares its own (53_evaluation)
+    held = dict(rows=len(eval_r), sha256=D.records_sha256(eval_r))
     return train, evals, dict(train=train_stats, eval=eval_stats, **({"heldout": held} if eval_r else {}))
 
 # %% ../nbs/31_worker.ipynb #a2fe0b91
@@ -88,14 +96,16 @@ def hidden_states_out(head):
     "While inside, `head` passes its input through, so the model's `logits` are its final hidden states."
     head.forward = _identity                  # an instance attribute shadows the class's forward
     try:
-        with warnings.catch_warnings():       # FSDP2 warns that the root returns a view (the sliced hidden states); we never modify it
+        # FSDP2 warns that the root returns a view (the sliced hidden states); we never modify it
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             yield head
     finally: del head.forward
 
 # %% ../nbs/31_worker.ipynb #f646eb9c
 def model_inputs(model, batch: dict, env: DistEnv) -> dict:
-    "The forward's keyword arguments for a collated micro-batch, on the device (a packed row: with its sequence bounds)."
+    """The forward's keyword arguments for a collated micro-batch, on the device (a packed row: with its sequence
+    bounds)."""
     dev = env.device
     kw = dict(input_ids=batch["input_ids"].to(dev), position_ids=batch["position_ids"].to(dev), use_cache=False)
     if batch.get("attention_mask") is not None: kw["attention_mask"] = batch["attention_mask"].to(dev)
@@ -106,7 +116,8 @@ def model_inputs(model, batch: dict, env: DistEnv) -> dict:
 
 # %% ../nbs/31_worker.ipynb #db3bef49
 def forward_with(model, batch, env, autocast, fn):
-    "The model on a micro-batch, then `fn(out, weight)`: the final hidden states and the head's weight where the head is a plain linear map, else the logits and None."
+    """The model on a micro-batch, then `fn(out, weight)`: the final hidden states and the head's weight where the head
+    is a plain linear map, else the logits and None."""
     kw, head = model_inputs(model, batch, env), chunked_loss_head(unwrap(model))
     with autocast():
         if head is None: return fn(model(**kw).logits, None)
@@ -129,11 +140,14 @@ def _set_grad_sync(model, on: bool):
 def all_reduce_sum(t: torch.Tensor, env) -> torch.Tensor:
     "Sum a small CPU tensor over ranks (moved to the device for nccl)."
     if env.world_size == 1: return t
-    x = t.to(env.device); dist.all_reduce(x); return x.cpu()
+    x = t.to(env.device)
+    dist.all_reduce(x)
+    return x.cpu()
 
 def nonfinite_in(loss_sum, grad_norm: float, env) -> dict:
     "What is not finite in this step, the same on every rank: `{'loss': ..., 'grad_norm': ...}`, empty when all is."
-    total = float(all_reduce_sum(torch.tensor([float(loss_sum)], dtype=torch.float64), env)[0])   # inf or NaN if any rank's is
+    # inf or NaN if any rank's is
+    total = float(all_reduce_sum(torch.tensor([float(loss_sum)], dtype=torch.float64), env)[0])
     out = {} if math.isfinite(total) else {"loss": total}
     if not math.isfinite(grad_norm): out["grad_norm"] = grad_norm       # the global norm: the same on every rank
     return out
@@ -177,13 +191,15 @@ def forward(self:Attempt, batch, fn):
 # %% ../nbs/31_worker.ipynb #2b0ea1f2
 @patch
 def train_step(self:Attempt, step_plan) -> dict:
-    "One optimizer step over the step's micro-steps: this rank's loss and metric sums, the step's weight, the global grad norm."
+    """One optimizer step over the step's micro-steps: this rank's loss and metric sums, the step's weight, the global
+    grad norm."""
     model, env, method = self.model, self.env, self.method
     world, rank, pad_id = env.world_size, env.rank, self.tokenizer.pad_token_id
     step_weight = sum(self.loss_tokens[i] for ms in step_plan for r in ms for i in r)
     loss_sum, sums = torch.zeros((), dtype=torch.float64), {}
     for k, ms in enumerate(step_plan):
-        _set_grad_sync(model, k == len(step_plan) - 1)   # gradients are reduced across ranks once, on the last micro-step
+        # gradients are reduced across ranks once, on the last micro-step
+        _set_grad_sync(model, k == len(step_plan) - 1)
         ls, s = method.loss_sums(self.forward, method.batch(self.train_ds, ms[rank], self.layout, pad_id))
         # step_weight is every rank's (loss tokens; DPO: pairs); the ranks' gradients are averaged (÷ world), so
         # × world makes the update the gradient of the mean loss over the whole global batch
@@ -195,7 +211,8 @@ def train_step(self:Attempt, step_plan) -> dict:
     if hasattr(norm, "full_tensor"): norm = norm.full_tensor()
     bad = nonfinite_in(loss_sum, float(norm), env)
     if not bad: self.optimizer.step()                    # a non-finite step leaves the weights as they were
-    self.scheduler.step(); self.optimizer.zero_grad(set_to_none=True)   # and keeps its place in the schedule
+    self.scheduler.step()   # and keeps its place in the schedule
+    self.optimizer.zero_grad(set_to_none=True)
     return dict(loss_sum=loss_sum, loss_tokens=step_weight, sums=sums, grad_norm=float(norm), nonfinite=bad)
 
 # %% ../nbs/31_worker.ipynb #85def290
@@ -205,7 +222,8 @@ def evaluate(self:Attempt) -> dict:
     "The eval record's fields (mean loss, ...) over the whole eval set, every rank taking its share of the batches."
     model, dataset, env, layout, method = self.model, self.eval_ds, self.env, self.layout, self.method
     model.eval()
-    plan = B.plan_epoch(method.lengths(dataset, layout), method.budget(layout), env.world_size, layout, self.cfg.seed, 0)
+    plan = B.plan_epoch(method.lengths(dataset, layout), method.budget(layout), env.world_size, layout, self.cfg.seed,
+                        0)
     weights, loss_sum, sums = method.weights(dataset), 0.0, {}
     for ms in plan:
         batch = method.batch(dataset, ms[env.rank], layout, self.tokenizer.pad_token_id)
@@ -237,7 +255,8 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autoca
     hf, was, side = unwrap(model), unwrap(model).training, tokenizer.padding_side
     msgs = [prompt_messages(p) for p in prompts]
     texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
-    hf.eval(); tokenizer.padding_side = "left"
+    hf.eval()
+    tokenizer.padding_side = "left"
     try:
         x = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(env.device)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -246,7 +265,9 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autoca
                               eos_token_id=tokenizer.eos_token_id, synced_gpus=env.world_size > 1)
         answers = tokenizer.batch_decode(out[:, x["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
-        tokenizer.padding_side = side; hf.train(was); reshard(model)
+        tokenizer.padding_side = side
+        hf.train(was)
+        reshard(model)
     return [dict(prompt=m[-1]["content"], answer=a.strip()) for m, a in zip(msgs, answers)]
 
 # %% ../nbs/31_worker.ipynb #7a2b9568
@@ -254,7 +275,8 @@ def write_samples(metrics, model, tokenizer, cfg, env, autocast, step: int, epoc
     "Answer `cfg.eval_prompts` and write one `samples` record (rank 0) with the seconds it took."
     t0 = time.time()
     samples = generate_samples(model, tokenizer, cfg.eval_prompts, cfg.eval_max_new_tokens, env, autocast)
-    metrics.write("samples", step=step, epoch=epoch, seconds=time.time() - t0, max_new_tokens=cfg.eval_max_new_tokens, samples=samples)
+    metrics.write("samples", step=step, epoch=epoch, seconds=time.time() - t0, max_new_tokens=cfg.eval_max_new_tokens,
+                  samples=samples)
 
 # %% ../nbs/31_worker.ipynb #d6fa22d5
 def stop_requested(paths: RunPaths, env) -> bool:
@@ -281,22 +303,27 @@ def data_seen_by_ranks(seen: set, env) -> dict:
     than one rank, every sample seen, and the samples of each step (all ranks')."""
     sets = [seen]
     if env.world_size > 1:
-        sets = [None] * env.world_size; dist.all_gather_object(sets, sorted(seen)); sets = [{tuple(x) for x in st} for st in sets]
+        sets = [None] * env.world_size
+        dist.all_gather_object(sets, sorted(seen))
+        sets = [{tuple(x) for x in st} for st in sets]
     counts, by_step = {}, {}
     for st in sets:
         for i in {i for _, i in st}: counts[i] = counts.get(i, 0) + 1
         for step, i in st: by_step.setdefault(str(step), []).append(i)
     return dict(per_rank=[len({i for _, i in st}) for st in sets], shared=sum(1 for c in counts.values() if c > 1),
-                samples=sorted(counts), steps={k: sorted(v) for k, v in sorted(by_step.items(), key=lambda kv: int(kv[0]))})
+                samples=sorted(counts), steps={k: sorted(v) for k,
+                                               v in sorted(by_step.items(), key=lambda kv: int(kv[0]))})
 
 # %% ../nbs/31_worker.ipynb #47d7c1c5
 def resume_position(ckpt) -> dict | None:
     "The data position a checkpoint was saved at (`trainer_state.json`), with its step and total; None for older ones."
     ts = json.loads((Path(ckpt) / TRAINER_STATE).read_text())
-    return dict(ts["data_position"], step=int(ts["step"]), total_steps=ts.get("total_steps")) if ts.get("data_position") else None
+    return dict(ts["data_position"], step=int(ts["step"]),
+                total_steps=ts.get("total_steps")) if ts.get("data_position") else None
 
 # %% ../nbs/31_worker.ipynb #e28e0b1e
-def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume=None) -> Attempt:
+def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter,
+                  resume=None) -> Attempt:
     "Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if given."
     tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     records_kind = D.load_records(cfg.data)[0]["kind"]
@@ -304,14 +331,16 @@ def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, 
     D.ensure_chat_template(tokenizer)
     method = training_method(cfg, records_kind)
     train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, method, paths.cache)
-    if no_template: data_stats = {**data_stats, "template": {"note": no_template}}     # in the header: the dashboard says it
+    if no_template:   # in the header: the dashboard says it
+        data_stats = {**data_stats, "template": {"note": no_template}}
     train_ds = train_ds.with_format(None)
     lengths, weights = method.lengths(train_ds, layout), method.weights(train_ds)
     position = resume_position(resume) if resume else None
     steps = plan_steps(lengths, cfg, env.world_size, layout, method.budget(layout), position)
     if position and position["step"] >= len(steps):
-        raise RuntimeError(f"The checkpoint {resume} is at step {position['step']}, and the plan ends at step {len(steps)}: "
-                           "there is nothing left to train (resume with a larger max_steps or num_train_epochs).")
+        raise RuntimeError(f"The checkpoint {resume} is at step {position['step']}, and the plan ends at step "
+                           f"{len(steps)}: there is nothing left to train (resume with a larger max_steps or "
+                           f"num_train_epochs).")
     model, model_info = setup_model(cfg, env, layout)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, len(steps))
@@ -333,7 +362,8 @@ def params_per_rank(model, env: DistEnv) -> list[int]:
     "Every rank's count of the parameters it holds, gathered from all ranks."
     mine = torch.tensor([float(local_param_count(model))], dtype=torch.float64, device=env.device)
     if env.world_size == 1: return [int(mine.item())]
-    per_rank = [torch.zeros_like(mine) for _ in range(env.world_size)]     # on the device: nccl gathers only CUDA tensors
+    # on the device: nccl gathers only CUDA tensors
+    per_rank = [torch.zeros_like(mine) for _ in range(env.world_size)]
     dist.all_gather(per_rank, mine)
     return [int(t.item()) for t in per_rank]
 
@@ -345,21 +375,28 @@ def write_header(self:Attempt):
     plan = [ms for s in self.steps for ms in s["micro"]]
     self.metrics.write("header", world_size=env.world_size, backend=env.backend, strategy=cfg.strategy,
                        distributed_type=env.distributed_type, device=str(env.device), device_type=env.device_type,
-                       precision=cfg.precision, layout=self.layout, attn_implementation=unwrap(model).config._attn_implementation,
+                       precision=cfg.precision, layout=self.layout,
+                       attn_implementation=unwrap(model).config._attn_implementation,
                        total_steps=len(self.steps), num_train_samples=len(self.train_ds),
                        num_eval_samples=len(self.eval_ds) if self.eval_ds is not None else 0,
-                       resumed_from_step=self.start if self.resumed else (0 if self.metrics.attempt > 1 else None),   # > 1: over
+                       # > 1: over
+                       resumed_from_step=self.start if self.resumed else (0 if self.metrics.attempt > 1 else None),
                        params_total=sum(p.numel() for p in model.parameters()),
-                       params_per_rank=params_per_rank(model, env), num_machines=env.num_machines, nodes=list(env.nodes),
+                       params_per_rank=params_per_rank(model, env), num_machines=env.num_machines,
+                       nodes=list(env.nodes),
                        gradient_checkpointing=checkpointing_in_effect(model),
-                       plan=B.plan_stats(plan, self.lengths, self.layout, self.real, self.method.rows(self.layout)), data_stats=self.data_stats, versions=_versions(),
-                       loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None else "full float32 logits",
-                       method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg), **self.model_info,
+                       plan=B.plan_stats(plan, self.lengths, self.layout, self.real, self.method.rows(self.layout)),
+                       data_stats=self.data_stats, versions=_versions(),
+                       loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None
+                       else "full float32 logits",
+                       method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg),
+                       **self.model_info,
                        **self.lineage())
 
 # %% ../nbs/31_worker.ipynb #5581697d
 def attempt_changes(p: RunPaths, attempt: int) -> dict:
-    "`{field: [old, new]}` of the config attempt `attempt` runs with against the one before (empty without its own file)."
+    """`{field: [old, new]}` of the config attempt `attempt` runs with against the one before (empty without its own
+    file)."""
     if attempt <= 1 or not p.attempt_config(attempt).exists(): return {}
     new, old = (json.loads(f.read_text()) for f in (p.attempt_config(attempt), p.config_for(attempt - 1)))
     return {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
@@ -402,7 +439,8 @@ def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
     pos = pos or ({k: v for k, v in self.position.items() if k not in ("step", "total_steps")} if self.position
                   else dict(epoch=0, batches=0, world_size=None, epoch_float=0.0))
     path = save_checkpoint(self.paths, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
-                           dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last, eval_loss=eval_loss,
+                           dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last,
+                                eval_loss=eval_loss,
                                 data_position=pos, attempt=self.metrics.attempt))
     if self.env.rank == 0: prune_checkpoints(self.paths, self.cfg.save_total_limit)
     self.metrics.write("event", event=Event.checkpoint, step=step, epoch=epoch, path=str(path))
@@ -418,14 +456,17 @@ def window_record(self:Attempt, step: int, win: dict, grad_norm: float) -> dict:
     "The `train` record of the logging window that ends at `step`."
     s, env, method = self.steps[step - 1], self.env, self.method
     keys = sorted(win.get("sums", {}))
-    tot = all_reduce_sum(torch.tensor([float(win["loss"][0])] + [win["sums"][k] for k in keys], dtype=torch.float64), env)
-    weight, tokens = float(win["loss"][1]), win.get("tokens") or float(win["loss"][1])    # global already (from the plan)
+    tot = all_reduce_sum(torch.tensor([float(win["loss"][0])] + [win["sums"][k] for k in keys], dtype=torch.float64),
+                         env)
+    # global already (from the plan)
+    weight, tokens = float(win["loss"][1]), win.get("tokens") or float(win["loss"][1])
     dt = max(time.time() - win["t"], 1e-9)
     fields = method.record(float(tot[0]), weight, {k: float(v) for k, v in zip(keys, tot[1:])})
     return dict(step=step, total_steps=len(self.steps), epoch=round(s["epoch_float"], 4), **fields,
                 learning_rate=self.scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens=int(tokens),
                 tokens_per_s=float(tokens) / dt, real_tokens_per_s=win["real"] / dt,
-                efficiency=B.plan_stats(s["micro"], self.lengths, self.layout, self.real, method.rows(self.layout))["efficiency"],
+                efficiency=B.plan_stats(s["micro"], self.lengths, self.layout, self.real,
+                                        method.rows(self.layout))["efficiency"],
                 elapsed_s=time.time() - win["t0"], peak_mem_mb=_peak_mem_mb(env))
 
 # %% ../nbs/31_worker.ipynb #3849526d
@@ -434,20 +475,24 @@ class NonFiniteError(RuntimeError):
 
 @patch
 def nonfinite_step(self:Attempt, step: int, bad: dict):
-    "Fail the run at `step` with the reason (`bad`: what was not finite), or record the step skipped (`skip_nonfinite_steps`)."
+    """Fail the run at `step` with the reason (`bad`: what was not finite), or record the step skipped
+    (`skip_nonfinite_steps`)."""
     what = " and ".join(f"{k} became {v}" for k, v in bad.items())
     if self.cfg.skip_nonfinite_steps:
-        return self.metrics.write("event", event=Event.skipped, step=step, error=f"{what}: the step was skipped (skip_nonfinite_steps)")
+        return self.metrics.write("event", event=Event.skipped, step=step, error=f"{what}: the step was skipped "
+                                                                                 f"(skip_nonfinite_steps)")
     ckpts = complete_checkpoints(self.paths.root)
-    back = (f"its last good checkpoint is {ckpts[-1].name} (resume() goes on from it, e.g. with a lower learning_rate)" if ckpts
+    back = (f"its last good checkpoint is {ckpts[-1].name} (resume() goes on from it, e.g. with a lower learning_rate)"
+            if ckpts
             else "no checkpoint was saved before it (save_steps saves some)")
-    raise NonFiniteError(f"{what} at step {step}: the update was not applied, and the run stops rather than train on it; "
-                         f"{back}; or set skip_nonfinite_steps=True to skip such steps")
+    raise NonFiniteError(f"{what} at step {step}: the update was not applied, and the run stops rather than train on "
+                         f"it; {back}; or set skip_nonfinite_steps=True to skip such steps")
 
 # %% ../nbs/31_worker.ipynb #b3725784
 @patch
 def after_step(self:Attempt, step: int, last: dict, eval_loss) -> tuple:
-    "Evaluate, stop or checkpoint at the boundary after `step`, as the config and `control/stop` say: `(eval_loss, stopped)`."
+    """Evaluate, stop or checkpoint at the boundary after `step`, as the config and `control/stop` say: `(eval_loss,
+    stopped)`."""
     cfg, s, total = self.cfg, self.steps[step - 1], len(self.steps)
     end_of_epoch = step == total or self.steps[step]["epoch"] != s["epoch"]
     if step != total and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch):
@@ -457,7 +502,8 @@ def after_step(self:Attempt, step: int, last: dict, eval_loss) -> tuple:
         seen = {} if self.seen is None else dict(data_seen=data_seen_by_ranks(self.seen, self.env))
         self.metrics.write("event", event=Event.stopped, step=step, **seen)
         return eval_loss, True
-    if cfg.save_steps and step % cfg.save_steps == 0 and step != total: self.checkpoint(step, s["epoch_float"], last, eval_loss)
+    if cfg.save_steps and step % cfg.save_steps == 0 and step != total:
+        self.checkpoint(step, s["epoch_float"], last, eval_loss)
     return eval_loss, False
 
 # %% ../nbs/31_worker.ipynb #fab6b408
@@ -474,14 +520,20 @@ def train_loop(self:Attempt) -> dict:
         s = self.steps[step - 1]
         out = self.train_step(s["micro"])
         if seen is not None: seen.update((step, i) for ms in s["micro"] for i in ms[env.rank])
-        if out["nonfinite"]: self.nonfinite_step(step, out["nonfinite"])     # fails the run, or records the step skipped
-        else: applied += 1; win["loss"][0] += out["loss_sum"]; win["loss"][1] += out["loss_tokens"]; win["good"] = out["grad_norm"]
+        # fails the run, or records the step skipped
+        if out["nonfinite"]: self.nonfinite_step(step, out["nonfinite"])
+        else:
+            applied += 1
+            win["loss"][0] += out["loss_sum"]
+            win["loss"][1] += out["loss_tokens"]
+            win["good"] = out["grad_norm"]
         units = [i for ms in s["micro"] for r in ms for i in r]
         win["real"] += sum(self.real[i] for i in units)
         win["tokens"] += sum(self.tokens[i] for i in units)
         for k, v in out.get("sums", {}).items(): win["sums"][k] = win["sums"].get(k, 0.0) + v
         if (step % cfg.logging_steps == 0 or step == total) and "good" in win:    # a window of skipped steps only: none
-            last = self.window_record(step, win, win["good"]); self.metrics.write("train", **last)
+            last = self.window_record(step, win, win["good"])
+            self.metrics.write("train", **last)
         if step % cfg.logging_steps == 0 or step == total: win = _new_window(t0)
         eval_loss, stopped = self.after_step(step, last, eval_loss)
         if stopped: return dict(status=Event.stopped, step=step, last=last, eval_loss=eval_loss, seen=seen)
@@ -494,12 +546,15 @@ def train_loop(self:Attempt) -> dict:
 # %% ../nbs/31_worker.ipynb #7148d626
 def leave_group():
     "Meet the other ranks a last time and tear the process group down: after this, no rank waits on another."
-    if dist.is_available() and dist.is_initialized(): dist.barrier(); dist.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 # %% ../nbs/31_worker.ipynb #5377521a
 @patch
 def finish(self:Attempt, end: dict) -> str:
-    "After the last step: evaluate, checkpoint, write `final/`, leave the process group; then rank 0 alone seals `final/`."
+    """After the last step: evaluate, checkpoint, write `final/`, leave the process group; then rank 0 alone seals
+    `final/`."""
     total, epoch = len(self.steps), self.steps[-1]["epoch_float"]
     eval_loss = self.evaluate_now(total, epoch) if end["step"] == total else end["eval_loss"]
     self.checkpoint(total, epoch, end["last"], eval_loss)
@@ -509,7 +564,8 @@ def finish(self:Attempt, end: dict) -> str:
     leave_group()                                         # the last collective: the other ranks are done
     if self.env.rank == 0:
         if merge:                                         # the training state goes before the whole base is read in
-            self.model = self.optimizer = self.scheduler = None; gc.collect()
+            self.model = self.optimizer = self.scheduler = None
+            gc.collect()
             if self.env.device_type == "cuda": torch.cuda.empty_cache()
         seal_final(self.paths, merge)
     self.metrics.write("event", event=Event.completed, step=total, **seen)
@@ -539,8 +595,11 @@ def run(paths: RunPaths, resume: str | None = None, attempt: int = 1) -> str:
             print(f"[ilab_nb.worker] rank {rank}: process group of {env.world_size}, collectives time out after "
                   + ", ".join(f"{s:.0f} s ({b})" for b, s in t.items()), flush=True)
         env = dataclasses.replace(env, **machines_in_effect(cfg, env))
-        if cfg.strategy == "single" and env.world_size != 1: raise RuntimeError("strategy='single' runs exactly one process.")
-        torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
+        if cfg.strategy == "single" and env.world_size != 1:
+            raise RuntimeError("strategy='single' runs exactly one process.")
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
         layout = B.choose_layout(cfg.batching, env.device_type, cfg.precision, model_config(cfg))
         return _train(paths, cfg, env, layout, metrics, resume)
     except BaseException as e:
@@ -557,13 +616,16 @@ def run(paths: RunPaths, resume: str | None = None, attempt: int = 1) -> str:
 def quiet_progress_bars():
     "Turn off the progress bars of datasets and transformers (this process writes to a log file)."
     import datasets, transformers
-    datasets.disable_progress_bars(); transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
 
 # %% ../nbs/31_worker.ipynb #0f4aa644
 def parse_args(argv=None) -> argparse.Namespace:
     "The worker's command line: the run directory; for a resumed attempt, the checkpoint and the attempt's number."
     p = argparse.ArgumentParser(prog="python -m ilab_nb.worker", description="ilab_nb training process (one per rank).")
-    p.add_argument("run_dir"); p.add_argument("--resume", default=None); p.add_argument("--attempt", type=int, default=1)
+    p.add_argument("run_dir")
+    p.add_argument("--resume", default=None)
+    p.add_argument("--attempt", type=int, default=1)
     return p.parse_args(argv)
 
 # %% ../nbs/31_worker.ipynb #f38ee092
@@ -571,7 +633,8 @@ def main(argv=None):
     "One rank: its own log first, then the run; the process exits 0, or 1 with the traceback in the log."
     a = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    gate(a.run_dir, Action.write, "train in it", trust_owner=True)   # a link made since the launch: nothing written through it (its owner: judged at the launch)
+    # a link made since the launch: nothing written through it (its owner: judged at the launch)
+    gate(a.run_dir, Action.write, "train in it", trust_owner=True)
     paths = RunPaths(Path(a.run_dir).resolve())  # this process's one view of the run directory, passed on from here
     redirect_output(paths.rank_log(rank))
     quiet_progress_bars()
@@ -586,7 +649,9 @@ def main(argv=None):
         code = 1
         try: traceback.print_exc()
         except OSError: pass          # a full disk refuses the log too: the exit code still says the rank failed
-    try: sys.stdout.flush(); sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
     except OSError: pass
     # Leave without interpreter teardown: a failed rank must not wait on collectives the others will never
     # join, and library threads (gloo, tokenizers) torn down at exit have aborted a finished rank here. Nothing
