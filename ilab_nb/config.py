@@ -21,8 +21,8 @@ from pydantic_core import PydanticCustomError
 from .core import patch
 
 # %% auto #0
-__all__ = ['DataSources', 'RESUME_CHANGEABLE', 'RESUME_REFUSED', 'ConfigError', 'config_line', 'InMemoryData', 'data_sources',
-           'SlurmOptions', 'config_problems', 'TrainConfig', 'fields_table', 'load_config', 'with_changes']
+__all__ = ['DataSources', 'ConfigError', 'config_line', 'InMemoryData', 'data_sources', 'SlurmOptions', 'config_problems',
+           'TrainConfig', 'fields_table', 'load_config']
 
 # %% ../nbs/12_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -757,65 +757,3 @@ def load_config(x: "TrainConfig | dict | str | os.PathLike", **overrides: Any) -
     raise ConfigError([dict(field=None, type="file", input=None,
                             msg=f"cannot make a config from {type(x).__name__}; give a TrainConfig, a dict or a file "
                                 f"path")])
-
-# %% ../nbs/12_config.ipynb #38c897bc
-RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps",
-                     "warmup_ratio",
-                     "max_grad_norm", "gradient_accumulation_steps", "skip_nonfinite_steps", "attn_implementation",
-                     "num_processes", "devices", "oversubscribe_cpus", "ignore_memory_estimate", "num_machines",
-                     "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "ddp_timeout", "slurm",
-                     "launcher_args",
-                     "accelerate_config",
-                     "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps",
-                     "save_total_limit",
-                     "logging_steps", "logging_dir", "report_to", "merge_lora")
-
-_MEANS = {   # why a field may not change on a resume: what the checkpoint holds
-    "the checkpoint holds this model's weights": ("model", "trust_remote_code"),
-    "the checkpoint holds adapters of this shape": ("lora",),
-    "the checkpoint's data position counts the samples of this data, split, tokenized and batched this way":
-        ("data", "eval_data", "eval_split", "seed", "max_seq_len", "long_sequence_policy", "max_tokens_per_batch",
-         "batching"),
-    "the optimizer state (and DPO's reference log-probabilities) belong to this training method":
-        ("method", "beta", "loss_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
-    "the model and optimizer state were sharded and cast for this strategy, precision and device":
-        ("strategy", "precision", "device", "cpu_offload", "gradient_checkpointing", "torch_compile"),
-    "a run keeps the backend that runs its processes": ("backend",),
-}
-RESUME_REFUSED = {f: why for why, fs in _MEANS.items() for f in fs}
-
-# %% ../nbs/12_config.ipynb #54bf4d23
-def _global_batch_problem(old: TrainConfig, new: TrainConfig, changes: dict, what: str) -> dict | None:
-    """The problem when `changes` change the micro-batches of a step (processes x accumulation) without naming the
-    accumulation."""
-    a, b = old.num_processes * old.gradient_accumulation_steps, new.num_processes * new.gradient_accumulation_steps
-    if a == b or "gradient_accumulation_steps" in changes: return None
-    keep = (f"gradient_accumulation_steps={a // new.num_processes} keeps it" if a % new.num_processes == 0
-            else f"no whole gradient_accumulation_steps keeps it on {new.num_processes} processes")
-    return dict(field="num_processes", type="resume", input=new.num_processes,
-                msg=f"{what} with num_processes={new.num_processes} (was {old.num_processes}) would change the global "
-                    f"batch from {a} to {b} micro-batches per optimizer step: {keep}; give gradient_accumulation_steps "
-                    f"too, to say which you want")
-
-# %% ../nbs/12_config.ipynb #9bcfb202
-def with_changes(cfg: TrainConfig, changes: dict, what: str = "resume", refused=None) -> tuple[TrainConfig, dict]:
-    """`cfg` with `changes` applied and `{field: [old, new]}` of those that differ; a refused or invalid change raises
-    ConfigError. `refused`: the fields that may not change (`RESUME_REFUSED`; none when there is no checkpoint to
-    honour)."""
-    refused = RESUME_REFUSED if refused is None else refused
-    old = cfg.model_dump(mode="json")
-    if unknown := [k for k in changes if k not in TrainConfig.model_fields]:
-        TrainConfig.from_dict({**cfg.model_dump(), **{k: changes[k] for k in unknown}})    # names the closest field
-    def refuse(fields):
-        if fields: raise ConfigError([dict(field=k, type="resume", input=changes[k],
-                                           msg=f"{what} cannot change it (was {_show(old[k])}): {refused[k]}; "
-                                               "start a new run instead") for k in fields])
-    try: new = TrainConfig.from_dict({**cfg.model_dump(), **changes})
-    except ConfigError:          # a refused change first, then whatever else is wrong
-        refuse([k for k in changes if k in refused and json.loads(json.dumps(changes[k], default=str)) != old[k]])
-        raise
-    dumped = new.model_dump(mode="json")
-    diff = {k: [old[k], dumped[k]] for k in changes if old[k] != dumped[k]}
-    refuse([k for k in diff if k in refused])
-    if p := _global_batch_problem(cfg, new, changes, what): raise ConfigError([p])
-    return new, diff

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .runstore import ProcessRef
+from .export_progress import ExportProgress   # 51_export_progress
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,8 @@ __all__ = ['log', 'ARCHITECTURES', 'DTYPES', 'ROPE_TYPES', 'LLAMA3_PATTERN', 'QW
            'end_of_turn_token', 'adds_special_tokens', 'plain_jinja_template', 'hf_tokenizer', 'tokenizer_vocab',
            'add_tokenizer', 'GGUFFile', 'tmp_path', 'tmp_writer', 'remove_stale_tmp', 'write_streaming', 'export_gguf',
            'ChatParts', 'TemplateError', 'chat_parts', 'checked_chat_parts', 'go_template', 'write_modelfile',
-           'modelfile_drift', 'peak_rss_mb', 'model_folder', 'main', 'export_target', 'ExportProgress', 'run_export',
-           'export_checks', 'held', 'export_run']
+           'modelfile_drift', 'peak_rss_mb', 'model_folder', 'main', 'export_target', 'run_export', 'export_checks',
+           'held', 'export_run']
 
 # %% ../nbs/52_export.ipynb #3bda2ba2
 def _gguf():
@@ -654,43 +655,6 @@ def export_target(run_dir, run_id: str, source, dtype: str, path=None) -> Path:
     if path is None: return RunPaths(run_dir).exports / name
     p = Path(path).expanduser()
     return p / name if p.is_dir() or str(path).endswith(os.sep) else p
-
-# %% ../nbs/52_export.ipynb #0d317ed7
-class ExportProgress:
-    "A GGUF export's progress: an HTML output updated in place in a notebook, else tqdm's bar on stderr."
-    def __init__(self, name: str, notebook: bool | None = None):
-        from ilab_nb.live import in_kernel
-        self.name, self.notebook, self.bar, self.handle, self._t = (name, in_kernel() if notebook is None else notebook,
-                                                                      None, None, 0.0)
-
-    def html(self, body: str) -> str:
-        from ilab_nb.core import html_of
-        return html_of('<div class="ilab-export"><b>GGUF export</b> <code>{}</code>: {}</div>', self.name, body)
-
-    def update(self, i: int, n: int):
-        if not self.notebook:
-            if self.bar is None:
-                from tqdm import tqdm
-                self.bar = tqdm(total=n, desc=f"export {self.name}", unit="tensor", dynamic_ncols=True)
-            self.bar.update(i - self.bar.n)
-            return
-        from IPython.display import HTML, display
-        if i < n and time.monotonic() - self._t < 0.2: return
-        self._t = time.monotonic()
-        from ilab_nb.core import html_of
-        body = HTML(self.html(html_of('<progress value="{i}" max="{n}" style="width:240px"></progress> tensor {i} / '
-                                      '{n}', i=i, n=n)))
-        if self.handle is None: self.handle = display(body, display_id=True)
-        else: self.handle.update(body)
-
-    def done(self, text: str):
-        if self.bar is not None: self.bar.close()
-        if not self.notebook: return
-        import html
-        from IPython.display import HTML, display
-        body = HTML(self.html(text))
-        if self.handle is None: display(body)
-        else: self.handle.update(body)
 
 # %% ../nbs/52_export.ipynb #abeaf2d4
 def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, progress: bool | None = None,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import psutil
 
-from .config import TrainConfig, ConfigError, InMemoryData, config_line, load_config, with_changes
+from .config import TrainConfig, ConfigError, InMemoryData, config_line, load_config
+from .changes import with_changes
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id,
                               write_json_atomic,
                               kill_run_processes, run_processes)
@@ -390,7 +391,7 @@ def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
 def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> FineTuneSession:
     """Continue the run from its latest complete checkpoint (none: from the start) as a new attempt; returns at once.
     `changes`: settings that change how it goes on (`max_steps`, `learning_rate`, `num_processes`, ...:
-    `ilab_nb.config.RESUME_CHANGEABLE`). `trust_owner`: act on a run another user owns (11_rundir)."""
+    `ilab_nb.changes.RESUME_CHANGEABLE`). `trust_owner`: act on a run another user owns (11_rundir)."""
     st = self.state
     ck = self._resume_point(st, changes)
     self._may_act("resume it", ck, trust_owner)
@@ -476,7 +477,7 @@ def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig,
 def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False,
          **changes) -> FineTuneSession:
     """Start a new run from this run's complete checkpoint at `step` (default: the latest), with `changes` applied
-    (`ilab_nb.config.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
+    (`ilab_nb.changes.RESUME_CHANGEABLE`); this run is left as it is. Returns the new run's session, started."""
     ck, base = self.checkpoint_at(step)
     self._may_act("fork it", ck, trust_owner)
     cfg, diff, pf = self._changed(changes, ck, "fork", base, trust_owner)

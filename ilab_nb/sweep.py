@@ -9,7 +9,8 @@ from pathlib import Path
 
 import ipywidgets as W
 
-from .config import ConfigError, TrainConfig, with_changes
+from .config import ConfigError, TrainConfig
+from .changes import with_changes
 from .runstore import RunStore, TERMINAL, new_run_id, validate_run_id, write_json_atomic, read_json
 from .monitor import RunMonitor
 from .session import FineTuneSession

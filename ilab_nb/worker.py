@@ -34,13 +34,13 @@ from .placement import (DistEnv, init_distributed, group_timeout, machines_in_ef
 # 29_checkpoints
 from .checkpoints import (save_checkpoint, prune_checkpoints, load_checkpoint, retarget_schedule, write_final,
                                  seal_final)
+from .collectives import (chunked_loss_head, hidden_states_out, _set_grad_sync, all_reduce_sum, nonfinite_in,
+                                 reshard, stop_requested, data_seen_by_ranks, leave_group)   # 18_collectives
 
 # %% auto #0
-__all__ = ['redirect_output', 'training_method', 'load_data', 'chunked_loss_head', 'hidden_states_out', 'model_inputs',
-           'forward_with', 'all_reduce_sum', 'nonfinite_in', 'Attempt', 'prompt_messages', 'reshard',
-           'generate_samples', 'write_samples', 'stop_requested', 'data_seen_by_ranks', 'resume_position',
-           'setup_attempt', 'params_per_rank', 'attempt_changes', 'NonFiniteError', 'leave_group', 'run',
-           'quiet_progress_bars', 'parse_args', 'main']
+__all__ = ['redirect_output', 'training_method', 'load_data', 'model_inputs', 'forward_with', 'Attempt', 'prompt_messages',
+           'generate_samples', 'write_samples', 'resume_position', 'setup_attempt', 'params_per_rank',
+           'attempt_changes', 'NonFiniteError', 'run', 'quiet_progress_bars', 'parse_args', 'main']
 
 # %% ../nbs/31_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -80,28 +80,6 @@ def load_data(cfg: TrainConfig, tokenizer, method: Method, cache: Path):
     held = dict(rows=len(eval_r), sha256=D.records_sha256(eval_r))
     return train, evals, dict(train=train_stats, eval=eval_stats, **({"heldout": held} if eval_r else {}))
 
-# %% ../nbs/31_worker.ipynb #a2fe0b91
-def chunked_loss_head(hf):
-    "The output embedding when the loss can be computed from hidden states through it (plain linear), else None."
-    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None: return None
-    if getattr(hf.config, "final_logit_softcapping", None) or getattr(hf.config, "logit_scale", None): return None
-    return head
-
-# %% ../nbs/31_worker.ipynb #35f0884c
-def _identity(x): return x
-
-@contextmanager
-def hidden_states_out(head):
-    "While inside, `head` passes its input through, so the model's `logits` are its final hidden states."
-    head.forward = _identity                  # an instance attribute shadows the class's forward
-    try:
-        # FSDP2 warns that the root returns a view (the sliced hidden states); we never modify it
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            yield head
-    finally: del head.forward
-
 # %% ../nbs/31_worker.ipynb #f646eb9c
 def model_inputs(model, batch: dict, env: DistEnv) -> dict:
     """The forward's keyword arguments for a collated micro-batch, on the device (a packed row: with its sequence
@@ -129,28 +107,6 @@ def _forward_loss_sum(model, batch, env, autocast):
     "This rank's sum of token losses over a micro-batch (the SFT method's loss)."
     from ilab_nb.methods import token_loss
     return forward_with(model, batch, env, autocast, token_loss(batch["labels"]))
-
-# %% ../nbs/31_worker.ipynb #2fe8a407
-def _set_grad_sync(model, on: bool):
-    "Whether the next backward reduces gradients across ranks (FSDP2 or DDP; a plain model has nothing to reduce)."
-    if hasattr(model, "set_requires_gradient_sync"): model.set_requires_gradient_sync(on)   # FSDP2
-    elif hasattr(model, "require_backward_grad_sync"): model.require_backward_grad_sync = on  # DDP
-
-# %% ../nbs/31_worker.ipynb #821590fa
-def all_reduce_sum(t: torch.Tensor, env) -> torch.Tensor:
-    "Sum a small CPU tensor over ranks (moved to the device for nccl)."
-    if env.world_size == 1: return t
-    x = t.to(env.device)
-    dist.all_reduce(x)
-    return x.cpu()
-
-def nonfinite_in(loss_sum, grad_norm: float, env) -> dict:
-    "What is not finite in this step, the same on every rank: `{'loss': ..., 'grad_norm': ...}`, empty when all is."
-    # inf or NaN if any rank's is
-    total = float(all_reduce_sum(torch.tensor([float(loss_sum)], dtype=torch.float64), env)[0])
-    out = {} if math.isfinite(total) else {"loss": total}
-    if not math.isfinite(grad_norm): out["grad_norm"] = grad_norm       # the global norm: the same on every rank
-    return out
 
 # %% ../nbs/31_worker.ipynb #e04f9849
 @dataclass(kw_only=True)
@@ -241,13 +197,6 @@ def prompt_messages(prompt) -> list[dict]:
     "The chat messages of an eval prompt (a plain string is one user message)."
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
-# %% ../nbs/31_worker.ipynb #3e4a5baf
-def reshard(model):
-    "Free the full parameters FSDP2 keeps gathered after a forward pass outside training (no-op without FSDP)."
-    from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
-        if isinstance(m, FSDPModule): m.reshard()
-
 # %% ../nbs/31_worker.ipynb #ef166e73
 @torch.no_grad()
 def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autocast=nullcontext) -> list[dict]:
@@ -278,12 +227,6 @@ def write_samples(metrics, model, tokenizer, cfg, env, autocast, step: int, epoc
     metrics.write("samples", step=step, epoch=epoch, seconds=time.time() - t0, max_new_tokens=cfg.eval_max_new_tokens,
                   samples=samples)
 
-# %% ../nbs/31_worker.ipynb #d6fa22d5
-def stop_requested(paths: RunPaths, env) -> bool:
-    "True on every rank when rank 0 sees `control/stop`."
-    flag = torch.tensor([1.0 if env.rank == 0 and paths.stop.exists() else 0.0])
-    return bool(all_reduce_sum(flag, env)[0] > 0)
-
 # %% ../nbs/31_worker.ipynb #4096b032
 def _peak_mem_mb(env) -> float:
     "This rank's peak memory in MiB: the CUDA allocator's peak on its GPU, else the process's peak resident set."
@@ -296,23 +239,6 @@ def _versions() -> dict:
     import transformers, accelerate, datasets
     return dict(torch=torch.__version__, transformers=transformers.__version__,
                 accelerate=accelerate.__version__, datasets=datasets.__version__, python=sys.version.split()[0])
-
-# %% ../nbs/31_worker.ipynb #48dd1e07
-def data_seen_by_ranks(seen: set, env) -> dict:
-    """From each rank's `(step, sample)` pairs: per-rank count of distinct samples trained on, the number seen by more
-    than one rank, every sample seen, and the samples of each step (all ranks')."""
-    sets = [seen]
-    if env.world_size > 1:
-        sets = [None] * env.world_size
-        dist.all_gather_object(sets, sorted(seen))
-        sets = [{tuple(x) for x in st} for st in sets]
-    counts, by_step = {}, {}
-    for st in sets:
-        for i in {i for _, i in st}: counts[i] = counts.get(i, 0) + 1
-        for step, i in st: by_step.setdefault(str(step), []).append(i)
-    return dict(per_rank=[len({i for _, i in st}) for st in sets], shared=sum(1 for c in counts.values() if c > 1),
-                samples=sorted(counts), steps={k: sorted(v) for k,
-                                               v in sorted(by_step.items(), key=lambda kv: int(kv[0]))})
 
 # %% ../nbs/31_worker.ipynb #47d7c1c5
 def resume_position(ckpt) -> dict | None:
@@ -542,13 +468,6 @@ def train_loop(self:Attempt) -> dict:
                              "(skip_nonfinite_steps): no update was applied, so there is no trained model to save; "
                              "lower learning_rate (or check the data), then resume() or start again")
     return dict(status="trained", step=step, last=last, eval_loss=eval_loss, seen=seen)
-
-# %% ../nbs/31_worker.ipynb #7148d626
-def leave_group():
-    "Meet the other ranks a last time and tear the process group down: after this, no rank waits on another."
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 # %% ../nbs/31_worker.ipynb #5377521a
 @patch
