@@ -275,8 +275,7 @@ def eval_spec(session, tasks, checkpoint=None, base: bool = True, limit=None, ba
                                                                             if base_model else {}))]
     device = (session.preflight or {}).get("device") or ("cpu" if cfg.device == "cpu" else "cuda")
     return dict(kind="eval", run_id=session.run_id, run_dir=str(session.run_dir), tasks=tasks, models=models,
-                limit=limit,
-                batch_size=batch_size, num_processes=1, device=device, precision=cfg.precision,
+                limit=limit, batch_size=batch_size, num_processes=1, device=device, precision=cfg.precision,
                 trust_remote_code=cfg.trust_remote_code, created_at=time.time())
 
 # %% ../nbs/53_evaluation.ipynb #03373ca3
@@ -357,8 +356,7 @@ def run_evaluation(p: RunPaths, attempt: int = 1) -> str:
                 t0 = time.time()
                 res = evaluate_task(lm, task, tm, spec.get("limit"), p.root / m["label"])
                 metrics.write("task", model=m["label"], task=task, status="done", seconds=time.time() - t0,
-                              n=res.get("sample_len"),
-                              scores={k: list(v) for k, v in task_scores(res).items()})
+                              n=res.get("sample_len"), scores={k: list(v) for k, v in task_scores(res).items()})
             del lm, model
         metrics.write("event", event=Event.completed)
         _rewrite_run_report(spec.get("run_dir"))
@@ -462,8 +460,7 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
             trust_remote_code=cfg.trust_remote_code))
     write_json_atomic(RunPaths(d).config, spec)
     store.write_state(eid, status=State.queued, attempt=1, request=device_request(spec["device"], 1),
-                      device=spec["device"],
-                      num_processes=1, tasks=tasks)
+                      device=spec["device"], num_processes=1, tasks=tasks)
     store.append_event(eid, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}")
     ref = spawn_supervisor(d, 1, queue=queue, worker_module="ilab_nb.evaluation")
     store.write_state(eid, supervisor=ref.to_dict())

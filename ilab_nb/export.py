@@ -658,8 +658,7 @@ def export_target(run_dir, run_id: str, source, dtype: str, path=None) -> Path:
 
 # %% ../nbs/52_export.ipynb #abeaf2d4
 def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, progress: bool | None = None,
-               base_model=None,
-               alive: Callable[[], bool] | None = None) -> GGUFFile:
+               base_model=None, alive: Callable[[], bool] | None = None) -> GGUFFile:
     """Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the
     written file.
     `alive()`: whether what it exports still exists (checked at each tensor; the export is ended when it says False)."""

@@ -17,8 +17,7 @@ from .rundir import Event, RankState, RunPaths, State, Action, gate, no_follow, 
 from .config import TrainConfig
 from .slots import DeviceSlots, device_request, locks_dir
 from .diagnosis import (LAUNCHER_SIGNALS, classify_exit, describe_exit, failing_rank, memory_cgroup,
-                               rank_records,
-                               sigkill_cause, torchrun_failures)
+                               rank_records, sigkill_cause, torchrun_failures)
 
 # %% auto #0
 __all__ = ['ACCELERATE_CONFIG', 'STOP_GRACE_S', 'TERM_GRACE_S', 'RESERVE_BYTES', 'launch_config', 'machine_args', 'free_port',

@@ -12,14 +12,12 @@ import psutil
 from .config import TrainConfig, ConfigError, InMemoryData, config_line, load_config
 from .changes import with_changes
 from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, validate_run_id,
-                              write_json_atomic,
-                              kill_run_processes, run_processes)
+                              write_json_atomic, kill_run_processes, run_processes)
 from .core import no_hf_progress_bars, patch, require_torch
 from .live import finalize_displays
 from .monitor import RunMonitor
 from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated,
-                            read_json,
-                            status_of)
+                            read_json, status_of)
 from .slots import DeviceSlots, device_request
 from .launcher import spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight
@@ -408,8 +406,7 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
                 State.completed),
                                                                       "attempt": (attempt - 1,)},
                                status=State.queued, attempt=attempt, resume_from=ck["path"],
-                               resumed_from_step=ck["step"],
-                               claimed_by=f"resumed by {by}", **upd)
+                               resumed_from_step=ck["step"], claimed_by=f"resumed by {by}", **upd)
     except StateError as e:
         self.config, self.preflight = before
         raise RuntimeError(f"Run {self.run_id} was not resumed: another caller resumed it first. {e}") from None
@@ -630,8 +627,7 @@ def report(self:FineTuneSession, *, trust_owner: bool = False):
 @patch
 @gated(Action.code, Action.write, doing="evaluate it")
 def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None,
-             batch_size: int = 16,
-             *, base_model=None, trust_owner: bool = False):
+             batch_size: int = 16, *, base_model=None, trust_owner: bool = False):
     "Queue an evaluation of this run (lm-eval task names, or 'heldout' / 'heldout_preference'); returns it, started."
     from ilab_nb.evaluation import start_evaluation
     return start_evaluation(self, tasks, checkpoint, base, limit, num_processes, batch_size, queue=self.queue,

@@ -151,8 +151,7 @@ def node_command(cfg: TrainConfig, run_dir, attempt, resume=None) -> list:
     d = {**cfg.model_dump(mode="json"), "machine_rank": "$SLURM_NODEID", "main_process_ip": "$MAIN_IP",
          "device": "cuda" if o and o.gpus_per_node else cfg.device if cfg.device != "auto" else "cpu"}
     cmd = accelerate_command(run_dir, d, attempt="$ATTEMPT", resume="$RESUME" if (resume or (o and o.requeue))
-                             else None,
-                             port="$MAIN_PORT")
+                             else None, port="$MAIN_PORT")
     cmd[0] = (o.python if o and o.python else sys.executable)
     return cmd
 
@@ -292,8 +291,7 @@ def failure_cause(reports, records=None) -> dict | None:
 
 # %% ../nbs/50_slurm.ipynb #7b231e14
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
-         "DEADLINE",
-         "SPECIAL_EXIT", "REVOKED"}
+         "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 _WHY = {"TIMEOUT": "reached its time limit ({TimeLimit})", "NODE_FAIL": "lost a node of {NodeList} (SLURM: {Reason})",
         "PREEMPTED": "was preempted (slurm.requeue is off)", "OUT_OF_MEMORY": "ran out of memory",
         "BOOT_FAIL": "could not boot its nodes", "DEADLINE": "reached its deadline"}

@@ -128,8 +128,7 @@ def create(cls:Sweep, model=None, data=None, *, grid=None, config=None, runs_roo
     for i, values in enumerate(combos):
         try:
             sessions.append(FineTuneSession(model, data, config=config, runs_root=runs_root,
-                                            run_id=f"{sweep_id}-{i:02d}",
-                                            **run_fields(common, values)))
+                                            run_id=f"{sweep_id}-{i:02d}", **run_fields(common, values)))
         except Exception as e:
             raise _named_error(e, f"sweep combination {i} "
                                   f"({', '.join(f'{k}={v!r}' for k, v in values.items())})") from None
@@ -351,8 +350,7 @@ def sweep_record_html(sweep: Sweep) -> str:
     ended = all(_ended(s.status) for s in sweep.sessions)
     head = html_of("<div style='font-size:14px;margin-bottom:6px'><b>Sweep {id}</b> — {n} runs over {axes}{going} · "
                    "from any kernel: <code>Sweep.attach(\"{id}\")</code></div>", id=sweep.sweep_id,
-                   n=len(sweep.sessions),
-                   axes=", ".join(sweep.axes), going="" if ended else " (some still going)")
+                   n=len(sweep.sessions), axes=", ".join(sweep.axes), going="" if ended else " (some still going)")
     have = [s for s in sweep.sessions if not isinstance(s, MissingRun) and s.monitor.records]
     plot = _img(sweep.compare().png(), f"loss of sweep {sweep.sweep_id}") if have else ""
     return html_of("<div class='ilab-sweep-record' "

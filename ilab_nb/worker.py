@@ -309,15 +309,13 @@ def write_header(self:Attempt):
                        resumed_from_step=self.start if self.resumed else (0 if self.metrics.attempt > 1 else None),
                        params_total=sum(p.numel() for p in model.parameters()),
                        params_per_rank=params_per_rank(model, env), num_machines=env.num_machines,
-                       nodes=list(env.nodes),
-                       gradient_checkpointing=checkpointing_in_effect(model),
+                       nodes=list(env.nodes), gradient_checkpointing=checkpointing_in_effect(model),
                        plan=B.plan_stats(plan, self.lengths, self.layout, self.real, self.method.rows(self.layout)),
                        data_stats=self.data_stats, versions=_versions(),
                        loss="chunked linear cross-entropy" if chunked_loss_head(unwrap(model)) is not None
                        else "full float32 logits",
                        method=cfg.method, data_kind=self.method.kinds[0], **L.finetuning_info(unwrap(model), cfg),
-                       **self.model_info,
-                       **self.lineage())
+                       **self.model_info, **self.lineage())
 
 # %% ../nbs/31_worker.ipynb #5581697d
 def attempt_changes(p: RunPaths, attempt: int) -> dict:
@@ -366,8 +364,7 @@ def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
                   else dict(epoch=0, batches=0, world_size=None, epoch_float=0.0))
     path = save_checkpoint(self.paths, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
                            dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last,
-                                eval_loss=eval_loss,
-                                data_position=pos, attempt=self.metrics.attempt))
+                                eval_loss=eval_loss, data_position=pos, attempt=self.metrics.attempt))
     if self.env.rank == 0: prune_checkpoints(self.paths, self.cfg.save_total_limit)
     self.metrics.write("event", event=Event.checkpoint, step=step, epoch=epoch, path=str(path))
 
