@@ -22,10 +22,10 @@ __all__ = ['log', 'ARCHITECTURES', 'DTYPES', 'ROPE_TYPES', 'LLAMA3_PATTERN', 'QW
            'read_tensor', 'rope_permute', 'tensor_names', 'convert', 'tensor_type', 'tensor_nbytes',
            'llama3_rope_factors', 'PlannedTensor', 'plan_tensors', 'pre_tokenizer_name', 'vocab_tokens',
            'end_of_turn_token', 'adds_special_tokens', 'plain_jinja_template', 'hf_tokenizer', 'tokenizer_vocab',
-           'add_tokenizer', 'GGUFFile', 'tmp_path', 'tmp_writer', 'remove_stale_tmp', 'write_streaming', 'export_gguf',
-           'ChatParts', 'TemplateError', 'chat_parts', 'checked_chat_parts', 'go_template', 'write_modelfile',
-           'modelfile_drift', 'peak_rss_mb', 'model_folder', 'main', 'export_target', 'run_export', 'export_checks',
-           'held', 'export_run']
+           'add_tokenizer', 'GGUFFile', 'tmp_path', 'tmp_writer', 'remove_stale_tmp', 'ExportEnded', 'write_streaming',
+           'export_gguf', 'ChatParts', 'TemplateError', 'chat_parts', 'checked_chat_parts', 'go_template',
+           'write_modelfile', 'modelfile_drift', 'peak_rss_mb', 'model_folder', 'main', 'export_target', 'run_export',
+           'export_checks', 'held', 'export_run']
 
 # %% ../nbs/52_export.ipynb #3bda2ba2
 def _gguf():
@@ -408,8 +408,12 @@ def _in_range(p: PlannedTensor):
                          f"would hold infinities there; export with dtype='bf16' (or f32, q8_0)")
     return t.numpy()
 
-def write_streaming(writer, plan: list[PlannedTensor], out: Path, progress=None):
-    "Write header, metadata, tensor index, then each tensor loaded, encoded and written in turn; `out` only when done."
+class ExportEnded(RuntimeError):
+    "The export was ended before its file took its name (`publish()` said no): nothing was written."
+
+def write_streaming(writer, plan: list[PlannedTensor], out: Path, progress=None, publish=None):
+    """Write header, metadata, tensor index, then each tensor loaded, encoded and written in turn; `out` only when done,
+    and only if `publish()` (asked once the whole file is written) says yes."""
     for p in plan:
         writer.add_tensor_info(p.name, p.shape, "float32", tensor_nbytes(p.shape, p.qtype), raw_dtype=p.qtype)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -424,16 +428,17 @@ def write_streaming(writer, plan: list[PlannedTensor], out: Path, progress=None)
             writer.write_tensor_data(_gguf().quants.quantize(_in_range(p), p.qtype))
             if progress: progress(i, len(plan))
         writer.close()
+        if publish is not None and not publish(): raise ExportEnded(f"{out}: the export was ended before it was written")
         os.replace(tmp, out)
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)
 
 # %% ../nbs/52_export.ipynb #dded0c10
-def export_gguf(model_dir, out_path, dtype: str = "q8_0",
-                progress: Callable[[int, int], None] | None = None) -> GGUFFile:
+def export_gguf(model_dir, out_path, dtype: str = "q8_0", progress: Callable[[int, int], None] | None = None,
+                publish: Callable[[], bool] | None = None) -> GGUFFile:
     """Write the Hugging Face model in `model_dir` as one GGUF file at `out_path`, tensor by tensor; `progress(done,
-    total)`."""
+    total)`; `publish()`, asked once the file is whole, may end it before it takes its name (`ExportEnded`)."""
     if dtype not in DTYPES: raise ValueError(f"export_gguf: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     model_dir, out = Path(model_dir), GGUFFile(out_path)
     config = model_config(model_dir)
@@ -441,7 +446,7 @@ def export_gguf(model_dir, out_path, dtype: str = "q8_0",
         log.warning(f"export_gguf: llama.cpp attends to the whole context, not the model's sliding window of {win} "
                     "tokens: answers are the same within the window, they differ beyond it")
     plan = plan_tensors(model_dir, config, dtype)
-    write_streaming(_writer(model_dir, config, dtype), plan, out, progress)
+    write_streaming(_writer(model_dir, config, dtype), plan, out, progress, publish)
     out.dtype, out.tensors, out.fallbacks = dtype, len(plan), {p.name: p.note for p in plan if p.note}
     for name, why in out.fallbacks.items(): log.warning(f"export_gguf: {name} written as {why}")
     return out
@@ -607,6 +612,11 @@ def model_folder(path, work_dir, base_model=None):
     finally: shutil.rmtree(tmp, ignore_errors=True)
 
 # %% ../nbs/52_export.ipynb #bbcdde32
+def _asked() -> bool:
+    "Say the file is whole, and wait for the caller's word."
+    print("written", flush=True)
+    return sys.stdin.readline().strip() == "publish"
+
 def main(argv: list[str] | None = None) -> int:
     "The `python -m ilab_nb.export` command line."
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.export", description="Write a Hugging Face model folder (or a "
@@ -616,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="q8_0", help=f"one of {', '.join(DTYPES)} (default q8_0)")
     ap.add_argument("--modelfile", action="store_true", help="also write an Ollama Modelfile beside the file")
     ap.add_argument("--base-model", help="the base model of an adapter folder, where it is now (moved since training)")
+    ap.add_argument("--ask", action="store_true", help="once the file is whole, print 'written' and give it its name "
+                    "only if standard input then says 'publish' (the caller's last check that its source still exists)")
     a, t0 = ap.parse_args(argv), time.time()
     if a.dtype not in DTYPES:
         print(f"error: dtype {a.dtype!r} is not one of {', '.join(DTYPES)}", file=sys.stderr)
@@ -627,10 +639,14 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         try:
             src = stack.enter_context(model_folder(a.model_dir, Path(a.out).absolute().parent, a.base_model))
-            f = export_gguf(src, a.out, a.dtype, progress=lambda i, n: print(f"tensor {i}/{n}", flush=True))
+            f = export_gguf(src, a.out, a.dtype, progress=lambda i, n: print(f"tensor {i}/{n}", flush=True),
+                            publish=_asked if a.ask else None)
         except (ValueError, FileNotFoundError, ImportError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except ExportEnded as e:
+            print(f"ended: {e}", file=sys.stderr)
+            return 3
         modelfile = None
         if a.modelfile:
             try: modelfile = str(write_modelfile(f, src))
@@ -661,19 +677,20 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
                base_model=None, alive: Callable[[], bool] | None = None) -> GGUFFile:
     """Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the
     written file.
-    `alive()`: whether what it exports still exists (checked at each tensor; the export is ended when it says False)."""
+    `alive()`: whether what it exports still exists, asked at each tensor and once more when the file is whole, before
+    it takes its name; the export is ended, leaving no file, when it says False."""
     from ilab_nb.launcher import RUN_ENV, run_env
     from ilab_nb.diagnosis import describe_exit
     from ilab_nb.rundir import RunGoneError
     out = Path(out).absolute()
-    cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype",
-           dtype] + (["--modelfile"] if modelfile else [])
+    cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype", dtype,
+           "--ask"] + (["--modelfile"] if modelfile else [])
     cmd += ["--base-model", str(base_model)] if base_model else []
     env = run_env(out.parent)   # not one of a run's processes: a run's clean-up leaves it alone
     env.pop(RUN_ENV, None)
     view, last = ExportProgress(out.name) if progress is not False else None, None
-    with open(os.devnull) as null, subprocess.Popen(cmd, stdin=null, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                    text=True, env=env) as p:
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as p:
         err = []
         t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)   # no pipe left full
         t.start()
@@ -686,7 +703,10 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
                 if view: view.done("failed: run directory removed")
                 raise RunGoneError(f"export of {model_dir}: run directory removed while it was exported; the export "
                                    f"was ended")
-            if m := re.fullmatch(r"tensor (\d+)/(\d+)\n?", line):
+            if line == "written\n":             # whole, and what it exports is still there: it may take its name
+                p.stdin.write("publish\n")
+                p.stdin.flush()
+            elif m := re.fullmatch(r"tensor (\d+)/(\d+)\n?", line):
                 if view: view.update(int(m[1]), int(m[2]))
             elif line.strip(): last = line
         p.wait()
