@@ -428,7 +428,8 @@ def write_streaming(writer, plan: list[PlannedTensor], out: Path, progress=None,
             writer.write_tensor_data(_gguf().quants.quantize(_in_range(p), p.qtype))
             if progress: progress(i, len(plan))
         writer.close()
-        if publish is not None and not publish(): raise ExportEnded(f"{out}: the export was ended before it was written")
+        if publish is not None and not publish():
+            raise ExportEnded(f"{out}: the export was ended before it was written")
         os.replace(tmp, out)
     finally:
         writer.close()
