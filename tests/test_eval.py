@@ -10,7 +10,7 @@ import pytest
 
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import answer_prompts, read_chat_jsonl
-from ilab_nb.evaluation import EvalError, check_tasks, evaluate_task, run_evaluation, write_own_tasks
+from ilab_nb.evaluation import EvalError, check_tasks, evaluate_task, lm_eval_tasks, run_evaluation, write_own_tasks
 from ilab_nb.evaluations import Evaluation
 from ilab_nb.rundir import RunPaths, State
 from ilab_nb.runstore import RunStore, write_json_atomic
@@ -74,7 +74,6 @@ def test_eval_tasks_run_when_the_run_completes(demo, small_train, runs_root, tmp
 
 def test_a_missing_task_a_missing_data_set_and_a_stop_are_said_clearly(demo, tmp_path, monkeypatch):
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
     from transformers import AutoModelForCausalLM, AutoTokenizer
     held = [{"kind": "chat", "messages": c} for c in read_chat_jsonl(demo.eval_file)[:2]]
     with pytest.raises(EvalError, match="'hellaswagg' is neither one of the run's own .* did you mean 'hellaswag'"):
@@ -84,7 +83,7 @@ def test_a_missing_task_a_missing_data_set_and_a_stop_are_said_clearly(demo, tmp
     tok = AutoTokenizer.from_pretrained(demo.model_dir)
     lm = HFLM(pretrained=AutoModelForCausalLM.from_pretrained(demo.model_dir), tokenizer=tok, batch_size=2)
     with pytest.raises(RuntimeError, match=r"task 'arc_easy': its data set \(allenai/ai2_arc / ARC-Easy\) could not be loaded"):
-        evaluate_task(lm, "arc_easy", TaskManager(), 2, tmp_path / "out")
+        evaluate_task(lm, "arc_easy", lm_eval_tasks(), 2, tmp_path / "out")   # the index check_tasks built
     # a stop: the evaluation process honours control/stop before its next task
     store = RunStore(tmp_path / "eval"); d = store.create_run("e-stop")
     write_own_tasks(d / "tasks", ["heldout"], held, tok)

@@ -1,8 +1,16 @@
-"""Every model family of `ilab_nb.demo.FAMILIES`, through the public API: a tiny random model of each, trained full and
-with LoRA adapters on one process (finite losses that fall, LoRA's step 1 the base's loss, a final/ that loads with no
-missing or unexpected key, differs from the base and, for LoRA, equals base + adapters); a Mixture of Experts with
-LoRA on 2 ranks, forked from its middle checkpoint onto 1 process (the same trajectory); DPO on a Mixture of Experts; a file whose weight was renamed after the preflight, refused
-before step 1 with the weight named; a NaN loss at step 2 failing the run there, then a resume that skips one."""
+"""Every model family of `ilab_nb.demo.FAMILIES`: a tiny random model of each, trained full and with LoRA adapters
+(finite losses that fall, LoRA's step 1 the base's loss, a final/ that loads with no missing or unexpected key, differs
+from the base and, for LoRA, equals base + adapters); a Mixture of Experts with LoRA on 2 ranks, forked from its middle
+checkpoint onto 1 process (the same trajectory); DPO on a Mixture of Experts; a file whose weight was renamed after the
+preflight, refused before step 1 with the weight named; a NaN loss at step 2 failing the run there, then a resume that
+skips one.
+
+What depends on the family is the rank's work: reading the family's weights (renamed, fused experts), wrapping it in
+FSDP, peft's adapters, the steps, `final/` written back in the family's names. So the 24 family runs are made by
+`FineTuneSession` (its preflight, run directory and config.json) and trained by the worker's own `run()` in this
+process, as rank 0 of 1: the same code a launched rank runs, without the launch, the supervisor and a fresh
+interpreter per run, which are the same for every family and are what every other process test here runs (the MoE,
+DPO, renamed-weight and NaN tests below run in the background)."""
 import json, math, shutil
 from pathlib import Path
 
@@ -33,28 +41,35 @@ def header(s) -> dict:
     return s.metrics(kinds=("header",))[0]
 
 
+def train_here(s) -> str:
+    "Make `s`'s run directory as `start()` does, without its supervisor, and train it here as rank 0 of 1: the outcome."
+    from ilab_nb import worker
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(s, "_spawn", lambda *a, **k: None)
+        s.start()
+    return worker.run(RunPaths(s.run_dir))
+
+
 @pytest.fixture(scope="module")
 def families(demo, small_train, tmp_path_factory):
-    "`{(family, mode): finished session}`: every family's full and LoRA run, all queued at once on the module's 2 slots."
+    "`{(family, mode): (session, outcome)}`: every family's full and LoRA run, each trained in this process."
     root = tmp_path_factory.mktemp("families")
     with pytest.MonkeyPatch.context() as mp:
         for k, v in runs_env(root).items(): mp.setenv(k, v)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): mp.delenv(k, raising=False)
         runs = {}
         for f in FAMILIES:
             model = family_model(f, root / "models" / f, demo)
             for mode, kw in MODES.items():
-                runs[f, mode] = s = FineTuneSession(model=str(model), data=str(small_train), **FIELDS, **kw)
-                s.start()
-        try:
-            for s in runs.values(): s.wait(timeout=900)
-            lines = [f"{f:12} {m:4} {s.status:9} {header(s)['attn_implementation']:6} loss "
-                     + " -> ".join(f"{v:.3f}" for v in list(train_losses(s).values())[::max(1, len(train_losses(s)) - 1)])
-                     + f"  trainable {header(s)['trainable_params']:,} of {header(s)['params_total']:,}  {header(s)['load']}"
-                     for (f, m), s in runs.items() if s.status == State.completed]
-            (REPO / "artifacts").mkdir(exist_ok=True)
-            (REPO / "artifacts" / "families.txt").write_text("\n".join(lines) + "\n")     # git-ignored, for inspection
-            yield runs
-        finally: kill_processes_under(root / "runs")
+                s = FineTuneSession(model=str(model), data=str(small_train), **FIELDS, **kw)
+                runs[f, mode] = s, train_here(s)
+    lines = [f"{f:12} {m:4} {out:9} {header(s)['attn_implementation']:6} loss "
+             + " -> ".join(f"{v:.3f}" for v in list(train_losses(s).values())[::max(1, len(train_losses(s)) - 1)])
+             + f"  trainable {header(s)['trainable_params']:,} of {header(s)['params_total']:,}  {header(s)['load']}"
+             for (f, m), (s, out) in runs.items()]
+    (REPO / "artifacts").mkdir(exist_ok=True)
+    (REPO / "artifacts" / "families.txt").write_text("\n".join(lines) + "\n")     # git-ignored, for inspection
+    return runs
 
 
 def _logits(model_dir_or_model, ids):
@@ -67,9 +82,9 @@ def _logits(model_dir_or_model, ids):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_full_and_lora(families, family):
     from transformers import AutoModelForCausalLM
-    full, lora = families[family, "full"], families[family, "lora"]
-    for mode, s in (("full", full), ("lora", lora)):
-        assert s.status == State.completed, f"{family} {mode}: {s.reason}"
+    (full, done_full), (lora, done_lora) = families[family, "full"], families[family, "lora"]
+    for mode, s, done in (("full", full, done_full), ("lora", lora, done_lora)):
+        assert done == "completed" and RunPaths(s.run_dir).final.is_dir(), (family, mode, done)
         losses = list(train_losses(s).values())
         assert len(losses) == MODES[mode]["max_steps"] and all(math.isfinite(x) for x in losses), losses
         assert losses[-1] < losses[0] - 0.01, (family, mode, losses)
