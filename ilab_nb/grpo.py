@@ -24,10 +24,10 @@ from . import data as D
 from . import lora as L
 
 # %% auto #0
-__all__ = ['RewardError', 'reward_name', 'load_reward', 'save_reward', 'save_rewards', 'reward_sources', 'call_reward',
-           'prompt_text', 'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'completion_logps',
-           'model_forward', 'nanstd', 'advantages', 'reward_metrics', 'masked_mean_global', 'policy_loss',
-           'clip_metrics', 'completion_stats', 'check_rewards']
+__all__ = ['RewardError', 'reward_name', 'load_reward', 'save_reward', 'save_rewards', 'call_reward', 'prompt_text',
+           'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'completion_logps', 'model_forward', 'nanstd',
+           'advantages', 'reward_metrics', 'masked_mean_global', 'policy_loss', 'clip_metrics', 'completion_stats',
+           'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #6c880cf5
 class RewardError(RuntimeError):
@@ -98,11 +98,6 @@ def save_rewards(cfg: TrainConfig, paths: RunPaths, tag: str = "") -> TrainConfi
     if not any(callable(f) for f in cfg.reward_funcs): return cfg
     refs = [save_reward(f, i, paths, tag) if callable(f) else f for i, f in enumerate(cfg.reward_funcs)]
     return cfg.model_copy(update=dict(reward_funcs=refs))
-
-def reward_sources(paths: RunPaths) -> dict:
-    "`{file name: source text}` of the reward functions a run saved by value."
-    d = paths.rewards
-    return {p.name: p.read_text() for p in sorted(d.glob("*.py"))} if d.is_dir() else {}
 
 # %% ../nbs/31_grpo.ipynb #2c89dbf0
 def _bad_value(v) -> bool:
