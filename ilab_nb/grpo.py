@@ -388,7 +388,9 @@ def reference_model(self, model):
         return
     _swap(model, self.reference)
     try: yield model
-    finally: _swap(model, self.reference)
+    finally:
+        reshard(model)                 # FSDP2 keeps the gathered weights after a forward outside training: shards back
+        _swap(model, self.reference)
 
 # %% ../nbs/31_grpo.ipynb #f968705d
 @patch
