@@ -8,7 +8,7 @@ system CPU from the operating system):
 
 - **a rank's set-up**: what `python -m ilab_nb.worker` does before its first step (import the worker, torch and
   datasets; read the model's config; build, load and set up the demo's tiny model; tokenize the data; write the
-  header), in one process (`setup_attempt` + `write_header`, as nbs/31_worker.ipynb runs them);
+  header), in one process (`setup_attempt` + `write_header`, as nbs/34_worker.ipynb runs them);
 - **a session's preflight**: `FineTuneSession(...)` in a fresh process (imports, data, tokenizer, model config).
 
 Each pair runs the two variants back to back in alternating order (on, paused, paused, on, ...), so the machine's

@@ -19,15 +19,20 @@ RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_sched
                      "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "ddp_timeout", "slurm",
                      "launcher_args", "accelerate_config",
                      "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps",
-                     "save_total_limit", "logging_steps", "logging_dir", "report_to", "merge_lora")
+                     "save_total_limit", "logging_steps", "logging_dir", "report_to", "merge_lora",
+                     # GRPO: how completions are sampled, scored and clipped from the next step on
+                     "max_completion_length", "temperature", "top_p", "top_k", "repetition_penalty", "epsilon",
+                     "epsilon_high", "scale_rewards", "mask_truncated_completions", "reward_funcs", "reward_weights",
+                     "num_completions_to_print")
 
 _MEANS = {   # why a field may not change on a resume: what the checkpoint holds
     "the checkpoint holds this model's weights": ("model", "trust_remote_code"),
     "the checkpoint holds adapters of this shape": ("lora",),
     "the checkpoint's data position counts the samples of this data, split, tokenized and batched this way":
         ("data", "eval_data", "eval_split", "seed", "max_seq_len", "long_sequence_policy",
-         "max_tokens_per_batch", "batching"),
-    "the optimizer state (and DPO's reference log-probabilities) belong to this training method":
+         "max_tokens_per_batch", "batching", "num_generations", "per_device_train_batch_size", "num_iterations"),
+    "the optimizer state (and DPO's reference log-probabilities, GRPO's starting weights) belong to this training "
+    "method":
         ("method", "beta", "loss_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
     "the model and optimizer state were sharded and cast for this strategy, precision and device":
         ("strategy", "precision", "device", "cpu_offload", "gradient_checkpointing", "torch_compile"),

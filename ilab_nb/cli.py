@@ -69,6 +69,8 @@ def _step_line(pr: dict, running: bool) -> str:
             (f"  loss {pr['loss']:.4f}" if pr["loss"] is not None else "") +
             (f"  margin {pr['margins']:.3f}" if pr.get("margins") is not None else "") +
             (f"  chosen preferred {pr['accuracy']:.0%}" if pr.get("accuracy") is not None else "") +
+            (f"  reward {pr['reward']:.3f}" + "".join(f"  {k} {v:.3f}" for k, v in (pr.get("rewards") or {}).items())
+             if pr.get("reward") is not None else "") +
             (f"  held-out perplexity {pr['perplexity']:,.1f}" if pr.get("perplexity") is not None else "") +
             (f"  skipped (not finite): {', '.join(map(str, pr['skipped_steps']))}" if pr.get("skipped_steps") else "") +
             (f"  {pr['tokens_per_s']:.0f} tokens/s" if pr["tokens_per_s"] else "") +

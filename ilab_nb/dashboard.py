@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['STATUS_COLOURS', 'run_curves', 'smooth_ema', 'LRFormatter', 'nice_ceiling', 'LossPlot', 'round_limits',
-           'format_number', 'render_text', 'latest_samples', 'samples_html', 'Dashboard']
+           'format_number', 'render_text', 'latest_samples', 'samples_html', 'Dashboard', 'reward_curves', 'reward_png',
+           'latest_completions', 'completions_html']
 
 # %% ../nbs/40_dashboard.ipynb #2a5ba047
 import html
@@ -290,7 +291,7 @@ def format_number(v, spec: str, none: str = "—") -> str:
     "`format(v, spec)` for a finite number, else `none` (a dash): for tables and progress lines."
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else none
 
-# %% ../nbs/40_dashboard.ipynb #cc0665c8
+# %% ../nbs/40_dashboard.ipynb #f4bf334c
 def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     "Two lines for a terminal: run id and status (with the reason of a failure), then a tqdm progress meter."
     monitor.poll()
@@ -305,6 +306,7 @@ def render_text(monitor, status: str | None = None, width: int = 100) -> str:
     post = ("" if p.get("epoch") is None else f"epoch={format_number(p.get('epoch'), '.2f')}, ") + \
         f"loss={format_number(p.get('loss'), '.4f')}, " + \
         (f"margin={format_number(p['margins'], '.3f')}, " if "margins" in p else "") + \
+        (f"reward={format_number(p['reward'], '.3f')}, " if "reward" in p else "") + \
         f"{format_number(p.get('tokens_per_s'), ',.0f')} tok/s"
     meter = tqdm.format_meter(step, total, p.get("elapsed_s") or 0, ncols=width, prefix="step", unit="step",
                               postfix=post)
@@ -516,7 +518,7 @@ def _show_status(self:Dashboard, status: str, state: dict) -> bool:
         ch |= self._set(self.progress, style, "bar_style")
     return ch
 
-# %% ../nbs/40_dashboard.ipynb #8189cfdd
+# %% ../nbs/40_dashboard.ipynb #af74ecbf
 def _progress_html(p: dict, status: str, header) -> str:
     step, total = p.get("step") or 0, p.get("total_steps") or 0
     pct = f" ({100 * step / total:.0f} %)" if total else ""
@@ -531,6 +533,9 @@ def _progress_html(p: dict, status: str, header) -> str:
     if "margins" in p:                                         # DPO: how far chosen leads rejected, and how often
         parts.append(f"margin {format_number(p['margins'], '.3f')}")
         parts.append(f"chosen preferred {format_number(p.get('accuracy'), '.0%')}")
+    if "reward" in p:                                          # GRPO: the latest step's mean reward, each function's
+        each = [f"{k} {format_number(v, '.3f')}" for k, v in (p.get("rewards") or {}).items()]
+        parts.append(html_join([f"reward {format_number(p['reward'], '.3f')}", *each], " · "))
     if p.get("perplexity") is not None:                        # plain text: the latest held-out perplexity
         parts.append(f"held-out perplexity {format_number(p['perplexity'], ',.1f')} (step {p['perplexity_step']:,})")
     if sk := p.get("skipped_steps"):                           # skip_nonfinite_steps: steps whose loss was not finite
@@ -593,12 +598,77 @@ def _show_samples(self:Dashboard) -> bool:
         self.children = self.children[:-1] + (self.samples_view, self.children[-1])
     return self._set(self.samples_view, samples_html(latest, previous))
 
-# %% ../nbs/40_dashboard.ipynb #caa38751
+# %% ../nbs/40_dashboard.ipynb #1b45175c
+def reward_curves(records) -> dict:
+    "`{series: (steps, values)}`: `reward` and each `rewards/<function>/mean` of the train records (the latest wins)."
+    out = {}
+    for r in standing_records(records, ("train",)):
+        for k, v in r.items():
+            if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean")):
+                out.setdefault("reward" if k == "reward" else k[8:-5], {})[r["step"]] = v
+    return {k: (sorted(d), [d[s] for s in sorted(d)]) for k, d in out.items()}
+
+def reward_png(records, fig: Figure | None = None) -> bytes:
+    "The reward curves as PNG bytes, drawn into `fig` (a `matplotlib.figure.Figure`, reused) or a new one."
+    fig = fig or Figure(figsize=(9.0, 2.4), dpi=100)
+    fig.clear()
+    ax = fig.add_subplot(1, 1, 1)
+    for name, (steps, vals) in reward_curves(records).items():
+        ax.plot(steps, vals, lw=2 if name == "reward" else 1, label=name)
+    ax.set_title("Mean reward", loc="left", fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.lines: ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    return buf.getvalue()
+
+# %% ../nbs/40_dashboard.ipynb #d85f06d9
+def latest_completions(records) -> dict | None:
+    "The latest `completions` record (GRPO), or None."
+    return next((r for r in reversed(list(records)) if r.get("kind") == "completions"), None)
+
+def _cell(v) -> str:
+    return format_number(v, ".3f") if isinstance(v, (int, float)) or v is None else str(v)
+
+def completions_html(rec: dict) -> str:
+    "A table of a step's kept completions: prompt, completion, total reward, advantage and each function's reward."
+    rows = rec.get("completions") or []
+    names = list(dict.fromkeys(k for c in rows for k in (c.get("rewards") or {})))
+    th = "<th style='text-align:left;padding:3px 8px;border-bottom:1px solid #dadce0'>{}</th>"
+    head = html_join([html_of(th, h) for h in ["prompt", "completion", "reward", "advantage", *names]])
+    td = "<td " + _TD + ">{}</td>"
+    body = html_join(html_of("<tr>{}</tr>", html_join(
+        [html_of(td, _cell(c.get(k))) for k in ("prompt", "completion", "reward", "advantage")]
+        + [html_of(td, _cell((c.get("rewards") or {}).get(n))) for n in names])) for c in rows)
+    return html_of("<div style='font-size:12.5px'><b>Completions at step {}</b> <span style='color:#5f6368'>(sampled; "
+                   "rewards per function)</span><table style='border-collapse:collapse;width:100%'><tr>{}</tr>{}"
+                   "</table></div>", rec.get("step"), head, body)
+
+# %% ../nbs/40_dashboard.ipynb #e960e587
+@patch
+def _show_rewards(self:Dashboard) -> bool:
+    "GRPO: the reward plot and the latest completions, added below the loss plot when the run has them."
+    rec = latest_completions(self.monitor.records)
+    if rec is None and not any("reward" in r for r in self.monitor.train_records): return False
+    if getattr(self, "reward_view", None) is None:
+        self._reward_fig = Figure(figsize=(9.0, 2.4), dpi=100)
+        self.reward_view = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px",
+                                                                 height="auto")).add_class("ilab-rewards")
+        self.completions_view = W.HTML().add_class("ilab-completions")
+        i = self.children.index(self.image) + 1
+        self.children = self.children[:i] + (self.reward_view, self.completions_view) + self.children[i:]
+    changed = self._set(self.reward_view, reward_png(self.monitor.records, self._reward_fig))
+    return changed | (self._set(self.completions_view, completions_html(rec)) if rec is not None else False)
+
+# %% ../nbs/40_dashboard.ipynb #4db997da
 @patch
 def _show_records(self:Dashboard, status: str) -> bool:
     changed = self._show_progress(status)
     changed |= self._show_plot()
     changed |= self._show_checkpoints()
+    changed |= self._show_rewards()
     return self._show_samples() | changed
 
 # %% ../nbs/40_dashboard.ipynb #b162f499

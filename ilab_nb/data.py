@@ -82,7 +82,7 @@ class _Problems(list):
     def raise_if_any(self):
         if self.count: raise DataError.collected(list(self), self.count)
 
-# %% ../nbs/20_data.ipynb #6b786c14
+# %% ../nbs/20_data.ipynb #1f195d94
 ROLES = ("system", "user", "assistant")
 _SHAPE_KEYS = ("messages", "conversations", "instruction", "input", "output", "text", "chosen", "rejected", "prompt")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -91,7 +91,8 @@ SHAPES = ('Accepted rows: {"messages": [{"role": "user", "content": ...}, {"role
           'Alpaca {"instruction": ..., "input": ... (optional), "output": ...}; '
           'or {"input": ..., "output": ..., "system": ... (optional)}; '
           'plain text {"text": ...}; preference pairs {"prompt": ..., "chosen": ..., "rejected": ...} '
-          '(strings or messages; without "prompt", two conversations that share their first turns).')
+          '(strings or messages; without "prompt", two conversations that share their first turns); '
+          'prompts for GRPO {"prompt": ..., other columns for the reward functions}.')
 
 # %% ../nbs/20_data.ipynb #51bbb0d0
 class _Bad(Exception):
@@ -242,20 +243,34 @@ def _preference_record(obj: dict) -> dict:
     if chosen == rejected: raise _Bad("'chosen' and 'rejected' are the same answer: there is nothing to prefer")
     return {"kind": "preference", "prompt": prompt, "chosen": chosen, "rejected": rejected}
 
-# %% ../nbs/20_data.ipynb #c58c03fa
+# %% ../nbs/20_data.ipynb #ec589b0a
+_REWARD_ARGS = ("prompts", "completions", "completion_ids")
+
+def _prompt_record(obj: dict) -> dict:
+    "A prompt: `{'kind': 'prompt', 'prompt': str | [messages], 'columns': {other columns}}`."
+    p = obj["prompt"]
+    prompt = p if isinstance(p, str) and p.strip() else _messages_of(p, "prompt", "user")
+    if clash := [k for k in obj if k in _REWARD_ARGS]:
+        raise _Bad(f"column {clash[0]!r} has the name of a reward function's own argument; rename it")
+    return {"kind": "prompt", "prompt": prompt, "columns": {k: v for k, v in obj.items() if k != "prompt"}}
+
+# %% ../nbs/20_data.ipynb #e01ea4a1
+_ANSWERED = ("messages", "conversations", "instruction", "output", "completion")   # a row with these is not a prompt
+
 def _row_record(obj: Any) -> dict:
-    "The record of one row of any accepted shape: `{'kind': 'chat' | 'text' | 'preference', ...}`."
+    "The record of one row of any accepted shape: `{'kind': 'chat' | 'text' | 'preference' | 'prompt', ...}`."
     if isinstance(obj, dict):
         if obj.get("chosen") is not None or obj.get("rejected") is not None: return _preference_record(obj)
+        if "prompt" in obj and not any(k in obj for k in _ANSWERED): return _prompt_record(obj)
         if obj.get("text") is not None and not any(obj.get(k) is not None
                                                    for k in ("messages", "conversations", "instruction")):
             return _text_record(obj)
     return {"kind": "chat", "messages": _chat_messages(obj)}
 
-# %% ../nbs/20_data.ipynb #96e4876f
+# %% ../nbs/20_data.ipynb #93028d6a
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 _SHAPE_COLUMNS = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"input", "output"}, {"text"},
-                  {"chosen", "rejected"})
+                  {"chosen", "rejected"}, {"prompt"})
 
 def _check_columns(columns, where) -> None:
     "A table whose columns fit no accepted shape is one error."
@@ -455,9 +470,11 @@ def load_records(sources) -> list[dict]:
     problems.raise_if_any()
     return records
 
-# %% ../nbs/20_data.ipynb #97c8b667
-KIND_NAMES = {"chat": "a chat conversation", "text": "a plain-text document", "preference": "a preference pair"}
-KIND_PLURALS = {"chat": "chat conversations", "text": "plain-text documents", "preference": "preference pairs"}
+# %% ../nbs/20_data.ipynb #5899bf0f
+KIND_NAMES = {"chat": "a chat conversation", "text": "a plain-text document", "preference": "a preference pair",
+              "prompt": "a prompt"}
+KIND_PLURALS = {"chat": "chat conversations", "text": "plain-text documents", "preference": "preference pairs",
+                "prompt": "prompts"}
 
 def _one_kind(records: list, problems: _Problems) -> None:
     "Each record of another kind than the first is a problem (one data set holds one shape)."
@@ -472,8 +489,8 @@ def _one_kind(records: list, problems: _Problems) -> None:
                                   # in memory: "the DataFrame", 0-based
                                   "index" if path.startswith("the ") else "line"))
 
-# %% ../nbs/20_data.ipynb #a52f7b77
-METHOD_KINDS = {"sft": ("chat", "text"), "dpo": ("preference",)}
+# %% ../nbs/20_data.ipynb #f68669d2
+METHOD_KINDS = {"sft": ("chat", "text"), "dpo": ("preference",), "grpo": ("prompt",)}
 
 def check_method(method: str, kind: str) -> str:
     "`kind` when `method` trains on it, else a `DataError` naming the method that does."
@@ -692,7 +709,7 @@ def records_sha256(records) -> str:
                             default=str).encode() + b"\n")
     return h.hexdigest()
 
-# %% ../nbs/20_data.ipynb #68553a54
+# %% ../nbs/20_data.ipynb #e01c8aa5
 _ROW_KEYS = {"chat": ("messages",), "text": ("text",), "preference": ("prompt", "chosen", "rejected")}
 
 def write_records_jsonl(records: list[dict], path: str | os.PathLike) -> Path:
@@ -703,7 +720,10 @@ def write_records_jsonl(records: list[dict], path: str | os.PathLike) -> Path:
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for r in records:
-                f.write(json.dumps({k: r[k] for k in _ROW_KEYS[r.get("kind", "chat")]}, ensure_ascii=False) + "\n")
+                kind = r.get("kind", "chat")
+                row = ({"prompt": r["prompt"], **r["columns"]} if kind == "prompt"
+                       else {k: r[k] for k in _ROW_KEYS[kind]})
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -89,3 +89,14 @@ def eval_record(self:Method, loss_sum: float, weight: float, sums: dict) -> dict
 def prepare(self:Method, attempt, forward):
     "Work before step 1, with the attempt's model and data set up (DPO's reference log-probabilities); nothing for SFT."
     return None
+
+# %% ../nbs/22_methods.ipynb #4418cda5
+@patch
+def micro_batches(self:Method, ds, step_plan: list, rank: int, layout: str, pad_id: int) -> list:
+    "This rank's micro-batches of one optimizer step: one per planned micro-step (GRPO samples its own)."
+    return [self.batch(ds, ms[rank], layout, pad_id) for ms in step_plan]
+
+@patch
+def plan_config(self:Method, cfg: TrainConfig) -> TrainConfig:
+    "The config the steps are planned with: the run's own (GRPO plans a step as one micro-step of prompts)."
+    return cfg

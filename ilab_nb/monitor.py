@@ -121,7 +121,8 @@ def events(self:RunMonitor) -> list:
 def progress(self:RunMonitor) -> dict:
     """`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` from the latest records (None where unknown);
     a DPO run's also `margins` and `accuracy` (TRL's `rewards/margins`, `rewards/accuracies`) of its latest step, a
-    plain-text run's `perplexity` (and its `perplexity_step`) of its latest evaluation; `skipped_steps` if any were."""
+    GRPO run's `reward`, `reward_std` and `rewards` (each function's mean) of its latest step, a plain-text run's
+    `perplexity` (and its `perplexity_step`) of its latest evaluation; `skipped_steps` if any were."""
     h, tr = self.header, self.train_records
     last = tr[-1] if tr else {}
     if h is not None and last and last.get("attempt") != h.get("attempt"): last = {}   # new attempt, no step yet
@@ -134,6 +135,9 @@ def progress(self:RunMonitor) -> dict:
     out = {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
            "tokens_per_s": last.get("tokens_per_s"), "loss": last.get("loss")}
     if "rewards/margins" in last: out.update(margins=last["rewards/margins"], accuracy=last.get("rewards/accuracies"))
+    if "reward" in last:                               # GRPO: its latest step's mean reward, and each function's
+        fns = {k[8:-5]: v for k, v in last.items() if k.startswith("rewards/") and k.endswith("/mean")}
+        out.update(reward=last["reward"], reward_std=last.get("reward_std"), rewards=fns)
     ev = next((r for r in reversed(self.eval_records) if "eval_perplexity" in r), None)
     if ev: out.update(perplexity=ev["eval_perplexity"], perplexity_step=ev["step"])
     if skipped := sorted({r["step"] for r in self.events if r.get("event") == Event.skipped}):

@@ -20,7 +20,8 @@ __all__ = ['CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'PREFLIGH
            'kv_cache_bytes', 'check_memory', 'read_json_file', 'tokenizer_bytes', 'checkpoint_bytes', 'check_disk',
            'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri',
            'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted', 'lora_problem',
-           'check_model_build', 'check_vocab', 'check_eval_tasks', 'check_data', 'preflight']
+           'check_model_build', 'check_vocab', 'check_eval_tasks', 'check_reward_funcs', 'grpo_generation_tokens',
+           'check_data', 'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -429,7 +430,7 @@ def backend_preflight(cfg, runs_root) -> dict:
     try: return {"slurm": preflight_slurm(cfg, runs_root)}
     except SlurmError as e: raise PreflightError(str(e)) from None
 
-# %% ../nbs/60_preflight.ipynb #8cd4c75d
+# %% ../nbs/60_preflight.ipynb #dae6a386
 def first_sample(record: dict, tok) -> dict:
     "`{'input_ids', 'labels'}` of one record as the run tokenizes it; a `PreflightError` when nothing would be learned."
     from ilab_nb.data import tokenize_chat
@@ -444,6 +445,10 @@ def first_sample(record: dict, tok) -> dict:
                 "labels": t["chosen_labels"] + t["rejected_labels"]}
     if record["kind"] == "text":
         ids = tok(record["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": ids, "labels": ids}
+    if record["kind"] == "prompt":
+        from ilab_nb.grpo import prompt_text
+        ids = tok(prompt_text(record["prompt"], tok), add_special_tokens=False)["input_ids"]
         return {"input_ids": ids, "labels": ids}
     sample = tokenize_chat(record["messages"], tok)
     if not any(l != -100 for l in sample["labels"]):
@@ -661,7 +666,18 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
     try: return check_tasks(cfg.eval_tasks, held)
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
 
-# %% ../nbs/60_preflight.ipynb #1d3e5fbc
+# %% ../nbs/60_preflight.ipynb #9559a493
+def check_reward_funcs(cfg, records: list):
+    "A `PreflightError` naming each reward function that fails on the first prompt with dummy completions."
+    from ilab_nb.grpo import check_rewards
+    if problems := check_rewards(cfg, records): raise PreflightError("; ".join(problems), "reward_funcs")
+
+def grpo_generation_tokens(cfg) -> int:
+    "Tokens of key/value cache a GRPO process holds while sampling (its step's completions at their longest), else 0."
+    if cfg.method != "grpo": return 0
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.max_seq_len
+
+# %% ../nbs/60_preflight.ipynb #5310e78a
 # records tokenized before launch: all of a set up to this many, else an even sample of them
 PREFLIGHT_ROWS = 20_000
 
@@ -688,17 +704,18 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
                                  else None) from None
         out[what] = dict(records=len(rs), checked=len(sample), samples=stats["samples"], note=stats.get("note"))
         out["top_token_id"] = max([out.get("top_token_id", -1)] + [max(map(max, filter(None, ds[c])), default=-1)
-                                                                  for c in ds.column_names if c.endswith("input_ids")])
+                                                                  for c in ds.column_names
+                                                                  if c.endswith(("input_ids", "prompt_ids"))])
         if what == "train":
             try:
-                steps = len(plan_steps(method.lengths(ds, layout), cfg, cfg.num_processes, layout,
+                steps = len(plan_steps(method.lengths(ds, layout), method.plan_config(cfg), cfg.num_processes, layout,
                                        method.budget(layout)))
             except (RuntimeError, ValueError) as e: raise PreflightError(f"the training data: {e}") from None
             exact = len(sample) == len(rs) or cfg.max_steps > 0
             out.update(total_steps=steps if exact else math.ceil(steps * len(rs) / len(sample)), estimated=not exact)
     return out
 
-# %% ../nbs/60_preflight.ipynb #10185012
+# %% ../nbs/60_preflight.ipynb #0c908bee
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 10_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     """Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`:
@@ -719,6 +736,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
+    if cfg.method == "grpo": check_reward_funcs(cfg, records)
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
@@ -728,7 +746,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     check_vocab(tok, built["embedding_rows"], mp, data.pop("top_token_id"))
     if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
-                          generation_tokens=(prompts or {}).get("generation_tokens", 0),
+                          generation_tokens=(prompts or {}).get("generation_tokens", 0) + grpo_generation_tokens(cfg),
                           adapters=built["trainable_params"])
     disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"], built["trainable_tensors"])
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []

@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_rundir.ipynb #bb0e1430
 from __future__ import annotations
-import errno, json, os
+import errno, json, os, re
 import textwrap
 from dataclasses import dataclass
 from enum import StrEnum, auto
@@ -114,6 +114,10 @@ class RunPaths:
                                                                       "attempt.")
     reference_logps = property(lambda self: self.root / "cache" / "reference_logps.pt", doc="A DPO run's reference "
                                                                                             "log-probabilities.")
+    rewards = property(lambda self: self.root / "rewards", doc="A GRPO run's reward functions saved by value "
+                                                               "(`.pkl`) and their source (`.py`).")
+    reference = property(lambda self: self.root / "reference", doc="A GRPO run's starting weights (beta > 0, full "
+                                                                   "fine-tuning), `rank-N.pt` per rank.")
     accelerate_config = property(lambda self: self.root / "accelerate.yaml", doc="The run's own `accelerate launch` "
                                                                                  "config.")
     fork = property(lambda self: self.root / "fork.json", doc="A forked run's lineage: parent run, its directory, the "
@@ -450,10 +454,16 @@ SCHEMA_VERSION = 1
 # TRL's
 _DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected")
+# TRL's GRPO names; each reward function adds `rewards/<name>/mean` and `/std` (the train row's `patterns`)
+_GRPO_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean",
+                 "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean",
+                 *(f"completions/{k}" for k in ("mean_length", "min_length", "max_length", "clipped_ratio",
+                                                "mean_terminated_length", "min_terminated_length",
+                                                "max_terminated_length")))
 
-SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: type}, values: {field: allowed}}
+SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: {regex: type}, values: {field: allowed}}
     "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, samples, "
-                                             "event",
+                                             "completions, event",
                    required=dict(schema="int", kind="str", run_id="str", attempt="int", time="float")),
     "header": dict(file="metrics.jsonl", doc="first record of every attempt, written by rank 0 before step 1",
                    required=dict(world_size="int", backend="str?", strategy="str", distributed_type="str", device="str",
@@ -470,7 +480,9 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                   required=dict(step="int", total_steps="int", epoch="float", loss="float", learning_rate="float",
                                 grad_norm="float", tokens="int", tokens_per_s="float", real_tokens_per_s="float",
                                 efficiency="float", elapsed_s="float", peak_mem_mb="float?"),
-                  optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}}),
+                  optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}, "prompts": "int",
+                            **{k: "float" for k in _GRPO_METRICS}},
+                  patterns={r"rewards/.+/(mean|std)": "float"}),
     "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step",
                  required=dict(step="int", epoch="float", eval_loss="float", eval_tokens="int"),
                  optional={"eval_perplexity": "float", "eval_pairs": "int",
@@ -479,6 +491,10 @@ SCHEMA = {   # kind -> {file, doc, required: {field: type}, optional: {field: ty
                     doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds "
                         "they took",
                     required=dict(step="int", epoch="float", seconds="float", max_new_tokens="int", samples="list")),
+    "completions": dict(file="metrics.jsonl", doc="GRPO, every step: its first `num_completions_to_print` completions "
+                                                  "`[{prompt, completion, reward, advantage, rewards: {function: "
+                                                  "reward}}]`",
+                        required=dict(step="int", completions="list")),
     "task": dict(file="metrics.jsonl", doc="an evaluation's (eval/<eval_id>/metrics.jsonl): each model x task as it "
                                            "starts and ends",
                  required=dict(model="str", task="str", status="str"), values=dict(status=("running", "done")),
@@ -528,6 +544,7 @@ def schema_problems(rec: dict, kind: str) -> list:
     rank)."""
     rows = ([SCHEMA["record"]] if SCHEMA[kind]["file"] == "metrics.jsonl" else []) + [SCHEMA[kind]]
     known = {f: t for r in rows for f, t in {**r.get("required", {}), **r.get("optional", {})}.items()}
+    known |= {f: t for r in rows for pat, t in r.get("patterns", {}).items() for f in rec if re.fullmatch(pat, f)}
     out = [f"{kind} record lacks required field {f!r}" for r in rows for f in r.get("required", {}) if f not in rec]
     out += [f"{kind} record field {f!r} = {v!r:.60} is not {known[f]}" for f, v in rec.items()
             if f in known and not _type_ok(v, known[f])]
@@ -557,7 +574,7 @@ def schema_markdown() -> str:
                         f"`tools/schema_doc.py`; do not edit it here.", 112) + [""]
     for kind, row in SCHEMA.items():
         out.append(f"- `{kind}` ({row['file']}): {row['doc']}.")
-        for label in ("required", "optional"):
+        for label in ("required", "optional", "patterns"):
             if row.get(label):
                 out += textwrap.wrap(f"  - {label}: " + ", ".join(f"`{f}` {t}" for f, t in row[label].items()), 112,
                                      subsequent_indent="    ", break_on_hyphens=False)

@@ -23,7 +23,7 @@ from .launcher import spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight
 
 # %% auto #0
-__all__ = ['FineTuneSession', 'write_memory_data', 'DevicesBusyError']
+__all__ = ['FineTuneSession', 'write_memory_data', 'saved_rewards', 'DevicesBusyError']
 
 # %% ../nbs/61_session.ipynb #27d43401
 class FineTuneSession:
@@ -129,6 +129,13 @@ def write_memory_data(cfg, run_dir) -> TrainConfig:
                       for s in srcs]
     return cfg.model_copy(update=upd) if upd else cfg
 
+# %% ../nbs/61_session.ipynb #95e5875f
+def saved_rewards(cfg, paths: RunPaths, tag: str = "") -> TrainConfig:
+    "`cfg` with the reward functions it holds in memory saved by value into the run (GRPO; else `cfg` itself)."
+    if not any(callable(f) for f in cfg.reward_funcs): return cfg
+    from ilab_nb.grpo import save_rewards
+    return save_rewards(cfg, paths, tag)
+
 # %% ../nbs/61_session.ipynb #eab9de29
 @patch
 def _request(self:FineTuneSession) -> dict:
@@ -136,7 +143,7 @@ def _request(self:FineTuneSession) -> dict:
     return device_request(kind, self.config.num_processes, self.config.devices, (self.preflight or {}).get("gpus"),
                           oversubscribe=self.config.oversubscribe_cpus)
 
-# %% ../nbs/61_session.ipynb #86f14071
+# %% ../nbs/61_session.ipynb #756edd90
 @patch
 def start(self:FineTuneSession) -> FineTuneSession:
     "Start the run in the background and return at once."
@@ -151,6 +158,7 @@ def start(self:FineTuneSession) -> FineTuneSession:
                                    f"with queue=True.")
     d = self.store.create_run(self.run_id)
     self.config = write_memory_data(self.config, d)   # data held in memory -> data/*.jsonl, named in config.json
+    self.config = saved_rewards(self.config, RunPaths(d))   # GRPO: this kernel's reward functions -> rewards/*.pkl
     self.config.to_json(RunPaths(d).config)
     self.store.write_state(self.run_id, status=State.queued, attempt=1, request=request, device=request["kind"],
                            num_processes=self.config.num_processes, devices=self.config.devices,
@@ -383,7 +391,7 @@ def _reference_problem(self:FineTuneSession, ck: dict) -> str | None:
                     f"computed from its starting model before step 1, and a checkpoint's model is no longer that "
                     f"model, so they cannot be computed again from it: put the file back, or start a new run")
 
-# %% ../nbs/61_session.ipynb #60f78469
+# %% ../nbs/61_session.ipynb #dc6ccc51
 @patch
 @gated(Action.code, doing="resume it", unless=lambda self: self._unstarted())    # not started: said below
 def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> FineTuneSession:
@@ -410,7 +418,8 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
     except StateError as e:
         self.config, self.preflight = before
         raise RuntimeError(f"Run {self.run_id} was not resumed: another caller resumed it first. {e}") from None
-    if diff:   # after the claim: only the winner writes the attempt's config
+    if diff:   # after the claim: only the winner writes the attempt's config (and saves its reward functions)
+        self.config = cfg = saved_rewards(cfg, paths, f"-attempt-{attempt}")
         cfg.to_json(paths.attempt_config(attempt))
     if paths.stop.exists(): paths.stop.rename(paths.stop.with_name(f"stop.attempt-{attempt - 1}"))
     self.store.append_event(self.run_id, Event.resumed, attempt=attempt, from_step=ck["step"], by=by,
@@ -450,25 +459,32 @@ def checkpoint_at(self:FineTuneSession, step=None) -> tuple[dict, TrainConfig]:
     wrote = (read_json(Path(ck["path"]) / TRAINER_STATE, {}) or {}).get("attempt")      # the attempt that saved it
     return ck, TrainConfig.read_json(self.paths.config_for(wrote))
 
-# %% ../nbs/61_session.ipynb #d7fa9e66
+# %% ../nbs/61_session.ipynb #13d1c73b
+def _moved(p, a: Path, b: Path):
+    "`p` under `b` where it is a path under `a`; anything else as it is."
+    return str(b / Path(p).relative_to(a)) if isinstance(p, str) and Path(p).is_relative_to(a) else p
+
 def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig,
                 trust_owner: bool = False) -> tuple[TrainConfig, Path]:
     """Link the fork's starting files from `src` into `dst`; returns the config with its data paths moved, and the
     checkpoint."""
     if src.data.exists():                     # data written from memory into the parent: the fork's own copy
         _link_tree(src.data, dst.data, trust_owner=trust_owner)
-        moved = lambda ps: ps and [str(dst.data / Path(q).relative_to(src.data)) if Path(q).is_relative_to(src.data)
-                                   else q for q in ps]
+        def moved(ps): return ps and [_moved(q, src.data, dst.data) for q in ps]
         cfg = cfg.model_copy(update=dict(data=moved(cfg.data), eval_data=moved(cfg.eval_data)))
     if src.reference_logps.exists():
         dst.cache.mkdir(exist_ok=True)
         _link_tree(src.cache, dst.cache, only=src.reference_logps.name)
+    if src.reference.is_dir(): _link_tree(src.reference, dst.reference, trust_owner=trust_owner)   # GRPO's start
+    if src.rewards.is_dir():                  # GRPO's reward functions saved by value: the fork's own copy
+        _link_tree(src.rewards, dst.rewards, trust_owner=trust_owner)
+        cfg = cfg.model_copy(update=dict(reward_funcs=[_moved(f, src.rewards, dst.rewards) for f in cfg.reward_funcs]))
     at, tmp = dst.checkpoint(ck["step"]), dst.checkpoint_tmp(ck["step"])
     _link_tree(Path(ck["path"]), tmp, trust_owner=trust_owner)   # complete or absent, like any checkpoint
     os.replace(tmp, at)
     return cfg, at
 
-# %% ../nbs/61_session.ipynb #061d0291
+# %% ../nbs/61_session.ipynb #8e68d879
 @patch
 @gated(Action.code, doing="fork it")
 def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True, trust_owner: bool = False,
@@ -495,7 +511,7 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
         raise RuntimeError(f"Could not fork run {self.run_id} at step {ck['step']}: {type(e).__name__}: {e}") from None
     lineage = dict(run_id=self.run_id, step=ck["step"], checkpoint=ck["path"], run_dir=str(self.run_dir), changes=diff)
     write_json_atomic(dst.fork, lineage)
-    new.config = cfg
+    new.config = cfg = saved_rewards(cfg, dst)      # reward functions given in memory as changes: saved by value
     cfg.to_json(dst.config)
     request = new._request()
     self.store.write_state(new.run_id, status=State.queued, attempt=1, request=request, device=request["kind"],

@@ -384,7 +384,7 @@ def test_evaluate_refuses_held_out_data_changed_since_the_run(demo, tmp_path):
     lines = Path(demo.eval_file).read_text().splitlines(keepends=True)
     held = tmp_path / "held.jsonl"; held.write_text("".join(lines[:4]))
     p = RunPaths(d); cfg = TrainConfig.read_json(p.config).model_copy(update=dict(eval_data=[str(held)])); cfg.to_json(p.config)
-    ran = dict(rows=4, sha256=records_sha256(load_records([str(held)])))         # as the worker writes it (31_worker)
+    ran = dict(rows=4, sha256=records_sha256(load_records([str(held)])))         # as the worker writes it (34_worker)
     with open(p.metrics, "a") as f: f.write(_record("header", **{**HEADER, "data_stats": {"heldout": ran}}))
     s = FineTuneSession.attach("r", runs_root=root)
     os.utime(held)                                                               # touched after the run: its records are the run's

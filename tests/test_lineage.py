@@ -1,7 +1,7 @@
 """A run that goes on with changes on another number of processes, and a fork from one of its checkpoints: one real
 run of two attempts (2 processes, then 1) and a fork of it (2 processes), a few steps each of an 80-conversation
 epoch. (The allow-list, the refusals and what resume()/fork() write are checked without a launch in
-nbs/61_session.ipynb; the plan across world sizes and a resume that lengthens a run in nbs/31_worker.ipynb.)"""
+nbs/61_session.ipynb; the plan across world sizes and a resume that lengthens a run in nbs/34_worker.ipynb.)"""
 import json
 from pathlib import Path
 

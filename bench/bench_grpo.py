@@ -1,0 +1,138 @@
+"""GRPO through ilab_nb against TRL's GRPOTrainer, side by side: the same demo model, prompts (capital questions of the
+demo's atlas), reward function (a file both load), generation settings (num_generations, max_completion_length,
+temperature 1, top_p 1, no top-k), loss (dapo, beta 0), learning rate and optimizer, 2 CPU processes each (ilab_nb
+strategy="fsdp" through FineTuneSession; TRL under `accelerate launch`, as its docs run it), 8 completions per process
+per optimizer step (2 prompts x 4), --steps steps.
+
+Timed: the whole command's wall time (start-up, model load, the steps with their sampling, the final save), and
+completions/s and optimizer steps/s of it; --rounds rounds, alternating, medians.
+
+    .venv/bin/python bench/bench_grpo.py            # a few minutes on 2 cores; writes bench/results_grpo.md
+"""
+import argparse, datetime, json, os, statistics, subprocess, sys, tempfile, textwrap, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+from ilab_nb import FineTuneSession
+from ilab_nb.demo import demo_assets, read_chat_jsonl, shipped_data_dir
+from ilab_nb.launcher import ACCELERATE_CONFIG, free_port
+from ilab_nb.preflight import count_params
+
+REWARD = textwrap.dedent('''
+    def right_capital(prompts, completions, answer, **kw):
+        return [float(c[0]["content"].strip().lower() == a.lower()) for c, a in zip(completions, answer)]
+''')
+
+TRL_SCRIPT = textwrap.dedent('''
+    import importlib.util, json, sys, torch, datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    model_dir, data, out, reward_file, steps, gens, per, comp, lr, seed = sys.argv[1:11]
+    spec = importlib.util.spec_from_file_location("reward", reward_file); mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    train = datasets.load_dataset("json", data_files=data, split="train", cache_dir=out + "/hf-cache")
+    args = GRPOConfig(output_dir=out, num_generations=int(gens), per_device_train_batch_size=int(per),
+                      max_completion_length=int(comp), temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="dapo",
+                      learning_rate=float(lr), max_steps=int(steps), lr_scheduler_type="constant", warmup_steps=0,
+                      weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+                      gradient_checkpointing=False, seed=int(seed), save_strategy="no", dataloader_num_workers=0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tr = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=[mod.right_capital],
+                     args=args, train_dataset=train, processing_class=tok)
+    tr.train()
+    tr.save_model(out + "/final")
+    if tr.accelerator.is_main_process:
+        logs = [l for l in tr.state.log_history if "reward" in l]
+        json.dump(dict(steps=tr.state.global_step, world=tr.accelerator.num_processes, rewards=[l["reward"] for l in logs],
+                       lengths=[l["completions/mean_length"] for l in logs]), open(out + "/result.json", "w"))
+''')
+
+
+def capital_rows(n):
+    rows = [{"prompt": c[:i], "answer": m["content"]} for c in read_chat_jsonl(shipped_data_dir() / "train.jsonl")
+            for i, m in enumerate(c) if m["role"] == "assistant" and "capital" in c[i - 1]["content"].lower()]
+    return rows[:n]
+
+
+def run_ilab(a, model, data, reward, root):
+    t0 = time.time()
+    s = FineTuneSession(model=str(model), data=str(data), method="grpo", reward_funcs=[f"{reward}:right_capital"],
+                        num_generations=a.gens, per_device_train_batch_size=a.per, max_completion_length=a.comp,
+                        num_processes=2, strategy="fsdp", device="cpu", max_steps=a.steps, logging_steps=1,
+                        learning_rate=a.lr, lr_scheduler_type="constant", max_seq_len=512, seed=0, save_steps=None,
+                        num_completions_to_print=0, runs_root=root)
+    s.start()
+    if s.wait() != "completed": raise SystemExit(f"ilab_nb run {s.run_id} ended {s.status}: {s.reason}\n{s.logs(30)}")
+    wall = time.time() - t0
+    train = s.metrics(kinds=("train",))
+    return dict(wall=wall, steps=len(train), rewards=[r["reward"] for r in train],
+                lengths=[r["completions/mean_length"] for r in train])
+
+
+def run_trl(a, model, data, reward, root):
+    script = root / "trl_grpo.py"; script.write_text(TRL_SCRIPT)
+    out = Path(tempfile.mkdtemp(dir=root, prefix="trl-"))
+    cfg = out / "accelerate.yaml"; cfg.write_text(ACCELERATE_CONFIG)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), str(script), str(model), str(data), str(out), str(reward),
+           str(a.steps), str(a.gens), str(a.per), str(a.comp), str(a.lr), "0"]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.time() - t0
+    (out / "stderr.txt").write_text(r.stderr)
+    if r.returncode: raise SystemExit(f"TRL failed (all of its stderr: {out / 'stderr.txt'}):\n{r.stderr[-4000:]}")
+    res = json.loads((out / "result.json").read_text())
+    if res["world"] != 2: raise SystemExit(f"TRL ran on {res['world']} process(es), not 2")
+    return dict(wall=wall, steps=res["steps"], rewards=res["rewards"], lengths=res["lengths"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10); ap.add_argument("--gens", type=int, default=4)
+    ap.add_argument("--per", type=int, default=8); ap.add_argument("--comp", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-4); ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--model", default=None, help="the model (default: the demo model with random weights)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results_grpo.md"))
+    a = ap.parse_args()
+    import torch, transformers, trl
+    root = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
+    os.environ.setdefault("ILAB_NB_LOCKS", str(root / "locks"))
+    demo = demo_assets(root / "demo")
+    model = Path(a.model) if a.model else demo.model_dir
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in capital_rows(a.steps * 2 * a.per // a.gens)))
+    reward = root / "reward.py"; reward.write_text(REWARD)
+    got = {"ilab_nb": [], "TRL": []}
+    for _ in range(a.rounds):
+        got["ilab_nb"].append(run_ilab(a, model, data, reward, root))
+        got["TRL"].append(run_trl(a, model, data, reward, root))
+    med = {k: statistics.median(r["wall"] for r in v) for k, v in got.items()}
+    n = a.steps * 2 * a.per                                     # completions sampled (and trained on), all ranks
+    lines = ["# GRPO: ilab_nb against TRL's GRPOTrainer (`bench/bench_grpo.py`)", "",
+             f"{datetime.date.today()}, 2 CPU processes each, {'the demo model' if not a.model else model.name} "
+             f"({count_params(model)['total']:,} parameters), capital questions of the demo's atlas, {a.steps} optimizer steps, "
+             f"{a.gens} completions per prompt, {a.per} completions per process per step ({n} in all), max_completion_length "
+             f"{a.comp}, temperature 1, loss dapo, beta 0, lr {a.lr:g}, AdamW; torch {torch.__version__}, transformers "
+             f"{transformers.__version__}, trl {trl.__version__}; {a.rounds} round(s), alternating, medians.", "",
+             "| | steps | wall time (s), each round | median | completions/s | optimizer steps/s | mean completion length | reward, first -> last step |",
+             "|---|---:|---|---:|---:|---:|---:|---|"]
+    for k, v in got.items():
+        r = v[0]
+        walls = ", ".join(f"{x['wall']:.1f}" for x in v)
+        lines.append(f"| {k} | {r['steps']} | {walls} | {med[k]:.1f} | {n / med[k]:.1f} | "
+                     f"{r['steps'] / med[k]:.3f} | {statistics.mean(r['lengths']):.1f} | {r['rewards'][0]:.3f} -> {r['rewards'][-1]:.3f} |")
+    lines += ["", f"ilab_nb / TRL: completions/s x{med['TRL'] / med['ilab_nb']:.2f}, optimizer steps/s x{med['TRL'] / med['ilab_nb']:.2f} "
+              "(the same steps and completions in both: the ratio of wall times).",
+              "Both walls include each tool's start-up (ilab_nb: preflight, the detached supervisor, `accelerate launch`; TRL: "
+              "`accelerate launch`) and the final save. Each samples its own completions (different random streams), so "
+              "their lengths and rewards differ a little."]
+    text = "\n".join(lines) + "\n"
+    print(text); Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
