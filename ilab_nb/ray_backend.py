@@ -495,16 +495,21 @@ def alive(self:LocalCluster) -> list:
     "The ids of the cluster's live nodes, from the head's node table (empty while the head does not answer)."
     import ray
     from ray._raylet import GcsClientOptions
-    try:
-        if self._state is None:
-            st = ray._private.state.GlobalState()
-            st._initialize_global_state(GcsClientOptions.create(self.address, None, allow_cluster_id_nil=True,
-                                                                fetch_cluster_id_if_nil=False))
-            self._state = st
-        return [n["NodeID"] for n in self._state.node_table() if n.get("Alive")]
-    except Exception:               # not up yet: asked afresh next time
-        self._state = None
-        return []
+    if self._state is None:
+        st = ray._private.state.GlobalState()
+        st._initialize_global_state(GcsClientOptions.create(self.address, None, allow_cluster_id_nil=True,
+                                                            fetch_cluster_id_if_nil=False))
+        self._state = st
+    try: return [n["NodeID"] for n in self._state.node_table() if n.get("Alive")]
+    except Exception: return []        # not up yet
+
+@patch
+def _late(self:LocalCluster, args, out) -> str:
+    "What a node that did not come up left: `ray start`'s last words, the last lines of the newest raylet log."
+    logs = sorted(self.temp_dir.glob("session_*/logs/raylet*.out"), key=lambda p: p.stat().st_mtime)
+    tail = "\n".join(tail_lines(logs[-1], 8)) if logs else "(no raylet log)"
+    return (f"a node started with `ray start {' '.join(args)}` is not live after {self.timeout} s; ray start said: "
+            f"{out[-600:]}\nits raylet's log ends:\n{tail}")
 
 @patch
 def add_node(self:LocalCluster, args=None) -> str:
@@ -518,9 +523,8 @@ def add_node(self:LocalCluster, args=None) -> str:
         raise RuntimeError(f"`ray start {' '.join(args)}` failed ({r.returncode}): {out[-1500:]}")
     t0 = time.time()
     while len(self.alive()) <= len(self.node_ids):
-        if time.time() - t0 > self.timeout:
-            raise TimeoutError(f"a node started with `ray start {' '.join(args)}` is not live after {self.timeout} s")
-        time.sleep(0.2)
+        if time.time() - t0 > self.timeout: raise TimeoutError(self._late(args, out))
+        time.sleep(0.5)
     self.node_ids.append(next(n for n in self.alive() if n not in self.node_ids))
     return self.node_ids[-1]
 
