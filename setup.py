@@ -41,7 +41,8 @@ setuptools.setup(
     extras_require={'dev': dev_requirements, 'tensorboard': cfg.get('tensorboard_requirements', '').split(),
                     'mlflow': cfg.get('mlflow_requirements', '').split(), 'wandb': cfg.get('wandb_requirements', '').split(),
                     'eval': cfg.get('eval_requirements', '').split(),
-                    'export': cfg.get('export_requirements', '').split()},
+                    'export': cfg.get('export_requirements', '').split(),
+                    'ray': cfg.get('ray_requirements', '').split()},
     entry_points={
         'console_scripts': cfg.get('console_scripts', '').split(),
         'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],

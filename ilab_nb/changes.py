@@ -17,7 +17,7 @@ RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_sched
                      "attn_implementation",
                      "num_processes", "devices", "oversubscribe_cpus", "ignore_memory_estimate", "num_machines",
                      "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "ddp_timeout", "slurm",
-                     "launcher_args", "accelerate_config",
+                     "ray", "launcher_args", "accelerate_config",
                      "eval_steps", "eval_prompts", "eval_max_new_tokens", "eval_tasks", "save_steps",
                      "save_total_limit", "logging_steps", "logging_dir", "report_to", "merge_lora",
                      # GRPO: how completions are sampled, scored and clipped from the next step on

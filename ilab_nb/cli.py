@@ -77,12 +77,20 @@ def _step_line(pr: dict, running: bool) -> str:
             (f"  eta {_fmt_s(pr['eta_s'])}" if pr["eta_s"] is not None and running else ""))
 
 # %% ../nbs/63_cli.ipynb #17dbb4a4
+def _ray_lines(st: dict) -> list:
+    "A Ray run's lines: what it waits for in Ray while queued, the Ray node of each machine once placed."
+    queued = st.get("pending_in") == "Ray" and st.get("status") == State.queued and st.get("pending_reason")
+    lines = [f"ray:      {st['pending_reason']}"] if queued else []
+    ms = (st.get("ray") or {}).get("machines") or []
+    return lines + [f"ray:      machine {m['machine_rank']} on Ray node {m['node']}" for m in ms]
+
 def _detail_lines(st: dict) -> list:
     lines = []
     if st.get("reason"): lines.append(f"reason:   {st['reason']}")
     if st.get("state_error"): lines.append(f"state:    {st['state_error']}")
     if st.get("job_id"): lines.append(f"slurm:    job {st['job_id']} {st.get('job_state') or ''}" +
                                       (f"  pending: {st['pending_reason']}" if st.get("pending_reason") else ""))
+    lines += _ray_lines(st)
     lines += [f"tracker:  {n}" for n in tracker_notes(st)]
     if st.get("status") == State.failed and st.get("log_tail"):
         lines += [f"last lines of {st.get('log_file', 'the log')}:"] + ["  " + l for l in st["log_tail"][-15:]]

@@ -23,7 +23,8 @@ from .core import patch
 
 # %% auto #0
 __all__ = ['DataSources', 'GRPO_DEFAULTS', 'DPO_LOSSES', 'GRPO_LOSSES', 'ConfigError', 'config_line', 'InMemoryData',
-           'data_sources', 'SlurmOptions', 'config_problems', 'TrainConfig', 'fields_table', 'load_config']
+           'data_sources', 'SlurmOptions', 'RayOptions', 'config_problems', 'TrainConfig', 'fields_table',
+           'load_config']
 
 # %% ../nbs/12_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -269,9 +270,31 @@ class SlurmOptions(BaseModel):
         if bad: raise ValueError(f"each extra line must be an sbatch option such as '--exclusive'; not {bad[0]!r}")
         return [l.strip().lstrip("#").strip().removeprefix("SBATCH").strip() for l in v]
 
-# %% ../nbs/12_config.ipynb #a9fb6ea2
+# %% ../nbs/12_config.ipynb #408ef120
+class RayOptions(BaseModel):
+    "Where the Ray cluster of a run is and what each of its processes takes there."
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    address: str | None = Field(None, description="What ray.init accepts: 'host:port', 'auto' or 'ray://host:10001'; "
+                                                  "None = $RAY_ADDRESS, else 'auto'.")
+    num_cpus_per_process: float = Field(1.0, ge=0, description="Ray CPUs each training process takes.")
+    num_gpus_per_process: float = Field(0.0, ge=0, description="Ray GPUs each training process takes (then the "
+                                                               "device is CUDA).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="How the machines' bundles are placed; None = STRICT_SPREAD for several machines, else PACK.")
+    runtime_env: dict | None = Field(None, description="Ray runtime_env of the run's actors (env_vars, py_modules, "
+                                                       "...).")
+
+    def resolved_address(self) -> str:
+        "The address to connect to: `address`, else `$RAY_ADDRESS`, else `auto`."
+        return self.address or os.environ.get("RAY_ADDRESS") or "auto"
+
+    def strategy_for(self, num_machines: int) -> str:
+        "The placement strategy of a run on `num_machines` machines."
+        return self.placement_strategy or ("STRICT_SPREAD" if num_machines > 1 else "PACK")
+
+# %% ../nbs/12_config.ipynb #4e1b122b
 def _machine_problems(c) -> list:
-    "Cross-field problems of the multi-machine and SLURM fields of config `c`: `[(field, message)]`."
+    "Cross-field problems of the multi-machine, SLURM and Ray fields of config `c`: `[(field, message)]`."
     p, m = [], c.num_machines
     if c.num_processes % m:
         p.append(("num_processes", f"num_processes={c.num_processes} is the total over num_machines={m} machines and "
@@ -281,9 +304,11 @@ def _machine_problems(c) -> list:
         p.append(("strategy", "'single' runs one process; several machines need fsdp or ddp"))
     if m > 1 and c.backend == "local" and not c.main_process_ip:
         p.append(("main_process_ip", f"num_machines={m} needs the address of the machine of rank 0 (or "
-                  f"backend='slurm', which takes it from the allocation)"))
+                  f"backend='slurm' or 'ray', which take it from the allocation)"))
     if c.slurm is not None and c.backend != "slurm":
-        p.append(("slurm", "SLURM options are given but backend is 'local'; set backend='slurm' or drop slurm"))
+        p.append(("slurm", f"SLURM options are given but backend is {c.backend!r}; set backend='slurm' or drop slurm"))
+    if getattr(c, "ray", None) is not None and c.backend != "ray":
+        p.append(("ray", f"Ray options are given but backend is {c.backend!r}; set backend='ray' or drop ray"))
     if c.backend == "slurm" and c.eval_tasks:
         p.append(("eval_tasks", "runs on this machine's device queue when a local run completes, and a SLURM run's job "
                   "ends without it; evaluate the completed run with FineTuneSession.evaluate(tasks) or `ilab-nb eval "
@@ -397,9 +422,9 @@ class _MemoryFields(_FieldGroup):
     trust_remote_code: bool = Field(False, description=(
         "Allow model/tokenizer code from the model directory or hub repository to run."))
 
-# %% ../nbs/12_config.ipynb #a14e0c4b
+# %% ../nbs/12_config.ipynb #6dc2dc0d
 class _MachineFields(_FieldGroup):
-    "How the run is launched: accelerate's options, several machines, the SLURM backend."
+    "How the run is launched: accelerate's options, several machines, the SLURM and Ray backends."
     accelerate_config: str | None = Field(None, description=(
         "Path to your own `accelerate` config YAML passed to `accelerate launch --config_file`."))
     launcher_args: list[str] = Field([], description=(
@@ -418,10 +443,14 @@ class _MachineFields(_FieldGroup):
         "Seconds a rank waits in a collective (a barrier, a broadcast) for the others before the run fails: the "
         "process group's timeout (TrainingArguments' name and default). Work one rank does alone between collectives "
         "must fit in it."))
-    backend: Literal["local", "slurm"] = Field("local", description=(
-        "Who runs the processes: local (this machine, ilab_nb's FIFO queue) or slurm (sbatch on a SLURM cluster)."))
+    backend: Literal["local", "slurm", "ray"] = Field("local", description=(
+        "Who runs the processes: local (this machine, ilab_nb's FIFO queue), slurm (sbatch on a SLURM cluster) or "
+        "ray (a placement group on a Ray cluster)."))
     slurm: SlurmOptions | None = Field(None, description=(
         "SLURM job options (partition, account, time, nodes, gpus_per_node, ...); only with backend='slurm'."))
+    ray: RayOptions | None = Field(None, description=(
+        "Ray options (address, num_cpus_per_process, num_gpus_per_process, placement_strategy, runtime_env); only "
+        "with backend='ray'."))
 
 # %% ../nbs/12_config.ipynb #c88e3c02
 class _ExperimentFields(_FieldGroup):
@@ -774,7 +803,7 @@ def fields_table(model: type[BaseModel]) -> str:
 
 TrainConfig.__doc__ += "\n\n" + fields_table(TrainConfig)
 
-# %% ../nbs/12_config.ipynb #b609b6dc
+# %% ../nbs/12_config.ipynb #5889daa6
 @patch(cls_method=True)
 def from_validation_error(cls:ConfigError, err: ValidationError, source: str | None = None,
                           key_lines=None) -> "ConfigError":
@@ -784,7 +813,9 @@ def from_validation_error(cls:ConfigError, err: ValidationError, source: str | N
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            names = [f"slurm.{k}" for k in SlurmOptions.model_fields] if field.startswith("slurm.") else valid
+            opts = {"slurm.": SlurmOptions, "ray.": RayOptions}
+            names = next(([f"{pre}{k}" for k in o.model_fields] for pre, o in opts.items() if field.startswith(pre)),
+                         valid)
             out.append(dict(field=field, type="unknown_field", msg=_unknown_field_msg(field, names),
                             input=e.get("input")))
         elif e["type"] == "config_conflict":   # raised by TrainConfig._check_combinations: one entry per problem

@@ -460,6 +460,8 @@ def _header_html(run_id, attempt, h: dict) -> str:
                     f"{h.get('strategy', '?')})")
         if h.get("precision"):
             bits.append(str(h["precision"]))
+        if (h.get("num_machines") or 1) > 1 and h.get("nodes"):
+            bits.append("on " + ", ".join(dict.fromkeys(map(str, h["nodes"]))))
         if h.get("params_total"):
             bits.append(f"{h['params_total'] / 1e6:,.1f} M parameters")
         if h.get("finetuning") == "lora" and h.get("params_total"):
@@ -498,12 +500,12 @@ _BADGE = ('<span style="display:inline-block;padding:3px 12px;border-radius:12px
           'font-weight:600;font-size:12px;letter-spacing:.06em;text-transform:uppercase">{s}</span>')
 
 def _pending_html(status: str, state: dict) -> str:
-    "Beside the badge of a queued SLURM run: the scheduler's reason it waits (`Resources`, `Priority`, ...)."
+    "Beside the badge of a queued SLURM or Ray run: the scheduler's reason it waits (`Resources`, `Priority`, ...)."
     why = state.get("pending_reason") if status == State.queued else None
     if not why or why == "None": return ""
     job = f" (job {state['job_id']})" if state.get("job_id") else ""
-    return html_of(' <span class="ilab-pending" style="font-size:12px;color:#5f6368">waiting in SLURM{}: {}</span>',
-                   job, str(why))
+    return html_of(' <span class="ilab-pending" style="font-size:12px;color:#5f6368">waiting in {}{}: {}</span>',
+                   str(state.get("pending_in") or "SLURM"), job, str(why))
 
 @patch
 def _show_status(self:Dashboard, status: str, state: dict) -> bool:

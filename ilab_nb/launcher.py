@@ -363,11 +363,16 @@ def _gone(self:Supervisor) -> int:
 
 # %% ../nbs/35_launcher.ipynb #62930bbb
 @patch
+def _command(self:Supervisor, cfg) -> tuple:
+    "`(argv, environment it adds)` of this attempt's launch: `launch_command`'s."
+    return launch_command(self.run_dir, cfg, self.attempt, self.resume, worker_module=self.worker_module)
+
+@patch
 def _launch(self:Supervisor, cfg, request, slots) -> tuple:
     cfg = {**cfg, "device": request["kind"]}
     self.direct = launches_directly(cfg)
     if not self.direct: write_accelerate_config(self.run_dir)
-    cmd, extra_env = launch_command(self.run_dir, cfg, self.attempt, self.resume, worker_module=self.worker_module)
+    cmd, extra_env = self._command(cfg)
     self._beat(status=State.starting, slots=slots, command=cmd)
     self._event(Event.starting, attempt=self.attempt, slots=slots)
     log_note("launching: " + shlex.join(cmd))
@@ -513,8 +518,8 @@ def run(self:Supervisor) -> int:
 
 # %% ../nbs/35_launcher.ipynb #ac3578bc
 def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None,
-                     worker_module=None) -> ProcessRef:
-    "Start the detached supervisor of one attempt of the run in `run_dir`; returns its `ProcessRef`."
+                     worker_module=None, backend="local") -> ProcessRef:
+    "Start the detached supervisor of one attempt of the run in `run_dir` (`backend`: its kind); its `ProcessRef`."
     run_dir = Path(run_dir).absolute()
     # its shell appends to supervisor.log, its ranks write everywhere;
     gate(run_dir, Action.write, "start its processes", trust_owner=True)
@@ -526,6 +531,7 @@ def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, 
     if not queue: args += ["--no-queue"]
     if grace_s is not None: args += ["--grace", str(grace_s)]
     if worker_module: args += ["--worker-module", worker_module]
+    if backend != "local": args += ["--backend", backend]
     log = RunPaths(run_dir).supervisor_log
     sh = f"{shlex.join(args)} </dev/null >>{shlex.quote(str(log))} 2>&1 & echo $!"
     env = run_env(run_dir)

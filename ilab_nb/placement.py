@@ -111,8 +111,8 @@ def group_timeout() -> dict | None:
 
 # %% ../nbs/28_placement.ipynb #ba4bd633
 def node_name() -> str:
-    "This process's node: SLURM's node name when under SLURM, else the host name."
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    "This process's node: the launcher's name for it (`ILAB_NB_NODE`), SLURM's under SLURM, else the host name."
+    return os.environ.get("ILAB_NB_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 # %% ../nbs/28_placement.ipynb #237706a3
 def machines_in_effect(cfg: TrainConfig, env: DistEnv) -> dict:

@@ -409,8 +409,17 @@ def check_disk(cfg, runs_root, total_steps: int | None = None, trainable: int | 
             "checkpoint_bytes": per_ckpt, "need_bytes": need, "free_bytes": free}
 
 # %% ../nbs/60_preflight.ipynb #0c9a44b7
+def _ray_device(cfg) -> tuple:
+    "(`'cpu'`|`'cuda'`, GPUs per machine) of a Ray run: CUDA when each process takes Ray GPUs."
+    g = cfg.ray.num_gpus_per_process if cfg.ray else 0
+    if g: return "cuda", g * cfg.num_processes // cfg.num_machines
+    if cfg.device == "cuda":
+        raise PreflightError("device='cuda' on Ray needs ray.num_gpus_per_process (the GPUs each process takes).")
+    return "cpu", 0
+
 def cluster_device(cfg) -> tuple:
     "(`'cpu'`|`'cuda'`, GPUs per node) that the nodes of a cluster run of `cfg` train on."
+    if cfg.backend == "ray": return _ray_device(cfg)
     g = cfg.slurm.gpus_per_node if cfg.slurm else None
     if g: return "cuda", g
     if cfg.device == "cuda":
@@ -419,13 +428,17 @@ def cluster_device(cfg) -> tuple:
 
 # %% ../nbs/60_preflight.ipynb #1452d5c7
 def backend_preflight(cfg, runs_root) -> dict:
-    "Checks of the backend that will run `cfg` (SLURM: sbatch, partition, nodes, shared runs root)."
+    "Checks of the backend that will run `cfg` (SLURM or Ray: the cluster, its nodes, the shared runs root)."
     if cfg.backend == "local":
         if cfg.num_machines > 1:
             raise PreflightError(f"num_machines={cfg.num_machines} with backend='local': a FineTuneSession starts one "
-                                 f"machine. Use backend='slurm', or start each machine yourself with "
+                                 f"machine. Use backend='slurm' or 'ray', or start each machine yourself with "
                                  f"ilab_nb.launcher.accelerate_command.")
         return {}
+    if cfg.backend == "ray":
+        from ilab_nb.ray_backend import preflight_ray, RayError
+        try: return {"ray": preflight_ray(cfg, runs_root)}
+        except RayError as e: raise PreflightError(str(e)) from None
     from ilab_nb.slurm import preflight_slurm, SlurmError
     try: return {"slurm": preflight_slurm(cfg, runs_root)}
     except SlurmError as e: raise PreflightError(str(e)) from None

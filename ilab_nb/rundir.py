@@ -513,7 +513,7 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                                 attempts="list", backend="str", job_id="str", job_attempt="int", job_restarts="int",
                                 job_state="str?",
                                 pending_reason="str?", requeue="bool", sbatch_script="str", failed_node="str?",
-                                scancel_at="float",
+                                scancel_at="float", ray="dict", ray_failure="dict", pending_in="str",
                                 claimed_by="str", tracker_errors="list", changes="dict", forked_from="dict",
                                 evaluation="str", eval_error="str", tasks="list",
                                 **{f"{s}_at": "float" for s in STATES})),

@@ -140,6 +140,7 @@ def saved_rewards(cfg, paths: RunPaths, tag: str = "") -> TrainConfig:
 @patch
 def _request(self:FineTuneSession) -> dict:
     kind = (self.preflight or {}).get("device") or ("cpu" if self.config.device == "cpu" else "cuda")
+    if self.config.backend == "ray": return {"kind": kind, "pool": [], "need": 0}
     return device_request(kind, self.config.num_processes, self.config.devices, (self.preflight or {}).get("gpus"),
                           oversubscribe=self.config.oversubscribe_cpus)
 
@@ -174,11 +175,12 @@ class DevicesBusyError(RuntimeError):
 # %% ../nbs/61_session.ipynb #33a43263
 @patch
 def _spawn(self:FineTuneSession, attempt, resume=None):
-    "Start one attempt of the run: a detached supervisor here, or a SLURM job."
-    if self.config is not None and self.config.backend != "local":
+    "Start one attempt of the run: a detached supervisor here (a Ray run's drives it on the cluster), or a SLURM job."
+    backend = self.config.backend if self.config is not None else "local"
+    if backend == "slurm":
         from ilab_nb.slurm import submit_attempt
         return submit_attempt(self.store, self.run_id, self.config, attempt, resume)
-    ref = spawn_supervisor(self.run_dir, attempt, resume=resume, queue=self.queue)
+    ref = spawn_supervisor(self.run_dir, attempt, resume=resume, queue=self.queue, backend=backend)
     try: self.store.write_state(self.run_id, supervisor=ref.to_dict())
     except StateError: pass   # it already finished
 

@@ -11,7 +11,7 @@ from .launcher import Supervisor, log_note
 from .rundir import RunPaths, State, read_json
 
 # %% auto #0
-__all__ = ['RunSupervisor', 'main']
+__all__ = ['RunSupervisor', 'supervisor_class', 'main']
 
 # %% ../nbs/64_supervisor.ipynb #7c72361d
 class RunSupervisor(Supervisor):
@@ -49,7 +49,13 @@ def _write_report(self:RunSupervisor, status, fields: dict):
         write_report(self.run_dir, state=st)
     except Exception as e: log_note(f"report.html not written: {type(e).__name__}: {e}")
 
-# %% ../nbs/64_supervisor.ipynb #dcf0d21b
+# %% ../nbs/64_supervisor.ipynb #d38cb028
+def supervisor_class(backend="local") -> type:
+    "`RunSupervisor`, or for `backend='ray'` `RunSupervisor` whose launch drives the run's machines on Ray (54_ray)."
+    if backend != "ray": return RunSupervisor
+    from ilab_nb.ray_backend import RaySupervisor
+    return type("RayRunSupervisor", (RaySupervisor, RunSupervisor), {"__doc__": supervisor_class.__doc__})
+
 def main(argv=None) -> int:
     "Supervise one attempt of the run in `run_dir` to its end; the exit code."
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.supervisor",
@@ -62,9 +68,10 @@ def main(argv=None) -> int:
     ap.add_argument("--grace", type=float)
     ap.add_argument("--locks")
     ap.add_argument("--worker-module", default="ilab_nb.worker")
+    ap.add_argument("--backend", choices=("local", "ray"), default="local")
     a = ap.parse_args(argv)
-    sup = RunSupervisor(a.run_dir, a.attempt, a.resume, queue=not a.no_queue, grace_s=a.grace, locks=a.locks,
-                        worker_module=a.worker_module)
+    sup = supervisor_class(a.backend)(a.run_dir, a.attempt, a.resume, queue=not a.no_queue, grace_s=a.grace,
+                                      locks=a.locks, worker_module=a.worker_module)
     try: return sup.supervise()
     finally: _sweep_report(sup.paths)
 

@@ -63,10 +63,11 @@ sys.addaudithook(_audit)      # observes only: every process still starts as it 
 # `make test` runs the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`), each with its own session and module
 # fixtures. A test using one of these joins that fixture's group, and a group runs on one worker, so each is built once:
 # the browser module's JupyterLab is shared by its dashboard and chat tests, and the chat test shares `demo_run` with
-# the command line's; the SLURM cluster, the LoRA, DPO and GRPO modules' runs and test_sizes' model are per module.
+# the command line's; the SLURM and Ray clusters, the LoRA, DPO and GRPO modules' runs and test_sizes' model are per
+# module.
 SHARED_BY = {"demo_run": "demo_run", "lab": "demo_run", "tracked_run": "tracked_run", "cluster": "slurm",
              "lora_run": "lora_run", "dpo_run": "dpo_run", "tied_llama": "tied_llama", "families": "families",
-             "grpo_run": "grpo_run"}
+             "grpo_run": "grpo_run", "ray_cluster": "ray"}
 
 
 @pytest.hookimpl(tryfirst=True)       # before pytest-xdist's own, which reads the groups
