@@ -79,7 +79,12 @@ def test_a_missing_task_a_missing_data_set_and_a_stop_are_said_clearly(demo, tmp
     with pytest.raises(EvalError, match="'hellaswagg' is neither one of the run's own .* did you mean 'hellaswag'"):
         check_tasks(["hellaswagg"], held)
     # a real lm-eval task, offline: the data set it needs is named
+    # (datasets and huggingface_hub read these at import, which was before this test: their constants too)
+    import datasets, huggingface_hub.constants as hub_constants
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1"); monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for mod, name in ((datasets.config, "HF_DATASETS_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                      (hub_constants, "HF_HUB_OFFLINE")):
+        monkeypatch.setattr(mod, name, True)
     tok = AutoTokenizer.from_pretrained(demo.model_dir)
     lm = HFLM(pretrained=AutoModelForCausalLM.from_pretrained(demo.model_dir), tokenizer=tok, batch_size=2)
     with pytest.raises(RuntimeError, match=r"task 'arc_easy': its data set \(allenai/ai2_arc / ARC-Easy\) could not be loaded"):
