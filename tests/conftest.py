@@ -10,6 +10,14 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One math thread in every process of the suite, set before torch is imported: in the pytest workers, in the ranks (as
+# the launcher gives them), and in every other process a test starts (the `ilab-nb demo` CLI, Jupyter kernels, exports,
+# lm-eval). Two workers share two cores with the ranks they launch; a second OpenMP thread per process only spins
+# waiting for a core: the in-process family runs took 52 CPU-s with two threads per process against 33 with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:      # imported before this file (by a plugin): its thread pool is not started yet
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 TRAIN_LINES = 200   # a slice of the demo's training data keeps tokenization and start-up short
 
 # The fields of a short 2-rank CPU run of the demo model (the tests add max_steps and what they check).
@@ -136,16 +144,6 @@ def small_train(demo, tmp_path_factory):
     with open(demo.train_file) as f: lines = [next(f) for _ in range(TRAIN_LINES)]
     p.write_text("".join(lines))
     return p
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One torch thread in this process, as the launched ranks have (OMP_NUM_THREADS=1): on two busy shared cores, two
-    threads ran the in-process worker and generation several times slower."""
-    import torch
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # --- comparisons with a tolerance -----------------------------------------------------------------------------------

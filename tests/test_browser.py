@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 STEP_RE = re.compile(r"step (\d+)")
 
-pytestmark = [pytest.mark.timeout(480), pytest.mark.processes, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(480), pytest.mark.processes]
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]

@@ -12,9 +12,6 @@ from ilab_nb.demo import (CHAT_TEMPLATE, DATA_FILES, DEMO_CONFIG, DemoAssets, an
 REPO = Path(__file__).resolve().parent.parent
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")   # the test machines are shared (conftest)
-
-
 @pytest.fixture(scope="module")
 def assets(demo) -> DemoAssets:
     "The suite's demo assets (conftest's `demo`, built once per session); the tests below only read them."

@@ -17,7 +17,7 @@ from ilab_nb.rundir import RunPaths
 
 from conftest import runs_env
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.timeout(600)
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 

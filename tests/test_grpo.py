@@ -24,7 +24,7 @@ except ImportError: trl = None
 import platform
 platform.processor()      # runs `uname -p` once per process (GRPOTrainer asks for it): at import, not inside a test
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.timeout(600)
 
 NUM_GEN, COMP_LEN = 4, 6
 

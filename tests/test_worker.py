@@ -16,7 +16,7 @@ from ilab_nb import worker
 from ilab_nb.launcher import accelerate_command, write_accelerate_config
 from ilab_nb.rundir import RunPaths
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]   # in-process runs: one thread
+pytestmark = pytest.mark.timeout(600)
 
 
 def make_run(tmp_path, demo, data, name, **fields) -> Path:
