@@ -132,12 +132,13 @@ def test_moe_lora_on_two_ranks_then_a_fork_on_one_goes_on_the_same_trajectory(de
     assert "fused" in header(s)["load"] and header(f)["trainable_params"] == header(s)["trainable_params"]
 
 
-def test_dpo_on_a_mixture_of_experts(demo, runs_root, tmp_path):
+def test_dpo_on_a_mixture_of_experts(demo, runs_root, tmp_path, monkeypatch):
+    "DPO with LoRA on a mixture of experts, trained here as rank 0 of 1 (DPO and MoE on two ranks: their own tests)."
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): monkeypatch.delenv(k, raising=False)
     model = family_model("qwen3_moe", tmp_path / "moe", demo)
     s = FineTuneSession(model=str(model), data=str(demo.pref_train_file), method="dpo", beta=0.1, lora=dict(r=4),
                         **{**FIELDS, "max_tokens_per_batch": 1024, "max_seq_len": 256}, max_steps=4)
-    s.start()
-    assert s.wait(timeout=600) == State.completed, s.reason
+    assert train_here(s) == State.completed
     recs = [r for r in s.metrics() if r.get("kind") == "train"]
     assert abs(recs[0]["loss"] - math.log(2)) < 1e-4              # the policy starts as its reference: sigmoid(0)
     assert all(math.isfinite(r["loss"]) for r in recs) and recs[-1]["rewards/margins"] > 0
