@@ -2,9 +2,9 @@
 prompts, completions and rewards (fed to both, in this process, per loss_type); one 2-rank FSDP run started from a
 "kernel" (a process whose `__main__` defines the reward function) that exits at once, the run surviving it, with
 held-out evaluations; its fork at step 1 from this process (a new kernel), stopped by `stop()` at step 2 and resumed by
-`ilab-nb resume` (another new process), sampling the same completions as the uninterrupted run; one in-process LoRA
-run against the reference and one whose reward raises; reward functions named in a YAML config; and the demo model's
-held-out expected reward raised by a few GRPO steps."""
+`ilab-nb resume` (another new process), sampling the same completions as the uninterrupted run, and its model exported;
+one in-process LoRA run against the reference and one whose reward raises; reward functions named in a YAML config;
+and the demo model's held-out expected reward raised by a few GRPO steps."""
 import json, math, os, subprocess, sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -300,6 +300,19 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
     out = capsys.readouterr().out
     assert f"reward {train[-1]['reward']:.3f}  letters {train[-1]['rewards/letters/mean']:.3f}" in out
     assert f"held-out reward {held:.3f}" in out
+
+
+@pytest.mark.processes
+def test_its_model_exports_and_its_own_held_out_task_is_refused_in_a_sentence(grpo_run, tmp_path):
+    """export() of the GRPO run's final model writes every tensor (that a GGUF file reads back as the model is
+    test_export's check); evaluate() with the run's own 'heldout' task says why not: it is made from chats, the run held
+    out prompts."""
+    from ilab_nb.evaluation import EvalError
+    s, _ = grpo_run
+    out = s.export(dtype="f32", path=tmp_path / "grpo.gguf", modelfile=False, progress=False)
+    assert (out.name, out.tensors, out.fallbacks, out.exists()) == ("grpo.gguf", 38, {}, True)
+    with pytest.raises(EvalError, match="held-out chat records, but its held-out records are prompt records"):
+        s.evaluate(["heldout"])
 
 
 # --- in this process: LoRA against its base, a reward that raises ---------------------------------------------------
