@@ -394,7 +394,7 @@ def reference_model(self, model):
         reshard(model)                 # FSDP2 keeps the gathered weights after a forward outside training: shards back
         _swap(model, self.reference)
 
-# %% ../nbs/31_grpo.ipynb #f968705d
+# %% ../nbs/31_grpo.ipynb #e513efe8
 @patch
 def load_reference(self:GRPO, attempt) -> list:
     "The starting weights of this rank's shard: kept now on a fresh start, read back on a resume."
@@ -416,7 +416,7 @@ def load_reference(self:GRPO, attempt) -> list:
 def prepare(self:GRPO, attempt, forward):
     "The reward functions, their weights and the reference; the step the attempt starts from."
     c = self.cfg
-    self.attempt, self.tokenizer, self.step = attempt, attempt.tokenizer, attempt.start
+    self.attempt, self.tokenizer, self.step, self.buffer = attempt, attempt.tokenizer, attempt.start, None
     self.rewards = [load_reward(r) for r in c.reward_funcs]
     self.names = [reward_name(f) for f in self.rewards]
     self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
@@ -493,14 +493,16 @@ def generation_batch(self:GRPO, rows: list, env) -> dict:
     self.keep_completions(prompts, completions, mine, rewards[start:], g["advantages"], env)
     return g
 
-# %% ../nbs/31_grpo.ipynb #caaa361b
+# %% ../nbs/31_grpo.ipynb #7079a10d
 _SLICED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
 
 @patch
 def micro_batches(self:GRPO, ds, step_plan: list, rank: int, layout: str, pad_id: int) -> list:
-    "One optimizer step's micro-batches, after sampling, scoring and (`beta > 0`) the reference's log-probabilities."
+    """One optimizer step's micro-batches, after sampling, scoring and (`beta > 0`) the reference's log-probabilities;
+    with `num_iterations > 1`, those of the generation batch's first step again (the plan repeats its prompts)."""
     c, env = self.cfg, self.attempt.env
     self.step += 1
+    if (self.step - 1) % c.num_iterations and self.buffer is not None: return self.buffer
     g = self.generation_batch([ds[i] for ms in step_plan for i in ms[rank]], env)
     scale = sum(len(r) for ms in step_plan for r in ms) / env.world_size
     per = c.per_device_train_batch_size
@@ -515,7 +517,23 @@ def micro_batches(self:GRPO, ds, step_plan: list, rank: int, layout: str, pad_id
                  metrics=g["metrics"] if k == 0 else {})
         out.append(b)
     if c.beta != 0.0: self.add_reference(out)
+    if c.num_iterations > 1: self.add_old(out)
+    self.buffer = out
     return out
+
+@patch_to(GRPO)
+@torch.no_grad()
+def add_old(self, batches: list):
+    "Each micro-batch's `old_logps`: the completions' log-probabilities under the policy that sampled them."
+    a, t = self.attempt, self.cfg.temperature
+    for b in batches:
+        b["old_logps"] = a.forward(b, completion_logps(b["prompt_ids"].shape[1], b["completion_ids"], t))[0]
+    reshard(a.model)                   # a forward outside training leaves FSDP2's full parameters gathered
+
+@patch
+def may_stop_after(self:GRPO, step: int) -> bool:
+    "A stop ends the run between generation batches only: a resume samples the next one."
+    return step % self.cfg.num_iterations == 0
 
 @patch_to(GRPO)
 @torch.no_grad()
@@ -526,7 +544,7 @@ def add_reference(self, batches: list):
         for b in batches:
             b["ref_logps"] = a.forward(b, completion_logps(b["prompt_ids"].shape[1], b["completion_ids"], t))[0]
 
-# %% ../nbs/31_grpo.ipynb #b61fda62
+# %% ../nbs/31_grpo.ipynb #278afadb
 @patch
 def loss_sums(self:GRPO, forward, batch: dict, split: str = "train") -> tuple:
     "`(loss x scale, metric sums x scale)` of one micro-batch: the worker's step divides them back."
@@ -534,7 +552,8 @@ def loss_sums(self:GRPO, forward, batch: dict, split: str = "train") -> tuple:
     lp, ent = forward(batch, completion_logps(batch["prompt_ids"].shape[1], batch["completion_ids"], c.temperature))
     mask = batch["completion_mask"].to(lp.device)
     ref = batch["ref_logps"].to(lp.device) if "ref_logps" in batch else None
-    loss, m = policy_loss(lp, lp.detach(), batch["advantages"].to(lp.device, lp.dtype), mask, c, ref, ent,
+    old = batch["old_logps"].to(lp.device) if "old_logps" in batch else lp.detach()     # num_iterations > 1
+    loss, m = policy_loss(lp, old, batch["advantages"].to(lp.device, lp.dtype), mask, c, ref, ent,
                           batch["num_items_in_batch"].to(lp.device), batch["accumulation"], env)
     s, ga = batch["scale"], batch["accumulation"]
     sums = {k: v * s / ga for k, v in m.items()}

@@ -425,7 +425,8 @@ def after_step(self:Attempt, step: int, last: dict, eval_loss) -> tuple:
     end_of_epoch = step == total or self.steps[step]["epoch"] != s["epoch"]
     if step != total and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch):
         eval_loss = self.evaluate_now(step, s["epoch_float"])
-    if stop_requested(self.paths, self.env):
+    # (a GRPO run's generation batch is trained on whole: num_iterations steps)
+    if self.method.may_stop_after(step) and stop_requested(self.paths, self.env):
         self.checkpoint(step, s["epoch_float"], last, eval_loss)
         seen = {} if self.seen is None else dict(data_seen=data_seen_by_ranks(self.seen, self.env))
         self.metrics.write("event", event=Event.stopped, step=step, **seen)
