@@ -483,8 +483,10 @@ def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: 
     """Every optimizer step of the run: its epoch, fractional epoch, micro-steps (per-rank unit indices) and `pos`, the
     data position after it. From a checkpoint's `position`, the steps it trained are placeholders and the rest go on
     at the same batch of the same plan (each epoch's per-rank batches as planned for the run's first world size),
-    dealt to `world_size` ranks and `gradient_accumulation_steps` micro-steps now."""
+    dealt to `world_size` ranks and `gradient_accumulation_steps` micro-steps now. GRPO's `num_iterations` repeats
+    each step's units that many times (TRL's: one generation batch trained on by as many optimizer steps)."""
     ga, steps, epoch, budget = cfg.gradient_accumulation_steps, [], 0, budget or cfg.max_tokens_per_batch
+    repeat = getattr(cfg, "num_iterations", 1)
     epochs_wanted = math.ceil(cfg.num_train_epochs) if cfg.max_steps <= 0 else None
     full = lambda: cfg.max_steps > 0 and len(steps) >= cfg.max_steps
     plan_w, start, ef0 = world_size, 0, None
@@ -507,7 +509,8 @@ def plan_steps(lengths, cfg: TrainConfig, world_size: int, layout: str, budget: 
                 pos = dict(epoch=epoch, batches=done, world_size=plan_w, epoch_float=epoch + (j + 1) / len(chunks)
                            if ef0 is None
                            else ef0 + (epoch + 1 - ef0) * (j + 1) / len(chunks))
-            steps.append(dict(epoch=epoch, epoch_float=pos["epoch_float"], micro=ch, pos=pos))
-            if full(): return steps[:cfg.max_steps]
+            for _ in range(repeat):
+                steps.append(dict(epoch=epoch, epoch_float=pos["epoch_float"], micro=ch, pos=pos))
+                if full(): return steps[:cfg.max_steps]
         epoch, start, ef0 = epoch + 1, 0, None
     return steps[:cfg.max_steps] if cfg.max_steps > 0 else steps

@@ -72,6 +72,7 @@ def _step_line(pr: dict, running: bool) -> str:
             (f"  reward {pr['reward']:.3f}" + "".join(f"  {k} {v:.3f}" for k, v in (pr.get("rewards") or {}).items())
              if pr.get("reward") is not None else "") +
             (f"  held-out perplexity {pr['perplexity']:,.1f}" if pr.get("perplexity") is not None else "") +
+            (f"  held-out reward {pr['held_out_reward']:.3f}" if pr.get("held_out_reward") is not None else "") +
             (f"  skipped (not finite): {', '.join(map(str, pr['skipped_steps']))}" if pr.get("skipped_steps") else "") +
             (f"  {pr['tokens_per_s']:.0f} tokens/s" if pr["tokens_per_s"] else "") +
             (f"  eta {_fmt_s(pr['eta_s'])}" if pr["eta_s"] is not None and running else ""))
@@ -157,8 +158,9 @@ def _learning_lines(tr: list, ev: list, acc_before, acc_after) -> list:
         first, last = _mean([r["loss"] for r in tr[:k]]), _mean([r["loss"] for r in tr[-k:]])
         lines.append(f"training loss:     {first:.4f} -> {last:.4f} " +
                      ("(first vs last logged step)" if k == 1 else f"(mean of the first vs the last {k} logged steps)"))
-    if len(ev) >= 2: lines.append(f"held-out loss:     {ev[0]['eval_loss']:.4f} -> {ev[-1]['eval_loss']:.4f} "
-                                  f"(step {ev[0]['step']} -> step {ev[-1]['step']})")
+    for key, name in (("eval_loss", "held-out loss:  "), ("eval_reward", "held-out reward:")):    # GRPO: reward
+        if len(e := [r for r in ev if key in r]) >= 2:
+            lines.append(f"{name}   {e[0][key]:.4f} -> {e[-1][key]:.4f} (step {e[0]['step']} -> step {e[-1]['step']})")
     if acc_before is not None and acc_after is not None:
         lines.append(f"held-out accuracy: {acc_before['accuracy']:.1%} -> {acc_after['accuracy']:.1%} "
                      f"({acc_after['n']} questions)")

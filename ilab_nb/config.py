@@ -523,7 +523,8 @@ class _GRPOFields(_FieldGroup):
     epsilon_high: float | None = Field(None, ge=0, description=(
         "GRPO: the upper clipping range (DAPO's clip-higher); None = epsilon."))
     num_iterations: int = Field(1, ge=1, description=(
-        "GRPO: optimizer steps per generation batch (TRL's mu); only 1 is supported yet."))
+        "GRPO: optimizer steps per generation batch (TRL's mu): each batch of completions is trained on this many "
+        "times, against the log-probabilities of the policy that sampled it; an epoch takes as many times the steps."))
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description=(
         "GRPO: divide the advantages by the std of the rewards of each group (group), of the whole batch (batch), or "
         "not (none)."))
@@ -708,12 +709,10 @@ def _grpo_problems(c) -> list:
         p.append(("reward_weights", f"{len(c.reward_weights)} weights for {len(c.reward_funcs)} reward functions; "
                                     "give one each"))
     if why := _grpo_batch_problem(c): p.append(("num_generations", why))
-    if c.num_iterations != 1:
-        p.append(("num_iterations", "only 1 is supported yet (one optimizer step per generation batch)"))
+    if c.num_iterations > 1 and c.save_steps and c.save_steps % c.num_iterations:
+        p.append(("save_steps", f"save_steps ({c.save_steps}) must be a multiple of num_iterations "
+                  f"({c.num_iterations}): a checkpoint is saved between generation batches, never inside one"))
     if c.batching == "packed": p.append(("batching", "GRPO trains on padded prompt + completion rows; use 'bucketed'"))
-    if c.eval_data is not None or c.eval_split > 0:
-        p.append(("eval_data" if c.eval_data is not None else "eval_split", "GRPO has no held-out evaluation yet; use "
-                  "eval_prompts for sample answers, or evaluate the final model"))
     if c.max_completion_length >= c.max_seq_len:
         p.append(("max_completion_length", f"max_completion_length ({c.max_completion_length}) must be below "
                   f"max_seq_len ({c.max_seq_len}): a prompt gets the rest"))

@@ -540,6 +540,8 @@ def _progress_html(p: dict, status: str, header) -> str:
         parts.append(html_join([f"reward {format_number(p['reward'], '.3f')}", *each], " · "))
     if p.get("perplexity") is not None:                        # plain text: the latest held-out perplexity
         parts.append(f"held-out perplexity {format_number(p['perplexity'], ',.1f')} (step {p['perplexity_step']:,})")
+    if p.get("held_out_reward") is not None:                   # GRPO: the greedy answers' latest held-out reward
+        parts.append(f"held-out reward {format_number(p['held_out_reward'], '.3f')} (step {p['held_out_step']:,})")
     if sk := p.get("skipped_steps"):                           # skip_nonfinite_steps: steps whose loss was not finite
         parts.append(f"{len(sk)} step{'s' if len(sk) > 1 else ''} skipped (not finite: "
                      f"{', '.join(map(str, sk[:5]))}{', ...' if len(sk) > 5 else ''})")
@@ -602,12 +604,15 @@ def _show_samples(self:Dashboard) -> bool:
 
 # %% ../nbs/40_dashboard.ipynb #1b45175c
 def reward_curves(records) -> dict:
-    "`{series: (steps, values)}`: `reward` and each `rewards/<function>/mean` of the train records (the latest wins)."
+    """`{series: (steps, values)}`: `reward` and each `rewards/<function>/mean` of the train records, and the eval
+    records' as `held-out reward` and `held-out <function>` (the latest record of a step wins)."""
     out = {}
-    for r in standing_records(records, ("train",)):
+    for r in standing_records(records, ("train", "eval")):
+        pre, said = ("eval_", "held-out ") if r["kind"] == "eval" else ("", "")
         for k, v in r.items():
-            if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean")):
-                out.setdefault("reward" if k == "reward" else k[8:-5], {})[r["step"]] = v
+            if k == pre + "reward" or (k.startswith(pre + "rewards/") and k.endswith("/mean")):
+                name = "reward" if k == pre + "reward" else k[len(pre) + 8:-5]
+                out.setdefault(said + name, {})[r["step"]] = v
     return {k: (sorted(d), [d[s] for s in sorted(d)]) for k, d in out.items()}
 
 def reward_png(records, fig: Figure | None = None) -> bytes:
@@ -616,7 +621,8 @@ def reward_png(records, fig: Figure | None = None) -> bytes:
     fig.clear()
     ax = fig.add_subplot(1, 1, 1)
     for name, (steps, vals) in reward_curves(records).items():
-        ax.plot(steps, vals, lw=2 if name == "reward" else 1, label=name)
+        ax.plot(steps, vals, "o--" if name.startswith("held-out") else "-", lw=2 if name.endswith("reward") else 1,
+                ms=5, label=name)
     ax.set_title("Mean reward", loc="left", fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

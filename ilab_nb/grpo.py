@@ -27,7 +27,7 @@ from . import lora as L
 __all__ = ['RewardError', 'reward_name', 'load_reward', 'save_reward', 'save_rewards', 'call_reward', 'prompt_text',
            'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'completion_logps', 'model_forward', 'nanstd',
            'advantages', 'reward_metrics', 'masked_mean_global', 'policy_loss', 'clip_metrics', 'completion_stats',
-           'check_rewards']
+           'eval_metrics', 'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #6c880cf5
 class RewardError(RuntimeError):
@@ -215,7 +215,7 @@ def completion_mask(completion_ids, eos_id: int):
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], n, dtype=torch.long))
     return (torch.arange(n).unsqueeze(0) <= first.unsqueeze(1)).int(), ~is_eos.any(1)
 
-# %% ../nbs/31_grpo.ipynb #a8d1e55d
+# %% ../nbs/31_grpo.ipynb #7c40b7ae
 def _left_padded(prompt_ids: list, pad: int) -> tuple:
     "`(ids, mask)` of prompts padded on the left to the longest."
     width = max(map(len, prompt_ids))
@@ -224,20 +224,22 @@ def _left_padded(prompt_ids: list, pad: int) -> tuple:
 
 @patch_to(GRPO)
 @torch.no_grad()
-def sample(self, model, prompt_ids: list, env, autocast, step: int) -> dict:
-    "`num_generations` completions of each prompt (groups contiguous): left-padded prompt ids, completion ids, masks."
+def sample(self, model, prompt_ids: list, env, autocast, step: int, greedy: bool = False) -> dict:
+    """`num_generations` completions of each prompt (groups contiguous), or one greedy completion each: left-padded
+    prompt ids, completion ids, masks."""
     c, tok, hf = self.cfg, self.tokenizer, unwrap(model)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    x, xm = _left_padded([p for p in prompt_ids for _ in range(c.num_generations)], pad)
+    x, xm = _left_padded([p for p in prompt_ids for _ in range(1 if greedy else c.num_generations)], pad)
+    how = (dict(do_sample=False) if greedy else
+           dict(do_sample=True, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k or None))
     was = hf.training
     hf.eval()
     devices = [env.device] if env.device_type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), B.generation_attention(hf), autocast():
             torch.manual_seed(sampler_seed(c.seed, step, env.rank))
-            out = hf.generate(input_ids=x.to(env.device), attention_mask=xm.to(env.device), do_sample=True,
-                              temperature=c.temperature, top_p=c.top_p, top_k=c.top_k or None,
+            out = hf.generate(input_ids=x.to(env.device), attention_mask=xm.to(env.device), **how,
                               repetition_penalty=c.repetition_penalty, max_new_tokens=c.max_completion_length,
                               pad_token_id=pad, eos_token_id=eos, use_cache=True, synced_gpus=env.world_size > 1)
     finally:
@@ -392,7 +394,7 @@ def reference_model(self, model):
         reshard(model)                 # FSDP2 keeps the gathered weights after a forward outside training: shards back
         _swap(model, self.reference)
 
-# %% ../nbs/31_grpo.ipynb #f968705d
+# %% ../nbs/31_grpo.ipynb #e513efe8
 @patch
 def load_reference(self:GRPO, attempt) -> list:
     "The starting weights of this rank's shard: kept now on a fresh start, read back on a resume."
@@ -414,7 +416,7 @@ def load_reference(self:GRPO, attempt) -> list:
 def prepare(self:GRPO, attempt, forward):
     "The reward functions, their weights and the reference; the step the attempt starts from."
     c = self.cfg
-    self.attempt, self.tokenizer, self.step = attempt, attempt.tokenizer, attempt.start
+    self.attempt, self.tokenizer, self.step, self.buffer = attempt, attempt.tokenizer, attempt.start, None
     self.rewards = [load_reward(r) for r in c.reward_funcs]
     self.names = [reward_name(f) for f in self.rewards]
     self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
@@ -491,14 +493,16 @@ def generation_batch(self:GRPO, rows: list, env) -> dict:
     self.keep_completions(prompts, completions, mine, rewards[start:], g["advantages"], env)
     return g
 
-# %% ../nbs/31_grpo.ipynb #caaa361b
+# %% ../nbs/31_grpo.ipynb #7079a10d
 _SLICED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
 
 @patch
 def micro_batches(self:GRPO, ds, step_plan: list, rank: int, layout: str, pad_id: int) -> list:
-    "One optimizer step's micro-batches, after sampling, scoring and (`beta > 0`) the reference's log-probabilities."
+    """One optimizer step's micro-batches, after sampling, scoring and (`beta > 0`) the reference's log-probabilities;
+    with `num_iterations > 1`, those of the generation batch's first step again (the plan repeats its prompts)."""
     c, env = self.cfg, self.attempt.env
     self.step += 1
+    if (self.step - 1) % c.num_iterations and self.buffer is not None: return self.buffer
     g = self.generation_batch([ds[i] for ms in step_plan for i in ms[rank]], env)
     scale = sum(len(r) for ms in step_plan for r in ms) / env.world_size
     per = c.per_device_train_batch_size
@@ -513,7 +517,23 @@ def micro_batches(self:GRPO, ds, step_plan: list, rank: int, layout: str, pad_id
                  metrics=g["metrics"] if k == 0 else {})
         out.append(b)
     if c.beta != 0.0: self.add_reference(out)
+    if c.num_iterations > 1: self.add_old(out)
+    self.buffer = out
     return out
+
+@patch_to(GRPO)
+@torch.no_grad()
+def add_old(self, batches: list):
+    "Each micro-batch's `old_logps`: the completions' log-probabilities under the policy that sampled them."
+    a, t = self.attempt, self.cfg.temperature
+    for b in batches:
+        b["old_logps"] = a.forward(b, completion_logps(b["prompt_ids"].shape[1], b["completion_ids"], t))[0]
+    reshard(a.model)                   # a forward outside training leaves FSDP2's full parameters gathered
+
+@patch
+def may_stop_after(self:GRPO, step: int) -> bool:
+    "A stop ends the run between generation batches only: a resume samples the next one."
+    return step % self.cfg.num_iterations == 0
 
 @patch_to(GRPO)
 @torch.no_grad()
@@ -524,7 +544,7 @@ def add_reference(self, batches: list):
         for b in batches:
             b["ref_logps"] = a.forward(b, completion_logps(b["prompt_ids"].shape[1], b["completion_ids"], t))[0]
 
-# %% ../nbs/31_grpo.ipynb #b61fda62
+# %% ../nbs/31_grpo.ipynb #278afadb
 @patch
 def loss_sums(self:GRPO, forward, batch: dict, split: str = "train") -> tuple:
     "`(loss x scale, metric sums x scale)` of one micro-batch: the worker's step divides them back."
@@ -532,7 +552,8 @@ def loss_sums(self:GRPO, forward, batch: dict, split: str = "train") -> tuple:
     lp, ent = forward(batch, completion_logps(batch["prompt_ids"].shape[1], batch["completion_ids"], c.temperature))
     mask = batch["completion_mask"].to(lp.device)
     ref = batch["ref_logps"].to(lp.device) if "ref_logps" in batch else None
-    loss, m = policy_loss(lp, lp.detach(), batch["advantages"].to(lp.device, lp.dtype), mask, c, ref, ent,
+    old = batch["old_logps"].to(lp.device) if "old_logps" in batch else lp.detach()     # num_iterations > 1
+    loss, m = policy_loss(lp, old, batch["advantages"].to(lp.device, lp.dtype), mask, c, ref, ent,
                           batch["num_items_in_batch"].to(lp.device), batch["accumulation"], env)
     s, ga = batch["scale"], batch["accumulation"]
     sums = {k: v * s / ga for k, v in m.items()}
@@ -544,6 +565,33 @@ def record(self:GRPO, loss_sum: float, weight: float, sums: dict) -> dict:
     "The window's mean loss and TRL's metrics."
     n = max(weight, 1)
     return dict(loss=loss_sum / n, prompts=int(weight), **{k: v / n for k, v in sums.items()})
+
+# %% ../nbs/31_grpo.ipynb #1631a37b
+def eval_metrics(rpf, lengths, truncated, weights, names: list) -> dict:
+    "TRL's reward and completion metrics of greedy completions (one per prompt), named `eval_...`."
+    _, rewards, zero = advantages(rpf, weights, 1, "none")
+    m = reward_metrics(rpf, rewards, zero, names)
+    del m["frac_reward_zero_std"]                             # a group of one has no spread to speak of
+    return {f"eval_{k}": v for k, v in {**m, **completion_stats(lengths, truncated)}.items()}
+
+@patch
+def held_out(self:GRPO, attempt) -> dict:
+    "The eval record's fields: the rewards of one greedy completion per held-out prompt, each process its share."
+    a, env, ds = attempt, attempt.env, attempt.eval_ds
+    per = self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps    # a step's completions
+    mine, parts = list(range(env.rank, len(ds), env.world_size)), []
+    for k in range(-(-len(ds) // (per * env.world_size))):            # as many calls on every process
+        idx = mine[k * per:(k + 1) * per]
+        rows = [ds[i] for i in idx or [0]]                              # none left here: one, not counted
+        g = self.sample(a.model, [r["prompt_ids"] for r in rows], env, a.autocast, self.step, greedy=True)
+        g["completion_mask_full"] = g["completion_mask"]
+        prompts = [json.loads(r["prompt"]) for r in rows]
+        completions, ids = self.texts(g, prompts)
+        rpf = self.score(prompts, completions, ids, [json.loads(r["columns"]) for r in rows], env)
+        if idx: parts.append((rpf, g["completion_mask"].sum(1), g["truncated"]))
+    every = [p for ps in _all_objects(parts, env) for p in ps]
+    rpf, lengths, truncated = (torch.cat(x) for x in zip(*every))
+    return dict(eval_prompts=len(rpf), **eval_metrics(rpf, lengths, truncated, self.reward_weights, self.names))
 
 # %% ../nbs/31_grpo.ipynb #b40dabf1
 def check_rewards(cfg: TrainConfig, records: list) -> list:

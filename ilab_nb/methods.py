@@ -86,6 +86,16 @@ def eval_record(self:Method, loss_sum: float, weight: float, sums: dict) -> dict
     return dict(eval_loss=loss_sum / max(weight, 1), eval_tokens=int(weight))
 
 @patch
+def may_stop_after(self:Method, step: int) -> bool:
+    "Whether a stop request may end the run after `step` (GRPO: not inside a generation batch's steps)."
+    return True
+
+@patch
+def held_out(self:Method, attempt) -> dict | None:
+    "The eval record's fields where the method measures the held-out set itself (GRPO: rewards); None: the loss."
+    return None
+
+@patch
 def prepare(self:Method, attempt, forward):
     "Work before step 1, with the attempt's model and data set up (DPO's reference log-probabilities); nothing for SFT."
     return None

@@ -122,7 +122,8 @@ def progress(self:RunMonitor) -> dict:
     """`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` from the latest records (None where unknown);
     a DPO run's also `margins` and `accuracy` (TRL's `rewards/margins`, `rewards/accuracies`) of its latest step, a
     GRPO run's `reward`, `reward_std` and `rewards` (each function's mean) of its latest step, a plain-text run's
-    `perplexity` (and its `perplexity_step`) of its latest evaluation; `skipped_steps` if any were."""
+    `perplexity` (and its `perplexity_step`) of its latest evaluation, a GRPO run's `held_out_reward` (and its
+    `held_out_step`) of its latest evaluation; `skipped_steps` if any were."""
     h, tr = self.header, self.train_records
     last = tr[-1] if tr else {}
     if h is not None and last and last.get("attempt") != h.get("attempt"): last = {}   # new attempt, no step yet
@@ -140,6 +141,8 @@ def progress(self:RunMonitor) -> dict:
         out.update(reward=last["reward"], reward_std=last.get("reward_std"), rewards=fns)
     ev = next((r for r in reversed(self.eval_records) if "eval_perplexity" in r), None)
     if ev: out.update(perplexity=ev["eval_perplexity"], perplexity_step=ev["step"])
+    if ev := next((r for r in reversed(self.eval_records) if "eval_reward" in r), None):     # GRPO: greedy answers
+        out.update(held_out_reward=ev["eval_reward"], held_out_step=ev["step"])
     if skipped := sorted({r["step"] for r in self.events if r.get("event") == Event.skipped}):
         out["skipped_steps"] = skipped
     return out

@@ -21,6 +21,8 @@ def log_line(rec: dict) -> str:
     if k == "train":
         return (f"step {rec['step']}/{rec['total_steps']} epoch {rec['epoch']:.2f} loss {rec['loss']:.4f} "
                 f"lr {rec['learning_rate']:.3g} grad_norm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s")
+    if k == "eval" and "eval_reward" in rec:          # GRPO: the mean reward of greedy answers
+        return f"eval at step {rec['step']}: reward {rec['eval_reward']:.4f} over {rec['eval_prompts']} prompts"
     if k == "eval": return f"eval at step {rec['step']}: loss {rec['eval_loss']:.4f} over {rec['eval_tokens']} tokens"
     if k == "header":
         return (f"{rec['world_size']} x {rec['device_type']} ({rec['backend'] or 'no process group'}, "

@@ -41,6 +41,9 @@ def summary_rows(monitor) -> list[tuple]:
                  ("last mean reward", tr[-1]["step"], f(tr[-1]["reward"], ".3f"))]
         rows += [(f"reward {k[8:-5]}", tr[-1]["step"], f(v, ".3f")) for k, v in tr[-1].items()
                  if k.startswith("rewards/") and k.endswith("/mean")]
+    if held := [r for r in ev if "eval_reward" in r]:               # GRPO: the greedy answers' held-out reward
+        rows += [("first held-out reward", held[0]["step"], f(held[0]["eval_reward"], ".3f")),
+                 ("last held-out reward", held[-1]["step"], f(held[-1]["eval_reward"], ".3f"))]
     if tr: rows.append(("tokens/s (last window)", tr[-1]["step"], f(tr[-1].get("tokens_per_s"), ",.0f")))
     return rows
 

@@ -483,10 +483,15 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                   optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}, "prompts": "int",
                             **{k: "float" for k in _GRPO_METRICS}},
                   patterns={r"rewards/.+/(mean|std)": "float"}),
-    "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step",
-                 required=dict(step="int", epoch="float", eval_loss="float", eval_tokens="int"),
-                 optional={"eval_perplexity": "float", "eval_pairs": "int",
-                           **{f"eval_{k}": "float" for k in _DPO_METRICS}}),
+    "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step; "
+                                           "`eval_loss` and `eval_tokens` in every one but a GRPO run's, whose "
+                                           "evaluation scores greedy answers (`eval_prompts`, `eval_reward`, ...)",
+                 required=dict(step="int", epoch="float"),
+                 optional={"eval_loss": "float", "eval_tokens": "int", "eval_perplexity": "float", "eval_pairs": "int",
+                           **{f"eval_{k}": "float" for k in _DPO_METRICS}, "eval_prompts": "int",
+                           **{f"eval_{k}": "float" for k in _GRPO_METRICS if k in ("reward", "reward_std")
+                              or k.startswith("completions/")}},
+                 patterns={r"eval_rewards/.+/(mean|std)": "float"}),
     "samples": dict(file="metrics.jsonl",
                     doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds "
                         "they took",

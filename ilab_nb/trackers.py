@@ -17,8 +17,9 @@ __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTra
 # %% ../nbs/30_trackers.ipynb #d84537eb
 _DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected")
-_TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch") + _DPO_KEYS
-_EVAL_KEYS = ("loss", "perplexity") + _DPO_KEYS
+_GRPO_KEYS = ("reward", "reward_std")                      # GRPO's mean reward (train: sampled; eval: greedy)
+_TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch") + _DPO_KEYS + _GRPO_KEYS
+_EVAL_KEYS = ("loss", "perplexity") + _DPO_KEYS + _GRPO_KEYS
 
 def record_scalars(rec: dict) -> dict:
     "The `{name: value}` scalars a tracker logs for one metrics record (empty for headers and events)."

@@ -181,6 +181,7 @@ def train_step(self:Attempt, step_plan) -> dict:
 def evaluate(self:Attempt) -> dict:
     "The eval record's fields (mean loss, ...) over the whole eval set, every rank taking its share of the batches."
     model, dataset, env, layout, method = self.model, self.eval_ds, self.env, self.layout, self.method
+    if (own := method.held_out(self)) is not None: return own      # GRPO: the rewards of greedy answers
     model.eval()
     plan = B.plan_epoch(method.lengths(dataset, layout), method.budget(layout), env.world_size, layout, self.cfg.seed,
                         0)
@@ -351,13 +352,13 @@ def lineage(self:Attempt) -> dict:
 # %% ../nbs/34_worker.ipynb #56eafcc3
 @patch
 def evaluate_now(self:Attempt, step: int, epoch: float):
-    "Sample answers and eval loss at `step`; returns the eval loss (None without eval data)."
+    "Sample answers and evaluate at `step`; returns the eval loss (None without eval data, and for GRPO)."
     if self.cfg.eval_prompts:
         write_samples(self.metrics, self.model, self.tokenizer, self.cfg, self.env, self.autocast, step, epoch)
     if self.eval_ds is None: return None
     r = self.evaluate()
     self.metrics.write("eval", step=step, epoch=epoch, **r)
-    return r["eval_loss"]
+    return r.get("eval_loss")                     # GRPO's evaluation measures rewards, not a loss
 
 # %% ../nbs/34_worker.ipynb #bce09ba1
 @patch
@@ -424,7 +425,8 @@ def after_step(self:Attempt, step: int, last: dict, eval_loss) -> tuple:
     end_of_epoch = step == total or self.steps[step]["epoch"] != s["epoch"]
     if step != total and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch):
         eval_loss = self.evaluate_now(step, s["epoch_float"])
-    if stop_requested(self.paths, self.env):
+    # (a GRPO run's generation batch is trained on whole: num_iterations steps)
+    if self.method.may_stop_after(step) and stop_requested(self.paths, self.env):
         self.checkpoint(step, s["epoch_float"], last, eval_loss)
         seen = {} if self.seen is None else dict(data_seen=data_seen_by_ranks(self.seen, self.env))
         self.metrics.write("event", event=Event.stopped, step=step, **seen)
