@@ -19,8 +19,9 @@ from .live import Refresher, finalize_displays, in_kernel, show_live
 from .rundir import Action, RunPaths, SWEEPS_DIR, gated
 
 # %% auto #0
-__all__ = ['EXTRA_SUMMARY', 'MISSING', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary', 'sweeps_dir', 'Sweep',
-           'MissingRun', 'sweep_table_html', 'SweepDashboard', 'sweep_record_html', 'report_if_last']
+__all__ = ['EXTRA_TRAIN_SUMMARY', 'EXTRA_SUMMARY', 'MISSING', 'sweep_axes', 'sweep_combinations', 'run_fields', 'run_summary',
+           'sweeps_dir', 'Sweep', 'MissingRun', 'sweep_table_html', 'SweepDashboard', 'sweep_record_html',
+           'report_if_last']
 
 # %% ../nbs/62_sweep.ipynb #5828eab4
 def _takes_list(field: str) -> bool:
@@ -68,21 +69,23 @@ def run_fields(common: dict, values: dict) -> dict:
 # %% ../nbs/62_sweep.ipynb #ddabffec
 def run_summary(monitor: RunMonitor) -> dict:
     """Final train/eval loss, best eval loss and its step, mean tokens/s and steps of one run, from its records; and
-    what
-    its method measures besides at the last evaluation (DPO: accuracy and margin; plain text: perplexity)."""
+    what its method measures besides at the last step and evaluation (DPO: accuracy and margin; plain text:
+    perplexity; GRPO: reward)."""
     monitor.poll()
     tr, ev = monitor.train_records, monitor.eval_records
     best = min((r for r in ev if isinstance(r.get("eval_loss"), (int, float))), key=lambda r: r["eval_loss"],
                default=None)
     tps = [r["tokens_per_s"] for r in tr if isinstance(r.get("tokens_per_s"), (int, float))]
     return dict(step=tr[-1]["step"] if tr else None, final_loss=tr[-1].get("loss") if tr else math.nan,
-                final_eval_loss=ev[-1].get("eval_loss") if ev else math.nan,
+                final_eval_loss=ev[-1].get("eval_loss", math.nan) if ev else math.nan,
                 best_eval_loss=best["eval_loss"] if best else math.nan, best_eval_step=best["step"] if best else None,
                 tokens_per_s=sum(tps) / len(tps) if tps else math.nan,
+                **{name: tr[-1][key] for name, key in EXTRA_TRAIN_SUMMARY if tr and key in tr[-1]},
                 **{name: ev[-1][key] for name, key in EXTRA_SUMMARY if ev and key in ev[-1]})
 
+EXTRA_TRAIN_SUMMARY = (("final_reward", "reward"),)
 EXTRA_SUMMARY = (("final_eval_accuracy", "eval_rewards/accuracies"), ("final_eval_margin", "eval_rewards/margins"),
-                 ("final_eval_perplexity", "eval_perplexity"))
+                 ("final_eval_perplexity", "eval_perplexity"), ("final_eval_reward", "eval_reward"))
 
 # %% ../nbs/62_sweep.ipynb #ac6422cc
 def sweeps_dir(runs_root=None) -> Path:

@@ -286,9 +286,11 @@ def test_stopped_and_resumed_from_a_new_kernel_it_samples_what_the_uninterrupted
 
 @pytest.mark.processes
 def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
-    "The dashboard's reward plot and completions table, the record (report.html) with the reward's source, status."
+    """The dashboard's reward plot and completions table, the record (report.html) with the reward's source, status,
+    and the row a sweep compares it by."""
     import html
     from ilab_nb.cli import main
+    from ilab_nb.sweep import run_summary
     s, _ = grpo_run
     train = _records(s.run_dir, "train")
     last = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}[3]
@@ -308,6 +310,8 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
     out = capsys.readouterr().out
     assert f"reward {train[-1]['reward']:.3f}  letters {train[-1]['rewards/letters/mean']:.3f}" in out
     assert f"held-out reward {held:.3f}" in out
+    row = run_summary(s.monitor)          # what a sweep's results() and report compare it by: its rewards
+    assert (row["final_reward"], row["final_eval_reward"]) == (train[-1]["reward"], held)
 
 
 @pytest.mark.processes
