@@ -483,7 +483,8 @@ class LocalCluster:
         self.node_ids, self._state = [], None
         try:
             self.add_node(["--head", f"--port={self.address.rsplit(':', 1)[1]}", "--include-dashboard=false",
-                           "--no-monitor", f"--temp-dir={self.temp_dir}"])     # no autoscaler: its nodes are fixed
+                           "--no-monitor", f"--temp-dir={self.temp_dir}",      # no autoscaler: its nodes are fixed
+                           f"--ray-client-server-port={free_port()}"])         # 10001 may be another cluster's
             for _ in range(nodes - 1): self.add_node()
         except BaseException:
             self.shutdown()
@@ -543,11 +544,11 @@ def _kill(procs):
 
 @patch
 def _processes(self:LocalCluster, word: str) -> list:
-    "Processes whose command line has `word` and names this cluster's folder."
-    out = []
+    "Processes whose command line has `word` and names this cluster's folder or its head's address."
+    out, ours = [], (str(self.temp_dir), f"--address={self.address}")
     for p in psutil.process_iter(["cmdline"]):
         line = " ".join(p.info["cmdline"] or [])
-        if str(self.temp_dir) in line and word in line: out.append(p)
+        if any(w in line for w in ours) and word in line: out.append(p)
     return out
 
 @patch
