@@ -86,7 +86,7 @@ def _ray_lines(st: dict) -> list:
     return lines + [f"ray:      machine {m['machine_rank']} on Ray node {m['node']}" for m in ms]
 
 def _detail_lines(st: dict) -> list:
-    lines = []
+    lines = [f"backend:  {st['backend']}"] if st.get("backend", "local") != "local" else []
     if st.get("reason"): lines.append(f"reason:   {st['reason']}")
     if st.get("state_error"): lines.append(f"state:    {st['state_error']}")
     if st.get("job_id"): lines.append(f"slurm:    job {st['job_id']} {st.get('job_state') or ''}" +

@@ -117,7 +117,7 @@ def _probe(token: str, text: str) -> dict:
     return out
 
 def _probe_nodes(ray, nodes: list, root: Path) -> list:
-    "`_probe` on each of `nodes`; a node whose task fails reports why as `import_error`."
+    "`_probe` on each of `nodes`; a node whose task fails reports why as `import_error`, one Ray finds gone `gone`."
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
     root.mkdir(parents=True, exist_ok=True)
     token, text = root / f".ilab_nb-ray-probe-{uuid.uuid4().hex}", uuid.uuid4().hex
@@ -128,6 +128,7 @@ def _probe_nodes(ray, nodes: list, root: Path) -> list:
         out = []
         for n, ref in zip(nodes, refs):
             try: out.append({**n, **ray.get(ref, timeout=180)})
+            except ray.exceptions.TaskUnschedulableError: out.append({**n, "gone": True})   # died, still listed
             except Exception as e: out.append({**n, "import_error": _first_line(e)})
         return out
     finally: token.unlink(missing_ok=True)
@@ -169,6 +170,9 @@ def preflight_ray(cfg, runs_root) -> dict:
         if why := _too_small(cfg, addr, nodes, need, strategy): raise RayError(why)
         root = Path(runs_root).absolute()
         probes = _probe_nodes(ray, [n for n in nodes if _holds(n["resources"], need)], root)
+        if gone := {p["node_id"] for p in probes if p.get("gone")}:       # the cluster as it is: without them
+            nodes, probes = [n for n in nodes if n["node_id"] not in gone], [p for p in probes if not p.get("gone")]
+            if why := _too_small(cfg, addr, nodes, need, strategy): raise RayError(why)
         bad = [w for p in probes if (w := _probe_problem(p, root))]
         more = f"; and {len(bad) - 3} more node(s)" if len(bad) > 3 else ""
         if bad: raise RayError("; ".join(bad[:3]) + more + ".")
@@ -483,7 +487,8 @@ class LocalCluster:
         self.node_ids, self._state = [], None
         try:
             self.add_node(["--head", f"--port={self.address.rsplit(':', 1)[1]}", "--include-dashboard=false",
-                           "--no-monitor", f"--temp-dir={self.temp_dir}"])     # no autoscaler: its nodes are fixed
+                           "--no-monitor", f"--temp-dir={self.temp_dir}",      # no autoscaler: its nodes are fixed
+                           f"--ray-client-server-port={free_port()}"])         # 10001 may be another cluster's
             for _ in range(nodes - 1): self.add_node()
         except BaseException:
             self.shutdown()
@@ -543,11 +548,11 @@ def _kill(procs):
 
 @patch
 def _processes(self:LocalCluster, word: str) -> list:
-    "Processes whose command line has `word` and names this cluster's folder."
-    out = []
+    "Processes whose command line has `word` and names this cluster's folder or its head's address."
+    out, ours = [], (str(self.temp_dir), f"--address={self.address}")
     for p in psutil.process_iter(["cmdline"]):
         line = " ".join(p.info["cmdline"] or [])
-        if str(self.temp_dir) in line and word in line: out.append(p)
+        if any(w in line for w in ours) and word in line: out.append(p)
     return out
 
 @patch

@@ -16,10 +16,10 @@ from .core import patch
 from .rundir import STATES, TERMINAL, Event, RunPaths, State, no_follow, read_json, tail_lines, write_file
 
 # %% auto #0
-__all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'StateError', 'default_runs_root',
-           'validate_run_id', 'new_run_id', 'start_ticks', 'ProcessRef', 'write_json_atomic', 'ends_mid_line',
-           'append_jsonl', 'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore', 'next_attempt',
-           'rebuild_state', 'refresh_local']
+__all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'SUPERVISED', 'StateError',
+           'default_runs_root', 'validate_run_id', 'new_run_id', 'start_ticks', 'ProcessRef', 'write_json_atomic',
+           'ends_mid_line', 'append_jsonl', 'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore',
+           'next_attempt', 'rebuild_state', 'refresh_local']
 
 # %% ../nbs/13_runstore.ipynb #cc84988d
 HEARTBEAT_S = 2.0       # the supervisor writes a heartbeat this often
@@ -379,12 +379,14 @@ def refresh_local(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> di
     return st
 
 # %% ../nbs/13_runstore.ipynb #388a7f4b
+SUPERVISED = ("local", "ray")     # backends whose every attempt is watched by a supervisor process (35_launcher)
+
 @patch
 def refresh(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> dict:
     "The run's state after finalizing it if it is gone (its supervisor here, or its job on a cluster)."
     st = self.read_state(run_id)
     backend = st.get("backend", "local")
-    if backend != "local" and st.get("status") not in TERMINAL and not st.get("state_error"):
+    if backend not in SUPERVISED and st.get("status") not in TERMINAL and not st.get("state_error"):
         import importlib
         return importlib.import_module(f"ilab_nb.{backend}").refresh_run(self, run_id)
     return refresh_local(self, run_id, stale_s, spawn_grace_s)

@@ -180,6 +180,7 @@ def _spawn(self:FineTuneSession, attempt, resume=None):
     if backend == "slurm":
         from ilab_nb.slurm import submit_attempt
         return submit_attempt(self.store, self.run_id, self.config, attempt, resume)
+    if backend != "local": self.store.write_state(self.run_id, backend=backend)   # `ilab-nb status` names it
     ref = spawn_supervisor(self.run_dir, attempt, resume=resume, queue=self.queue, backend=backend)
     try: self.store.write_state(self.run_id, supervisor=ref.to_dict())
     except StateError: pass   # it already finished

@@ -3,9 +3,10 @@ head and one added node, one CPU each, on this machine, each started with `ray s
 Ray run does: a 2-machine run of the demo model places one machine on each node and gives the loss curve of the
 local 2-process run (which trains beside it); a second run, started while the first holds every CPU of the cluster,
 is queued saying for what and is stopped while it waits; `ilab-nb status` and the dashboard name each machine's
-node; then the added node is killed and the first run ends `failed` naming it, leaving no process behind. A run
-too large for the cluster, and an address nobody answers, are refused before anything is written. resume() of a
-Ray run on the nodes a cluster has after a loss is shown with its outputs in nbs/54_ray.ipynb, not run here (time)."""
+node; then the added node is killed and the first run ends `failed` naming it; `resume()` on the head alone (one
+machine of both processes) goes on from its last checkpoint, and `stop()` while it trains saves a checkpoint first;
+no process is left behind. A run too large for the cluster, and an address nobody answers, are refused before
+anything is written."""
 import time
 
 import pytest
@@ -44,9 +45,14 @@ def ray_cluster():
 
 
 def ray_cfg(demo, data, cluster, **kw):
-    "A 2-machine DDP run of the demo model on the cluster, a constant learning rate (its first steps do not depend on max_steps)."
+    """A 2-machine DDP run of the demo model on the cluster, a constant learning rate (its first steps do not depend
+    on max_steps)."""
     return {**dict(model=str(demo.model_dir), data=str(data), **FIELDS, num_machines=2, strategy="ddp", backend="ray",
                    ray={"address": cluster.address}, lr_scheduler_type="constant", seed=7), **kw}
+
+
+def train_steps(s, attempt) -> list:
+    return [r["step"] for r in s.metrics(as_frame=False) if r.get("kind") == "train" and r.get("attempt") == attempt]
 
 
 def losses(s, n) -> list:
@@ -55,15 +61,17 @@ def losses(s, n) -> list:
 
 def test_a_run_the_cluster_cannot_hold_or_reach_is_refused_before_launch(ray_cluster, runs_root, demo, small_train):
     # 2 machines of 2 CPUs each, on separate nodes of 1 CPU: refused with what it needs and what the nodes have.
-    with pytest.raises(PreflightError, match=r"cannot hold this run: it needs 2 machines of 2 CPU, each on its own node "
-                                             r"\(STRICT_SPREAD\), but 0 node\(s\) hold that much\. Its 2 node\(s\) have .*1 CPU"):
+    with pytest.raises(PreflightError, match=r"cannot hold this run: it needs 2 machines of 2 CPU, each on its own "
+                                             r"node \(STRICT_SPREAD\), but 0 node\(s\) hold that much\. "
+                                             r"Its 2 node\(s\) have .*1 CPU"):
         FineTuneSession(**ray_cfg(demo, small_train, ray_cluster, num_processes=4))
     with pytest.raises(PreflightError, match="The Ray cluster at ray.address='127.0.0.1:1' cannot be reached"):
         FineTuneSession(**{**ray_cfg(demo, small_train, ray_cluster), "ray": {"address": "127.0.0.1:1"}})
     assert not runs_root.exists() or not any(runs_root.iterdir())
 
 
-def test_two_machines_train_as_locally_queue_stop_and_a_lost_node_fails_the_run(ray_cluster, runs_root, demo, small_train):
+def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_and_stops(ray_cluster, runs_root, demo,
+                                                                                        small_train):
     print(f"cluster start: {ray_cluster.start_s:.1f} s")
     t0 = time.time()
     a = FineTuneSession(**ray_cfg(demo, small_train, ray_cluster, max_steps=400, save_steps=2), name="ray2").start()
@@ -73,39 +81,61 @@ def test_two_machines_train_as_locally_queue_stop_and_a_lost_node_fails_the_run(
 
     # A second run while the first holds every CPU of the cluster: queued, saying for what; stopped while it waits.
     q = FineTuneSession(**ray_cfg(demo, small_train, ray_cluster, max_steps=2), name="queued").start()
-    wait_until(lambda: q.status == "queued" and "waiting for Ray to place 2 machine(s) of 1 CPU" in (q.state.get("pending_reason") or ""),
-               120, what="the second run queued for Ray's resources")
+    wait_until(lambda: q.status == "queued" and "waiting for Ray to place 2 machine(s) of 1 CPU"
+               in (q.state.get("pending_reason") or ""), 120, what="the second run queued for Ray's resources")
     assert "ray:      waiting for Ray to place" in format_status(q)
     assert "waiting in Ray: waiting for Ray to place" in _pending_html(q.status, q.state)
     assert q.stop(timeout=60) == "cancelled" and q.reason == "stopped on request", q.reason
 
-    wait_until(lambda: len(losses(a, STEPS)) == STEPS and a.checkpoints, 240, what=f"{STEPS} steps and a checkpoint of the Ray run")
+    wait_until(lambda: len(losses(a, STEPS)) == STEPS and a.checkpoints, 240,
+               what=f"{STEPS} steps and a checkpoint of the Ray run")
     first_ray = next(r["time"] for r in a.metrics(as_frame=False) if r.get("kind") == "train") - a.state["created_at"]
     machines = a.state["ray"]["machines"]
-    assert [m["machine_rank"] for m in machines] == [0, 1] and {m["node_id"] for m in machines} == set(ray_cluster.node_ids)
+    assert [m["machine_rank"] for m in machines] == [0, 1]
+    assert {m["node_id"] for m in machines} == set(ray_cluster.node_ids)
     a.monitor.poll()
     head = a.monitor.header
     assert head["world_size"] == 2 and head["num_machines"] == 2
     assert list(head["nodes"]) == [m["node"] for m in machines]    # each rank on its machine's own node
     out = format_status(a)                                         # `ilab-nb status` names each machine's node and IP
     assert all(f"machine {m['machine_rank']} on Ray node {m['node']}" in out for m in machines), out
-    assert f"on {machines[0]['node']}, {machines[1]['node']}" in _header_html(a.run_id, 1, head)   # the dashboard's header
+    assert f"on {machines[0]['node']}, {machines[1]['node']}" in _header_html(a.run_id, 1, head)   # the dashboard
     assert schema_problems(a.state, "state") == []                 # its Ray fields are in the run directory's schema
 
     # The added node dies as a crash would (the head cannot be removed): the run fails naming it, nothing is left.
-    node = ray_cluster.node_ids[1]
+    head_id, node = ray_cluster.node_ids
     lost = next(m for m in machines if m["node_id"] == node)
     t1 = time.time()
     ray_cluster.remove_node(node)
     assert a.wait(timeout=60) == "failed", a.status
     print(f"fault: the run failed {a.state['ended_at'] - t1:.1f} s after its node was removed; {a.reason}")
     assert f"Ray node {lost['node']} of machine {lost['machine_rank']} was lost" in a.reason, a.reason
-    assert a.state["failed_node"] == lost["node"]
+    assert a.state["failed_node"] == lost["node"] and a.state["backend"] == "ray"
+    assert "backend:  ray" in format_status(a)
+
+    # resume() places the run anew, on the nodes the cluster has then, and goes on from the last checkpoint: here on
+    # the head alone, as one machine of both processes (half a CPU each, so that its one CPU holds them); stop()
+    # while it trains saves a checkpoint first, as locally. (A plain resume() waits, queued, until the cluster has two
+    # nodes again: shown in nbs/54_ray.ipynb.)
+    ra, last, t2 = losses(a, STEPS), a.checkpoints[-1]["step"], time.time()     # attempt 1's, before any other
+    a.resume(num_machines=1, ray={"address": ray_cluster.address, "num_cpus_per_process": 0.5})
+    wait_until(lambda: train_steps(a, attempt=2), 240, what="a step of the resumed Ray run")
+    resumed = time.time() - t2
+    assert a.state["resumed_from_step"] == last and train_steps(a, attempt=2)[0] == last + 1
+    assert [m["node_id"] for m in a.state["ray"]["machines"]] == ray_cluster.node_ids == [head_id]
+    assert a.stop(timeout=60) == "cancelled" and a.reason == "stopped on request", a.reason
+    stopped = [r["step"] for r in a.metrics(kinds=("event",)) if r["event"] == "stopped" and r["attempt"] == 2]
+    assert stopped == [train_steps(a, attempt=2)[-1]], stopped                 # the step it stopped after ...
+    assert a.checkpoints[-1]["step"] == stopped[0], a.checkpoints                # ... is its last checkpoint
+    assert schema_problems(a.state, "state") == []
+    print(f"resume: its first step {resumed:.1f} s after resume(), from step {last}; stopped after step {stopped[0]}")
 
     assert local.wait(timeout=300) == "completed", local.reason
-    first_local = next(r["time"] for r in local.metrics(as_frame=False) if r.get("kind") == "train") - local.state["created_at"]
-    print(f"time to the first step: ray {first_ray:.1f} s, local {first_local:.1f} s (side by side); all in {time.time() - t0:.1f} s")
-    ra, lo = losses(a, STEPS), losses(local, STEPS)
+    first_local = next(r["time"] for r in local.metrics(as_frame=False)
+                       if r.get("kind") == "train") - local.state["created_at"]
+    print(f"time to the first step: ray {first_ray:.1f} s, local {first_local:.1f} s (side by side); "
+          f"all in {time.time() - t0:.1f} s")
+    lo = losses(local, STEPS)
     assert [x for x, _ in ra] == [x for x, _ in lo] == list(range(1, STEPS + 1))
     within("Ray run's loss against the local run's (max relative difference)",
            max(abs(x - y) / abs(y) for (_, x), (_, y) in zip(ra, lo)), LOSS_RTOL, "0.0 measured over 4 and 6 steps")
