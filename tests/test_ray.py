@@ -4,8 +4,8 @@ Ray run does: a 2-machine run of the demo model places one machine on each node 
 local 2-process run (which trains beside it); a second run, started while the first holds every CPU of the cluster,
 is queued saying for what and is stopped while it waits; `ilab-nb status` and the dashboard name each machine's
 node; then the added node is killed and the first run ends `failed` naming it; `resume()` on the head alone (one
-machine of both processes) goes on from its last checkpoint, and `stop()` while it trains saves a checkpoint first;
-no process is left behind. A run too large for the cluster, and an address nobody answers, are refused before
+machine of both processes) goes on from its last checkpoint, `stop()` while it trains saves a checkpoint first, and
+one more `resume()` completes it; no process is left behind. A run too large for the cluster, and an address nobody answers, are refused before
 anything is written."""
 import time
 
@@ -70,8 +70,8 @@ def test_a_run_the_cluster_cannot_hold_or_reach_is_refused_before_launch(ray_clu
     assert not runs_root.exists() or not any(runs_root.iterdir())
 
 
-def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_and_stops(ray_cluster, runs_root, demo,
-                                                                                        small_train):
+def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_stops_and_completes(
+        ray_cluster, runs_root, demo, small_train):
     print(f"cluster start: {ray_cluster.start_s:.1f} s")
     t0 = time.time()
     a = FineTuneSession(**ray_cfg(demo, small_train, ray_cluster, max_steps=400, save_steps=2), name="ray2").start()
@@ -127,8 +127,14 @@ def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_and
     stopped = [r["step"] for r in a.metrics(kinds=("event",)) if r["event"] == "stopped" and r["attempt"] == 2]
     assert stopped == [train_steps(a, attempt=2)[-1]], stopped                 # the step it stopped after ...
     assert a.checkpoints[-1]["step"] == stopped[0], a.checkpoints                # ... is its last checkpoint
+    # and resume() once more, asked for one step more, completes it from the stop's checkpoint on the same node
+    a.resume(max_steps=stopped[0] + 1)
+    assert a.wait(timeout=240) == "completed", a.reason
+    assert train_steps(a, attempt=3) == [stopped[0] + 1] and a.state["resumed_from_step"] == stopped[0]
+    assert [m["node_id"] for m in a.state["ray"]["machines"]] == [head_id]
     assert schema_problems(a.state, "state") == []
-    print(f"resume: its first step {resumed:.1f} s after resume(), from step {last}; stopped after step {stopped[0]}")
+    print(f"resume: its first step {resumed:.1f} s after resume(), from step {last}; stopped after step {stopped[0]}, "
+          f"then resumed to the end (step {stopped[0] + 1})")
 
     assert local.wait(timeout=300) == "completed", local.reason
     first_local = next(r["time"] for r in local.metrics(as_frame=False)
