@@ -17,17 +17,22 @@ __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTra
 # %% ../nbs/30_trackers.ipynb #d84537eb
 _DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected")
-_GRPO_KEYS = ("reward", "reward_std")                      # GRPO's mean reward (train: sampled; eval: greedy)
+_GRPO_KEYS = ("reward", "reward_std", "kl", "entropy", "frac_reward_zero_std")   # GRPO's (eval: of greedy answers)
+_GRPO_PREFIXES = ("rewards/", "completions/", "clip_ratio/")   # each reward function's, the lengths, the clipping
 _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch") + _DPO_KEYS + _GRPO_KEYS
 _EVAL_KEYS = ("loss", "perplexity") + _DPO_KEYS + _GRPO_KEYS
 
+def _tracked(name: str, keys) -> bool:
+    return name in keys or name.startswith(_GRPO_PREFIXES)
+
 def record_scalars(rec: dict) -> dict:
     "The `{name: value}` scalars a tracker logs for one metrics record (empty for headers and events)."
-    k = rec.get("kind")
-    if k == "train": return {f"train/{n}": float(rec[n]) for n in _TRAIN_KEYS if isinstance(rec.get(n), (int, float))}
+    k, num = rec.get("kind"), (int, float)
+    if k == "train":
+        return {f"train/{n}": float(v) for n, v in rec.items() if _tracked(n, _TRAIN_KEYS) and isinstance(v, num)}
     if k == "eval":
-        return {f"eval/{n}": float(rec[f"eval_{n}"]) for n in _EVAL_KEYS if isinstance(rec.get(f"eval_{n}"),
-                (int, float))}
+        return {f"eval/{n[5:]}": float(v) for n, v in rec.items()
+                if n.startswith("eval_") and _tracked(n[5:], _EVAL_KEYS) and isinstance(v, num)}
     if k == "samples" and isinstance(rec.get("seconds"), (int, float)):
         return {"eval/samples_seconds": float(rec["seconds"])}
     return {}
