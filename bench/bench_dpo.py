@@ -15,7 +15,7 @@ attribute of another country), 2 CPU ranks, fsdp; held-out pairs' rewards/accura
     .venv/bin/python bench/bench_dpo.py              # ~3 minutes on 2 cores; writes bench/results_dpo.md
     .venv/bin/python bench/bench_dpo.py --learning   # and the learning table (~5 more minutes)
 """
-import argparse, datetime, json, os, statistics, subprocess, sys, tempfile, textwrap, time
+import argparse, datetime, json, os, statistics, sys, tempfile, textwrap, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +24,8 @@ os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH",
 
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import demo_assets
-from ilab_nb.launcher import ACCELERATE_CONFIG, free_port
 from ilab_nb.preflight import count_params
+from _trl import launch_trl      # bench/_trl.py: TRL on two processes, as both benches run it
 
 TRL_SCRIPT = textwrap.dedent('''
     import json, sys, torch, datasets
@@ -66,19 +66,7 @@ def run_ilab(demo, data, root, n, budget, lr, seed):
 def run_trl(demo, data, root, n, bs, lr, seed):
     script = root / "trl_dpo.py"; script.write_text(TRL_SCRIPT)
     out = Path(tempfile.mkdtemp(dir=root, prefix="trl-"))
-    cfg = out / "accelerate.yaml"          # two processes under torchrun on CPU (gloo), as ilab_nb launches its ranks
-    cfg.write_text(ACCELERATE_CONFIG)
-
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), str(script), str(demo.model_dir), str(data), str(out), str(bs), str(lr), str(seed)]
-    t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.time() - t0
-    (out / "stderr.txt").write_text(r.stderr)
-    if r.returncode: raise SystemExit(f"TRL failed (all of its stderr: {out / 'stderr.txt'}):\n{r.stderr[-4000:]}")
-    res = json.loads((out / "result.json").read_text())
-    if res["world"] != 2: raise SystemExit(f"TRL ran on {res['world']} process(es), not 2")
+    wall, res = launch_trl(script, [demo.model_dir, data, out, bs, lr, seed], out)
     return dict(wall=wall, steps=res["steps"], pairs=n, losses=res["losses"])
 
 

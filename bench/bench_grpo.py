@@ -9,7 +9,7 @@ completions/s and optimizer steps/s of it; --rounds rounds, alternating, medians
 
     .venv/bin/python bench/bench_grpo.py            # a few minutes on 2 cores; writes bench/results_grpo.md
 """
-import argparse, datetime, json, os, statistics, subprocess, sys, tempfile, textwrap, time
+import argparse, datetime, json, os, statistics, sys, tempfile, textwrap, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +18,8 @@ os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH",
 
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import demo_assets, read_chat_jsonl, shipped_data_dir
-from ilab_nb.launcher import ACCELERATE_CONFIG, free_port
 from ilab_nb.preflight import count_params
+from _trl import launch_trl      # bench/_trl.py: TRL on two processes, as both benches run it
 
 REWARD = textwrap.dedent('''
     def right_capital(prompts, completions, answer, **kw):
@@ -75,18 +75,7 @@ def run_ilab(a, model, data, reward, root):
 def run_trl(a, model, data, reward, root):
     script = root / "trl_grpo.py"; script.write_text(TRL_SCRIPT)
     out = Path(tempfile.mkdtemp(dir=root, prefix="trl-"))
-    cfg = out / "accelerate.yaml"; cfg.write_text(ACCELERATE_CONFIG)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), str(script), str(model), str(data), str(out), str(reward),
-           str(a.steps), str(a.gens), str(a.per), str(a.comp), str(a.lr), "0"]
-    t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.time() - t0
-    (out / "stderr.txt").write_text(r.stderr)
-    if r.returncode: raise SystemExit(f"TRL failed (all of its stderr: {out / 'stderr.txt'}):\n{r.stderr[-4000:]}")
-    res = json.loads((out / "result.json").read_text())
-    if res["world"] != 2: raise SystemExit(f"TRL ran on {res['world']} process(es), not 2")
+    wall, res = launch_trl(script, [model, data, out, reward, a.steps, a.gens, a.per, a.comp, a.lr, 0], out)
     return dict(wall=wall, steps=res["steps"], rewards=res["rewards"], lengths=res["lengths"])
 
 
