@@ -14,8 +14,8 @@ from .core import patch
 from .rundir import RunPaths, State, open_append, read_json, tail_lines
 from .runstore import RunStore, StateError
 from .diagnosis import cause_of, describe_exit, rank_records
-from .launcher import (Supervisor, accelerate_command, free_port, run_env, write_accelerate_config,
-                              _die_with_parent)
+from .launcher import (Supervisor, accelerate_command, free_port, free_ports, run_env,
+                              write_accelerate_config, _die_with_parent)
 from .slurm import node_reports
 
 # %% auto #0
@@ -483,12 +483,13 @@ class LocalCluster:
     def __init__(self, nodes=2, num_cpus=1, timeout=300):
         import ray
         self.temp_dir, self.timeout, self.num_cpus = Path(tempfile.mkdtemp(prefix="ilab-ray-")), timeout, num_cpus
-        self.address = f"{ray.util.get_node_ip_address()}:{free_port()}"
+        gcs_port, client_port = free_ports(2)        # asked for at once: two asked apart can be the same port
+        self.address = f"{ray.util.get_node_ip_address()}:{gcs_port}"
         self.node_ids, self._state = [], None
         try:
-            self.add_node(["--head", f"--port={self.address.rsplit(':', 1)[1]}", "--include-dashboard=false",
+            self.add_node(["--head", f"--port={gcs_port}", "--include-dashboard=false",
                            "--no-monitor", f"--temp-dir={self.temp_dir}",      # no autoscaler: its nodes are fixed
-                           f"--ray-client-server-port={free_port()}"])         # 10001 may be another cluster's
+                           f"--ray-client-server-port={client_port}"])         # 10001 may be another cluster's
             for _ in range(nodes - 1): self.add_node()
         except BaseException:
             self.shutdown()
