@@ -7,7 +7,7 @@ node; then the added node is killed and the first run ends `failed` naming it; `
 machine of both processes) goes on from its last checkpoint, `stop()` while it trains saves a checkpoint first, and
 one more `resume()` completes it; no process is left behind. A run too large for the cluster, and an address nobody answers, are refused before
 anything is written."""
-import time
+import json, time
 
 import pytest
 
@@ -17,7 +17,7 @@ from ilab_nb import FineTuneSession
 from ilab_nb.cli import format_status
 from ilab_nb.dashboard import _header_html, _pending_html
 from ilab_nb.ray_backend import LocalCluster
-from ilab_nb.rundir import schema_problems
+from ilab_nb.rundir import RunPaths, schema_problems
 from ilab_nb.session import PreflightError
 from conftest import FIELDS, run_processes_under, wait_until, within
 
@@ -146,3 +146,55 @@ def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_sto
     within("Ray run's loss against the local run's (max relative difference)",
            max(abs(x - y) / abs(y) for (_, x), (_, y) in zip(ra, lo)), LOSS_RTOL, "0.0 measured over 4 and 6 steps")
     wait_until(lambda: not run_processes_under(runs_root), 30, what="no process of the runs left")
+
+
+
+def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ray_cluster, runs_root, demo, tmp_path):
+    """SFT is the scenario above; here a LoRA DPO run, a plain-text run and a GRPO run, one process each (half a CPU:
+    all three at once), one step each; then the DPO run's fork sweep (on Ray, as its parent), evaluation and export."""
+    from test_dpo import DPO
+    from test_grpo import GRPO_RUN, _prompts, short
+    from test_lora import LORA
+    t0 = time.time()
+    one = dict(num_machines=1, num_processes=1, strategy="fsdp", max_steps=1, save_steps=1, eval_steps=None,
+               ray={"address": ray_cluster.address, "num_cpus_per_process": 0.5})
+    pairs, held, prompts = tmp_path / "pairs.jsonl", tmp_path / "held.jsonl", tmp_path / "prompts.jsonl"
+    pairs.write_text("".join(open(demo.pref_train_file).readlines()[:16]))
+    held.write_text("".join(open(demo.pref_eval_file).readlines()[:4]))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in _prompts(4)))
+    runs = {"dpo": FineTuneSession(**ray_cfg(demo, pairs, ray_cluster, **{**DPO, **one}, lora=LORA,
+                                             eval_data=str(held)), name="dpo"),
+            "text": FineTuneSession(**ray_cfg(demo, demo.text_train_file, ray_cluster, **one), name="text"),
+            "grpo": FineTuneSession(**ray_cfg(demo, prompts, ray_cluster, **{**GRPO_RUN, **one}), reward_funcs=[short],
+                                    name="grpo")}
+    for s in runs.values(): s.start()
+    for k, s in runs.items():
+        assert s.wait(timeout=300) == "completed", (k, s.reason)
+        assert s.state["backend"] == "ray" and len(s.state["ray"]["machines"]) == 1, (k, s.state)
+    print(f"LoRA DPO, plain-text and GRPO runs on Ray: {time.time() - t0:.1f} s")
+    train = {k: [r for r in s.metrics() if r["kind"] == "train"] for k, s in runs.items()}
+    head = {k: s.monitor.header for k, s in runs.items()}
+    assert all([r["step"] for r in t] == [1] for t in train.values()), train
+    assert (head["dpo"]["method"], head["dpo"]["finetuning"]) == ("dpo", "lora")
+    assert {"rewards/chosen", "rewards/margins"} <= set(train["dpo"][0])
+    dpo = RunPaths(runs["dpo"].run_dir)
+    assert (dpo.final / "adapter" / "adapter_model.safetensors").is_file()
+    assert (dpo.checkpoint(1) / "adapter_model.safetensors").is_file()
+    assert not list(dpo.checkpoint(1).glob("model*.safetensors"))           # the adapters, no copy of the base
+    assert (head["text"]["method"], head["text"]["data_kind"]) == ("sft", "text")
+    assert head["grpo"]["method"] == "grpo" and {"reward", "rewards/short/mean", "kl"} <= set(train["grpo"][0])
+
+    # The DPO run's fork sweep (two forks from its step-1 checkpoint, one step each, on Ray as their parent), its
+    # evaluation (a local lm-eval process on its final model) and its export (in this process), side by side.
+    t1 = time.time()
+    sw = runs["dpo"].fork_sweep(1, max_steps=2, learning_rate=[1e-3, 2e-3])
+    ev = runs["dpo"].evaluate(["heldout_preference"], base=False)
+    gguf = runs["dpo"].export(progress=False)
+    assert gguf.is_file() and gguf.name.endswith("-final-q8_0.gguf")
+    assert ev.wait(timeout=300) == "completed", ev.reason
+    assert ev.spec["tasks"] == ["heldout_preference"] and len(ev.results())
+    for f in sw.sessions:
+        assert f.wait(timeout=300) == "completed", f.reason
+        assert f.state["backend"] == "ray" and len(f.state["ray"]["machines"]) == 1
+        assert train_steps(f, attempt=1) == [2]
+    print(f"fork sweep, evaluation and export of the DPO run: {time.time() - t1:.1f} s; all in {time.time() - t0:.1f} s")
