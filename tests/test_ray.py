@@ -5,8 +5,10 @@ local 2-process run (which trains beside it); a second run, started while the fi
 is queued saying for what and is stopped while it waits; `ilab-nb status` and the dashboard name each machine's
 node; then the added node is killed and the first run ends `failed` naming it; `resume()` on the head alone (one
 machine of both processes) goes on from its last checkpoint, `stop()` while it trains saves a checkpoint first, and
-one more `resume()` completes it; no process is left behind. A run too large for the cluster, and an address nobody answers, are refused before
-anything is written."""
+one more `resume()` completes it; no process is left behind. Every other method on the same cluster, one step each:
+a LoRA DPO run, a plain-text run and a GRPO run, all three at once; the DPO run's fork sweep runs on Ray too, and
+the finished run is evaluated and exported. A run too large for the cluster, and an address nobody answers, are
+refused before anything is written."""
 import json, time
 
 import pytest
@@ -197,4 +199,5 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
         assert f.wait(timeout=300) == "completed", f.reason
         assert f.state["backend"] == "ray" and len(f.state["ray"]["machines"]) == 1
         assert train_steps(f, attempt=1) == [2]
-    print(f"fork sweep, evaluation and export of the DPO run: {time.time() - t1:.1f} s; all in {time.time() - t0:.1f} s")
+    print(f"fork sweep, evaluation and export of the DPO run: {time.time() - t1:.1f} s; "
+          f"all in {time.time() - t0:.1f} s")
