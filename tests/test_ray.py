@@ -158,13 +158,13 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
     from test_grpo import GRPO_RUN, _prompts, short
     from test_lora import LORA
     t0 = time.time()
-    one = dict(num_machines=1, num_processes=1, strategy="fsdp", max_steps=1, save_steps=1, eval_steps=None,
+    one = dict(num_machines=1, num_processes=1, strategy="fsdp", max_steps=1, save_steps=None, eval_steps=None,
                ray={"address": ray_cluster.address, "num_cpus_per_process": 0.5})
     pairs, held, prompts = tmp_path / "pairs.jsonl", tmp_path / "held.jsonl", tmp_path / "prompts.jsonl"
     pairs.write_text("".join(open(demo.pref_train_file).readlines()[:16]))
     held.write_text("".join(open(demo.pref_eval_file).readlines()[:4]))
     prompts.write_text("".join(json.dumps(r) + "\n" for r in _prompts(4)))
-    runs = {"dpo": FineTuneSession(**ray_cfg(demo, pairs, ray_cluster, **{**DPO, **one}, lora=LORA,
+    runs = {"dpo": FineTuneSession(**ray_cfg(demo, pairs, ray_cluster, **{**DPO, **one, "save_steps": 1}, lora=LORA,
                                              eval_data=str(held)), name="dpo"),
             "text": FineTuneSession(**ray_cfg(demo, demo.text_train_file, ray_cluster, **one), name="text"),
             "grpo": FineTuneSession(**ray_cfg(demo, prompts, ray_cluster, **{**GRPO_RUN, **one}), reward_funcs=[short],
