@@ -10,6 +10,7 @@ a LoRA DPO run, a plain-text run and a GRPO run, all three at once; the DPO run'
 the finished run is evaluated and exported. A run too large for the cluster, and an address nobody answers, are
 refused before anything is written."""
 import json, time
+from pathlib import Path
 
 import pytest
 
@@ -150,7 +151,6 @@ def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_sto
     wait_until(lambda: not run_processes_under(runs_root), 30, what="no process of the runs left")
 
 
-
 def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ray_cluster, runs_root, demo, tmp_path):
     """SFT is the scenario above; here a LoRA DPO run, a plain-text run and a GRPO run, one process each (half a CPU:
     all three at once), one step each; then the DPO run's fork sweep (on Ray, as its parent), evaluation and export."""
@@ -161,8 +161,8 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
     one = dict(num_machines=1, num_processes=1, strategy="fsdp", max_steps=1, save_steps=None, eval_steps=None,
                ray={"address": ray_cluster.address, "num_cpus_per_process": 0.5})
     pairs, held, prompts = tmp_path / "pairs.jsonl", tmp_path / "held.jsonl", tmp_path / "prompts.jsonl"
-    pairs.write_text("".join(open(demo.pref_train_file).readlines()[:16]))
-    held.write_text("".join(open(demo.pref_eval_file).readlines()[:4]))
+    pairs.write_text("".join(Path(demo.pref_train_file).read_text().splitlines(keepends=True)[:16]))
+    held.write_text("".join(Path(demo.pref_eval_file).read_text().splitlines(keepends=True)[:4]))
     prompts.write_text("".join(json.dumps(r) + "\n" for r in _prompts(4)))
     runs = {"dpo": FineTuneSession(**ray_cfg(demo, pairs, ray_cluster, **{**DPO, **one, "save_steps": 1}, lora=LORA,
                                              eval_data=str(held)), name="dpo"),
@@ -190,6 +190,8 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
     # evaluation (a local lm-eval process on its final model) and its export (in this process), side by side.
     t1 = time.time()
     sw = runs["dpo"].fork_sweep(1, max_steps=2, learning_rate=[1e-3, 2e-3])
+    assert sw.spec["forked_from"] == {"run_id": runs["dpo"].run_id, "step": 1}
+    assert [f.config.learning_rate for f in sw.sessions] == [1e-3, 2e-3]
     ev = runs["dpo"].evaluate(["heldout_preference"], base=False)
     gguf = runs["dpo"].export(progress=False)
     assert gguf.is_file() and gguf.name.endswith("-final-q8_0.gguf")
