@@ -19,9 +19,9 @@ from .launcher import (Supervisor, accelerate_command, free_port, free_ports, ru
 from .slurm import node_reports
 
 # %% auto #0
-__all__ = ['UNANSWERED_S', 'UNAVAILABLE_S', 'QUEUED_AFTER_S', 'RAY_START', 'RayError', 'connect', 'bundle', 'resources_text',
-           'placement_problem', 'alive_nodes', 'node_label', 'preflight_ray', 'Machine', 'RayDriver', 'RaySupervisor',
-           'main', 'LocalCluster']
+__all__ = ['UNANSWERED_S', 'UNAVAILABLE_S', 'QUEUED_AFTER_S', 'KEEP_IDLE', 'RAY_START', 'RayError', 'connect', 'bundle',
+           'resources_text', 'placement_problem', 'alive_nodes', 'node_label', 'preflight_ray', 'Machine', 'RayDriver',
+           'RaySupervisor', 'main', 'LocalCluster']
 
 # %% ../nbs/54_ray.ipynb #49b6aa4a
 class RayError(RuntimeError):
@@ -475,6 +475,11 @@ if __name__ == "__main__" and "IPython" not in sys.modules:   # not when the not
     os._exit(code)
 
 # %% ../nbs/54_ray.ipynb #56a345e9
+# Idle workers kept, not killed: a node kills an idle worker once it has more workers than CPUs (one, here), so the
+# worker that ran a session's preflight probe on a node went as soon as a run's actor started there, and the next
+# preflight started a new one (a Python process importing Ray: 1.7 CPU-s) on each node. Kept, the probes of every
+# session of this process reuse them: 2 such workers for the whole cluster instead of about one per node per session.
+KEEP_IDLE = {"RAY_num_workers_soft_limit": "8"}
 RAY_START = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats",
              "--include-log-monitor=false"]   # no driver here reads the workers' logs: one Python process less a node
 
@@ -521,7 +526,8 @@ def _late(self:LocalCluster, args, out) -> str:
 def add_node(self:LocalCluster, args=None) -> str:
     "Start one more node (`ray start`, `args` for the head) and wait until the head lists it alive; its node id."
     args = args or [f"--address={self.address}"]
-    env = {**os.environ, "RAY_gcs_server_port_wait_time_s": str(int(self.timeout))}   # the head's GCS: its own wait
+    env = {**os.environ, "RAY_gcs_server_port_wait_time_s": str(int(self.timeout)),   # the head's GCS: its own wait
+           **KEEP_IDLE}
     r = subprocess.run([*RAY_START, f"--num-cpus={self.num_cpus}", *args], env=env, capture_output=True, text=True,
                        timeout=self.timeout)
     out = (r.stdout + r.stderr).strip()
