@@ -448,6 +448,8 @@ def prepare(self:GRPO, attempt, forward):
     "The reward functions, their weights and the reference; the step the attempt starts from."
     c = self.cfg
     self.attempt, self.tokenizer, self.step, self.buffer = attempt, attempt.tokenizer, attempt.start, None
+    st = getattr(attempt, "method_state", None)               # resumed inside a generation batch: that batch
+    if st and st["step"] == attempt.start and st["world_size"] == attempt.env.world_size: self.buffer = st["buffer"]
     self.rewards = [load_reward(r) for r in c.reward_funcs]
     self.names = [reward_name(f) for f in self.rewards]
     self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
@@ -530,10 +532,12 @@ _SLICED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "ad
 @patch
 def micro_batches(self:GRPO, ds, step_plan: list, rank: int, layout: str, pad_id: int) -> list:
     """One optimizer step's micro-batches, after sampling, scoring and (`beta > 0`) the reference's log-probabilities;
-    with `num_iterations > 1`, those of the generation batch's first step again (the plan repeats its prompts)."""
+    with `num_iterations > 1`, those of the generation batch's first step again (the plan repeats its prompts), without
+    its metrics: TRL logs a generation batch's metrics once, when it is sampled."""
     c, env = self.cfg, self.attempt.env
     self.step += 1
-    if (self.step - 1) % c.num_iterations and self.buffer is not None: return self.buffer
+    if (self.step - 1) % c.num_iterations and self.buffer is not None:
+        return [{**b, "metrics": {}} for b in self.buffer]
     g = self.generation_batch([ds[i] for ms in step_plan for i in ms[rank]], env)
     scale = sum(len(r) for ms in step_plan for r in ms) / env.world_size
     per = c.per_device_train_batch_size
@@ -562,9 +566,11 @@ def add_old(self, batches: list):
     reshard(a.model)                   # a forward outside training leaves FSDP2's full parameters gathered
 
 @patch
-def may_stop_after(self:GRPO, step: int) -> bool:
-    "A stop ends the run between generation batches only: a resume samples the next one."
-    return step % self.cfg.num_iterations == 0
+def checkpoint_state(self:GRPO, step: int):
+    "Inside a generation batch: the batch (on the CPU), which the steps after `step` train on again; else None."
+    if step % self.cfg.num_iterations == 0 or self.buffer is None: return None
+    cpu = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in self.buffer]
+    return dict(step=step, world_size=self.attempt.env.world_size, buffer=cpu)
 
 @patch_to(GRPO)
 @torch.no_grad()
@@ -588,14 +594,19 @@ def loss_sums(self:GRPO, forward, batch: dict, split: str = "train") -> tuple:
                           batch["num_items_in_batch"].to(lp.device), batch["accumulation"], env)
     s, ga = batch["scale"], batch["accumulation"]
     sums = {k: v * s / ga for k, v in m.items()}
-    sums.update({k: v * s for k, v in batch["metrics"].items()})
+    sums.update({f"sampled:{k}": v * s for k, v in batch["metrics"].items()})    # a generation batch's, once
+    if batch["metrics"]: sums["sampled"] = s
     return loss * s, sums
 
 @patch
 def record(self:GRPO, loss_sum: float, weight: float, sums: dict) -> dict:
-    "The window's mean loss and TRL's metrics."
-    n = max(weight, 1)
-    return dict(loss=loss_sum / n, prompts=int(weight), **{k: v / n for k, v in sums.items()})
+    """The window's mean loss and TRL's metrics: those of the loss over its steps, those of the generation batches
+    over the batches sampled in it (none: not logged, as TRL's log has none at a step that reuses a batch)."""
+    n, g = max(weight, 1), sums.get("sampled", 0)
+    out = dict(loss=loss_sum / n, prompts=int(weight))
+    out.update({k[8:] if k.startswith("sampled:") else k: v / (g if k.startswith("sampled:") else n)
+                for k, v in sums.items() if k != "sampled"})
+    return out
 
 # %% ../nbs/31_grpo.ipynb #1631a37b
 def eval_metrics(rpf, lengths, truncated, weights, names: list) -> dict:
