@@ -3,9 +3,10 @@ prompts, completions and rewards (fed to both, in this process, per loss_type); 
 "kernel" (a process whose `__main__` defines the reward function) that exits at once, the run surviving it, with
 held-out evaluations and num_iterations=2 (each generation batch trained on twice); its fork at step 1 (inside a
 generation batch) from this process (a new kernel), stopped by `stop()` at step 3 (inside the next one) and resumed by
-`ilab-nb resume` (another new process), training on the same batches as the uninterrupted run, and its model exported;
-one in-process LoRA run against the reference and one whose reward raises; reward functions named in a YAML config;
-and the demo model's held-out expected reward raised by a few GRPO steps."""
+`ilab-nb resume` (another new process), training on the same batches as the uninterrupted run;
+its model exported and evaluated by lm-eval on its held-out prompts; one in-process LoRA run against the reference and one
+whose reward raises; reward functions named in a YAML config; and the
+demo model's held-out expected reward raised by a few GRPO steps."""
 import json, math, os, subprocess, sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -324,16 +325,24 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
 
 
 @pytest.mark.processes
-def test_its_model_exports_and_its_own_held_out_task_is_refused_in_a_sentence(grpo_run, tmp_path):
+def test_its_model_exports_and_is_evaluated_by_lm_eval_on_its_held_out_prompts(grpo_run, tmp_path):
     """export() of the GRPO run's final model writes every tensor (that a GGUF file reads back as the model is
-    test_export's check); evaluate() with the run's own 'heldout' task says why not: it is made from chats, the run held
-    out prompts."""
-    from ilab_nb.evaluation import EvalError
+    test_export's check); evaluate() with the run's own 'heldout' task, made from its held-out prompts and their
+    'answer' column, runs lm-eval on the trained model and keeps lm-eval's results and samples."""
+    from ilab_nb.rundir import State
     s, _ = grpo_run
     out = s.export(dtype="f32", path=tmp_path / "grpo.gguf", modelfile=False, progress=False)
     assert (out.name, out.tensors, out.fallbacks, out.exists()) == ("grpo.gguf", 38, {}, True)
-    with pytest.raises(EvalError, match="held-out chat records, but its held-out records are prompt records"):
-        s.evaluate(["heldout"])
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in runs_env(tmp_path).items(): mp.setenv(k, v)
+        ev = s.evaluate(["heldout"], base=False)
+        assert ev.wait(timeout=600) == State.completed, ev.reason
+    df = ev.results().set_index("metric")
+    (res,) = (ev.dir / "tuned").glob("results_*.json")
+    got = json.loads(res.read_text())["results"]["heldout"]
+    assert got["exact_match,none"] == df.loc["exact_match", "tuned"] and 0 <= got["exact_match,none"] <= 1
+    samples = (ev.dir / "tuned").glob("samples_heldout_*.jsonl").__next__().read_text().splitlines()
+    assert sorted(json.loads(l)["doc"]["target"] for l in samples) == sorted(r["answer"] for r in _prompts(HELD_OUT, 100))
 
 
 # --- in this process: LoRA against its base, a reward that raises ---------------------------------------------------
