@@ -5,7 +5,7 @@ held-out evaluations and num_iterations=2 (each generation batch trained on twic
 generation batch) from this process (a new kernel), stopped by `stop()` at step 3 (inside the next one) and resumed by
 `ilab-nb resume` (another new process), training on the same batches as the uninterrupted run;
 its model exported and evaluated by lm-eval on its held-out prompts; one in-process LoRA run against the reference and one
-whose reward raises; reward functions named in a YAML config; and the
+whose reward raises; a sweep of two one-step runs over reward_weights; reward functions named in a YAML config; and the
 demo model's held-out expected reward raised by a few GRPO steps."""
 import json, math, os, subprocess, sys
 from contextlib import nullcontext
@@ -391,6 +391,26 @@ def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path):
         "ValueError: cannot score this" in msg
     failed = _records(tmp_path / "c", "event")[-1]
     assert failed["event"] == "failed" and "RewardError: reward function 'picky' raised at step 1" in failed["error"]
+
+
+@pytest.mark.processes
+def test_a_sweep_over_reward_weights(demo, runs_root, tmp_path):
+    """A sweep of two one-step GRPO runs, one process each, over `reward_weights`: the same seed samples the same
+    completions from the same model, so each function's reward is the same and the weighted reward, the sweep table's
+    `final_reward`, is exactly doubled."""
+    from ilab_nb import FineTuneSession
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _prompts(4)))
+    sw = FineTuneSession.sweep(str(demo.model_dir), str(data), grid={"reward_weights": [[1.0], [2.0]]},
+                               **{**GRPO_RUN, "num_processes": 1, "strategy": "single", "max_steps": 1, "save_steps": None,
+                                  "eval_steps": None, "beta": 0.0, "num_iterations": 1, "max_completion_length": 4},
+                               reward_funcs=[letters])
+    assert sw.wait(timeout=600) == ["completed", "completed"], [s.reason for s in sw.sessions]
+    df = sw.results()
+    assert list(df["reward_weights"]) == [[1.0], [2.0]] and list(df["step"]) == [1, 1]
+    one, two = (s.metrics(kinds=("train",))[-1] for s in sw.sessions)
+    assert one["rewards/letters/mean"] == two["rewards/letters/mean"] > 0         # the same completions
+    assert list(df["final_reward"]) == [one["reward"], two["reward"]] and two["reward"] == 2 * one["reward"]
 
 
 def test_reward_functions_named_in_a_config_file(tmp_path):
