@@ -26,7 +26,7 @@ from . import lora as L
 # %% auto #0
 __all__ = ['RewardError', 'reward_name', 'load_reward', 'save_reward', 'save_rewards', 'call_reward', 'prompt_text',
            'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'whole_weights', 'completion_logps',
-           'model_forward', 'nanstd', 'advantages', 'reward_metrics', 'masked_mean_global', 'policy_loss',
+           'model_forward', 'nanstd', 'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss',
            'clip_metrics', 'completion_stats', 'eval_metrics', 'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #6c880cf5
@@ -331,14 +331,14 @@ def reward_metrics(rewards_per_func, rewards, is_std_zero, names: list) -> dict:
     return out
 
 # %% ../nbs/31_grpo.ipynb #cd37970c
-def masked_mean_global(x, mask, env) -> float:
-    "TRL's `global_masked_mean`: the mean of `x` over the masked tokens of every process."
-    t = torch.stack([(x * mask).sum(), mask.sum().float()]).detach().double()
+def masked_means_global(named: dict, mask, env) -> dict:
+    "TRL's `global_masked_mean` of each tensor of `named` (over the masked tokens of every process), in one all-reduce."
+    t = torch.stack([torch.stack([(x * mask).sum(), mask.sum().float()]) for x in named.values()]).detach().double()
     if env is not None and env.world_size > 1:
         t = t.to(env.device)
         dist.all_reduce(t)
     t = t.cpu()
-    return float(t[0] / t[1].clamp(min=1.0))
+    return {k: float(t[i, 0] / t[i, 1].clamp(min=1.0)) for i, k in enumerate(named)}
 
 def _nan_extreme(x, fn) -> float:
     "TRL's `nanmin`/`nanmax`: NaN when every value is NaN (every completion masked out)."
@@ -353,7 +353,7 @@ def _all_objects(x, env) -> list:
     return out
 
 def _gathered(x, env):
-    "`x` (1-D) from every process, concatenated."
+    "`x` from every process, concatenated along its first dimension."
     return torch.cat([t.cpu() for t in _all_objects(x.cpu(), env)])
 
 # %% ../nbs/31_grpo.ipynb #b8775076
@@ -384,18 +384,17 @@ def policy_loss(logps, old_logps, advantages, mask, cfg, ref_logps=None, entropi
     return loss, clip_metrics(coef_1, adv, mask, eps_low, eps_high, env, kl, entropies)
 
 def clip_metrics(coef_1, adv, mask, eps_low, eps_high, env, kl=None, entropies=None) -> dict:
-    "TRL's per-micro-batch metrics: `kl`, `entropy`, `clip_ratio/...`, over every process."
-    out = {}
-    if kl is not None: out["kl"] = masked_mean_global(kl.detach(), mask, env)
-    if entropies is not None: out["entropy"] = masked_mean_global(entropies.detach(), mask, env)
+    """TRL's per-micro-batch metrics: `kl`, `entropy`, `clip_ratio/...`, over every process (two collectives: one sum of
+    the means' parts, one gather of the sequences' clipped fractions)."""
     low = ((coef_1 < 1 - eps_low) & (adv < 0)).float().detach()
     high = ((coef_1 > 1 + eps_high) & (adv > 0)).float().detach()
-    out["clip_ratio/low_mean"] = masked_mean_global(low, mask, env)
-    out["clip_ratio/high_mean"] = masked_mean_global(high, mask, env)
-    out["clip_ratio/region_mean"] = masked_mean_global(((low + high) > 0).float(), mask, env)
+    named = {"kl": kl, "entropy": entropies, "clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+             "clip_ratio/region_mean": ((low + high) > 0).float()}
+    out = masked_means_global({k: v.detach() for k, v in named.items() if v is not None}, mask, env)
     def seq(x): return (x * mask).sum(-1) / mask.sum(-1)
-    out["clip_ratio/low_min"] = _nan_extreme(_gathered(seq(low), env), torch.min)
-    out["clip_ratio/high_max"] = _nan_extreme(_gathered(seq(high), env), torch.max)
+    both = _gathered(torch.stack([seq(low), seq(high)], 1), env)
+    out["clip_ratio/low_min"] = _nan_extreme(both[:, 0], torch.min)
+    out["clip_ratio/high_max"] = _nan_extreme(both[:, 1], torch.max)
     return out
 
 # %% ../nbs/31_grpo.ipynb #94014b05
@@ -458,8 +457,10 @@ def prepare(self:GRPO, attempt, forward):
 
 # %% ../nbs/31_grpo.ipynb #b8985f46
 @patch
-def score(self:GRPO, prompts: list, completions: list, completion_ids: list, columns: list, env) -> torch.Tensor:
-    "`[completions, functions]` rewards (NaN for None) of this rank's completions."
+def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list, columns: list, env,
+              share=None) -> tuple:
+    """`(this rank's rewards, every rank's (rewards, share))`: `[completions, functions]` rewards (NaN for None) and
+    whatever `share` each rank adds, in one gather, which also raises the first rank's reward error on every rank."""
     keys = sorted({k for c in columns for k in c})
     kw = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
               **{k: [c.get(k) for c in columns] for k in keys})
@@ -468,8 +469,14 @@ def score(self:GRPO, prompts: list, completions: list, completion_ids: list, col
         for j, fn in enumerate(self.rewards):
             out[:, j] = torch.tensor([float("nan") if v is None else v for v in call_reward(fn, kw, self.step)])
     except RewardError as e: err = f"{e} (rank {env.rank})"
-    if errs := [e for e in _all_objects(err, env) if e]: raise RewardError(errs[0])
-    return out
+    every = _all_objects((err, out, share), env)
+    if errs := [e for e, _, _ in every if e]: raise RewardError(errs[0])
+    return out, [(o, sh) for _, o, sh in every]
+
+@patch
+def score(self:GRPO, prompts: list, completions: list, completion_ids: list, columns: list, env) -> torch.Tensor:
+    "`[completions, functions]` rewards (NaN for None) of this rank's completions."
+    return self.score_all(prompts, completions, completion_ids, columns, env)[0]
 
 # %% ../nbs/31_grpo.ipynb #f42b7b1e
 def completion_stats(lengths, truncated) -> dict:
@@ -514,15 +521,16 @@ def generation_batch(self:GRPO, rows: list, env) -> dict:
     prompts = [json.loads(r["prompt"]) for r in rows for _ in range(G)]
     columns = [json.loads(r["columns"]) for r in rows for _ in range(G)]
     completions, ids = self.texts(g, prompts)
-    mine = self.score(prompts, completions, ids, columns, env)
-    parts = _all_objects(mine, env)
+    share = (g["completion_mask_full"].sum(1), g["truncated"], float(g["completion_mask"].sum()))
+    mine, every = self.score_all(prompts, completions, ids, columns, env, share)   # one gather for the whole batch
+    parts = [r for r, _ in every]
     start = sum(len(p) for p in parts[:env.rank])
     adv, rewards, zero = advantages(torch.cat(parts), self.reward_weights, G, c.scale_rewards)
     g["advantages"] = adv[start:start + len(mine)]
-    lengths = torch.cat(_all_objects(g["completion_mask_full"].sum(1), env))
+    lengths = torch.cat([sh[0] for _, sh in every])
     g["metrics"] = {**reward_metrics(torch.cat(parts), rewards, zero, self.names),
-                    **completion_stats(lengths, torch.cat(_all_objects(g["truncated"], env)))}
-    g["num_items_in_batch"] = sum(float(m.sum()) for m in _all_objects(g["completion_mask"], env))
+                    **completion_stats(lengths, torch.cat([sh[1] for _, sh in every]))}
+    g["num_items_in_batch"] = sum(sh[2] for _, sh in every)
     self.keep_completions(prompts, completions, mine, rewards[start:], g["advantages"], env)
     return g
 
