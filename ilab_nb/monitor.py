@@ -137,7 +137,8 @@ def progress(self:RunMonitor) -> dict:
     out = {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
            "tokens_per_s": last.get("tokens_per_s"), "loss": last.get("loss")}
     if "rewards/margins" in last: out.update(margins=last["rewards/margins"], accuracy=last.get("rewards/accuracies"))
-    if rw := next((r for r in reversed(tr) if "reward" in r), None) if last else None:   # GRPO: the latest sampled
+    grpo = last and ("reward" in last or (h or {}).get("method") == "grpo")
+    if rw := next((r for r in reversed(tr) if "reward" in r), None) if grpo else None:   # GRPO: the latest sampled
         fns = {k[8:-5]: v for k, v in rw.items() if k.startswith("rewards/") and k.endswith("/mean")}   # batch's
         out.update(reward=rw["reward"], reward_std=rw.get("reward_std"), rewards=fns, reward_step=rw["step"])
     ev = next((r for r in reversed(self.eval_records) if "eval_perplexity" in r), None)
