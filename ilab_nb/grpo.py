@@ -448,7 +448,8 @@ def prepare(self:GRPO, attempt, forward):
     c = self.cfg
     self.attempt, self.tokenizer, self.step, self.buffer = attempt, attempt.tokenizer, attempt.start, None
     st = getattr(attempt, "method_state", None)               # resumed inside a generation batch: that batch
-    if st and st["step"] == attempt.start and st["world_size"] == attempt.env.world_size: self.buffer = st["buffer"]
+    if st and (st["step"], st["world_size"]) == (attempt.start, attempt.env.world_size) and \
+            st["fields"] == self.batch_fields(): self.buffer = st["buffer"]
     self.rewards = [load_reward(r) for r in c.reward_funcs]
     self.names = [reward_name(f) for f in self.rewards]
     self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
@@ -573,12 +574,20 @@ def add_old(self, batches: list):
         b["old_logps"] = a.forward(b, completion_logps(b["prompt_ids"].shape[1], b["completion_ids"], t))[0]
     reshard(a.model)                   # a forward outside training leaves FSDP2's full parameters gathered
 
+_BATCH_FIELDS = ("gradient_accumulation_steps", "temperature", "top_p", "top_k", "repetition_penalty",
+                 "max_completion_length", "mask_truncated_completions", "scale_rewards", "reward_weights")
+
+@patch
+def batch_fields(self:GRPO) -> dict:
+    "The settings a kept generation batch was sampled, scored and cut with (a resume may change them)."
+    return {k: getattr(self.cfg, k) for k in _BATCH_FIELDS}
+
 @patch
 def checkpoint_state(self:GRPO, step: int):
     "Inside a generation batch: the batch (on the CPU), which the steps after `step` train on again; else None."
     if step % self.cfg.num_iterations == 0 or self.buffer is None: return None
     cpu = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in self.buffer]
-    return dict(step=step, world_size=self.attempt.env.world_size, buffer=cpu)
+    return dict(step=step, world_size=self.attempt.env.world_size, fields=self.batch_fields(), buffer=cpu)
 
 @patch_to(GRPO)
 @torch.no_grad()
