@@ -25,9 +25,9 @@ from . import lora as L
 
 # %% auto #0
 __all__ = ['RewardError', 'reward_name', 'load_reward', 'save_reward', 'save_rewards', 'call_reward', 'prompt_text',
-           'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'whole_weights', 'completion_logps',
-           'model_forward', 'nanstd', 'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss',
-           'clip_metrics', 'completion_stats', 'eval_metrics', 'check_rewards']
+           'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'whole_fits', 'whole_weights',
+           'completion_logps', 'model_forward', 'nanstd', 'advantages', 'reward_metrics', 'masked_means_global',
+           'policy_loss', 'clip_metrics', 'completion_stats', 'eval_metrics', 'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #6c880cf5
 class RewardError(RuntimeError):
@@ -162,7 +162,7 @@ def build_prompts(records: list, tokenizer, max_len: int, policy: str = "drop") 
 # %% ../nbs/31_grpo.ipynb #43c0db0a
 class GRPO(Method):
     "Group relative policy optimization on prompts, with reward functions (TRL's names and semantics)."
-    name, kinds = "grpo", ("prompt",)
+    name, kinds, fits = "grpo", ("prompt",), None     # fits: the whole model fits on each process (`prepare`)
 
 @patch
 def build(self:GRPO, records: list, tokenizer, cache_dir=None) -> tuple:
@@ -222,17 +222,26 @@ def _free_bytes(env) -> int:
     import psutil
     return psutil.virtual_memory().available // max(1, env.world_size // max(1, getattr(env, "num_machines", 1)))
 
-@contextmanager
-def whole_weights(model, env):
-    """While inside, an FSDP2 model holds its whole weights, gathered once, where they fit on every process; yields
-    whether its forwards are free of collectives (then `generate` needs no `synced_gpus`)."""
+def _sharded(model) -> list:
+    "The model's FSDP2 modules, the root (the outermost) first; none: not sharded."
     from torch.distributed.fsdp import FSDPModule
-    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+def whole_fits(model, env) -> bool:
+    "Whether the model's whole weights fit in half the memory free to each process, on every process (a collective)."
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    return all_reduce_sum(torch.tensor([float(need > _free_bytes(env) // 2)]), env)[0] == 0
+
+@contextmanager
+def whole_weights(model, env, fits: bool | None = None, blocks_reshard: bool = True):
+    """While inside, an FSDP2 model holds its whole weights, gathered once, where they fit on every process (`fits`,
+    when known); yields whether its forwards are free of collectives (then `generate` needs no `synced_gpus`).
+    After: sharded again, its blocks resharding after a forward as `blocks_reshard` says."""
+    mods = _sharded(model)
     if not mods:
         yield True
         return
-    need = sum(p.numel() * p.element_size() for p in model.parameters())
-    if all_reduce_sum(torch.tensor([float(need > _free_bytes(env) // 2)]), env)[0] > 0:
+    if not (whole_fits(model, env) if fits is None else fits):
         yield False                                                  # not on some process: gathered per block
         return
     for m in mods: m.set_reshard_after_forward(False, recurse=False)
@@ -241,8 +250,8 @@ def whole_weights(model, env):
         yield True
     finally:
         reshard(model)
-        for m in mods[1:]: m.set_reshard_after_forward(True, recurse=False)   # as placement wraps: blocks reshard,
-        # the root (mods[0], the outermost) keeps its weights after a forward: backward needs them at once
+        for m in mods[1:]: m.set_reshard_after_forward(blocks_reshard, recurse=False)   # the root (mods[0]) keeps
+        # its weights after a forward, as placement wraps it: backward needs them at once
 
 # %% ../nbs/31_grpo.ipynb #4e24530f
 def _left_padded(prompt_ids: list, pad: int) -> tuple:
@@ -267,7 +276,7 @@ def sample(self, model, prompt_ids: list, env, autocast, step: int, greedy: bool
     devices = [env.device] if env.device_type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), B.generation_attention(hf), autocast(), \
-                whole_weights(model, env) as alone:
+                whole_weights(model, env, self.fits, not self.fits) as alone:
             torch.manual_seed(sampler_seed(c.seed, step, env.rank))
             out = hf.generate(input_ids=x.to(env.device), attention_mask=xm.to(env.device), **how,
                               repetition_penalty=c.repetition_penalty, max_new_tokens=c.max_completion_length,
@@ -454,6 +463,9 @@ def prepare(self:GRPO, attempt, forward):
     self.names = [reward_name(f) for f in self.rewards]
     self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
     if c.beta != 0.0 and not L.is_adapted(unwrap(attempt.model)): self.reference = self.load_reference(attempt)
+    self.fits = bool(_sharded(attempt.model)) and whole_fits(attempt.model, attempt.env)
+    for m in _sharded(attempt.model)[1:] if self.fits else []:   # a block keeps its weights from its forward to its
+        m.set_reshard_after_forward(False, recurse=False)       # backward, which shards them: gathered once, not twice
     return None
 
 # %% ../nbs/31_grpo.ipynb #b8985f46
