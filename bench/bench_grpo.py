@@ -1,7 +1,7 @@
 """GRPO through ilab_nb against TRL's GRPOTrainer, side by side: the same demo model, prompts (capital questions of the
 demo's atlas), reward function (a file both load), generation settings (num_generations, max_completion_length,
 temperature 1, top_p 1, no top-k), loss (dapo, beta 0), learning rate and optimizer, 2 CPU processes each (ilab_nb
-strategy="fsdp" through FineTuneSession; TRL under `accelerate launch`, as its docs run it), 8 completions per process
+strategy="fsdp", or --strategy ddp, through FineTuneSession; TRL under `accelerate launch`, as its docs run it), 8 completions per process
 per optimizer step (2 prompts x 4), --steps steps.
 
 Timed: the whole command's wall time (start-up, model load, the steps with their sampling, the final save), and
@@ -61,7 +61,7 @@ def run_ilab(a, model, data, reward, root):
     t0 = time.time()
     s = FineTuneSession(model=str(model), data=str(data), method="grpo", reward_funcs=[f"{reward}:right_capital"],
                         num_generations=a.gens, per_device_train_batch_size=a.per, max_completion_length=a.comp,
-                        num_processes=2, strategy="fsdp", device="cpu", max_steps=a.steps, logging_steps=1,
+                        num_processes=2, strategy=a.strategy, device="cpu", max_steps=a.steps, logging_steps=1,
                         learning_rate=a.lr, lr_scheduler_type="constant", max_seq_len=512, seed=0, save_steps=None,
                         num_completions_to_print=0, runs_root=root)
     s.start()
@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10); ap.add_argument("--gens", type=int, default=4)
     ap.add_argument("--per", type=int, default=8); ap.add_argument("--comp", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4); ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"], help="ilab_nb's (TRL runs DDP)")
     ap.add_argument("--model", default=None, help="the model (default: the demo model with random weights)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results_grpo.md"))
     a = ap.parse_args()
@@ -102,7 +103,7 @@ def main():
     med = {k: statistics.median(r["wall"] for r in v) for k, v in got.items()}
     n = a.steps * 2 * a.per                                     # completions sampled (and trained on), all ranks
     lines = ["# GRPO: ilab_nb against TRL's GRPOTrainer (`bench/bench_grpo.py`)", "",
-             f"{datetime.date.today()}, 2 CPU processes each, {'the demo model' if not a.model else model.name} "
+             f"{datetime.date.today()}, 2 CPU processes each (ilab_nb strategy={a.strategy}), {'the demo model' if not a.model else model.name} "
              f"({count_params(model)['total']:,} parameters), capital questions of the demo's atlas, {a.steps} optimizer steps, "
              f"{a.gens} completions per prompt, {a.per} completions per process per step ({n} in all), max_completion_length "
              f"{a.comp}, temperature 1, loss dapo, beta 0, lr {a.lr:g}, AdamW; torch {torch.__version__}, transformers "

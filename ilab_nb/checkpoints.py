@@ -20,7 +20,7 @@ from .placement import unwrap
 
 # %% auto #0
 __all__ = ['SAFETENSORS_FILE_BYTES', 'save_hf', 'save_weights', 'save_checkpoint', 'prune_checkpoints', 'load_checkpoint',
-           'retarget_schedule', 'write_final', 'seal_final']
+           'checkpoint_method_state', 'retarget_schedule', 'write_final', 'seal_final']
 
 # %% ../nbs/29_checkpoints.ipynb #773e2ddd
 def _barrier(env):
@@ -109,8 +109,9 @@ def _seal(tmp: Path, final: Path, step: int, trainer_state: dict):
 
 # %% ../nbs/29_checkpoints.ipynb #cc3e1014
 def save_checkpoint(paths: RunPaths, step: int, model, optimizer, scheduler, tokenizer, env,
-                    trainer_state: dict) -> Path:
-    "Write `checkpoints/step-N` atomically: HF model, sharded model+optimizer state, per-rank extras, marker."
+                    trainer_state: dict, method_state=None) -> Path:
+    """Write `checkpoints/step-N` atomically: HF model, sharded model+optimizer state, per-rank extras (with
+    `method_state`: this rank's state of the training method, e.g. GRPO's generation batch), marker."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     final, tmp = paths.checkpoint(step), paths.checkpoint_tmp(step)
@@ -124,7 +125,7 @@ def save_checkpoint(paths: RunPaths, step: int, model, optimizer, scheduler, tok
         save_weights(model, tokenizer, tmp, env)
         msd, osd = get_state_dict(model, optimizer)
         dcp.save({"model": L.without_frozen(unwrap(model), msd), "optim": osd}, checkpoint_id=str(tmp / "distributed"))
-        torch.save(dict(scheduler=scheduler.state_dict(), step=step, rng=_rng_state(env)),
+        torch.save(dict(scheduler=scheduler.state_dict(), step=step, rng=_rng_state(env), method=method_state),
                    tmp / "extra" / f"rank-{env.rank}.pt")
         _barrier(env)
         if env.rank == 0: _seal(tmp, final, step, trainer_state)
@@ -160,6 +161,11 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"], env)
     return int(extra["step"])
+
+def checkpoint_method_state(ckpt: Path, env):
+    "This rank's state of the training method kept in checkpoint `ckpt` (None: none kept, or another world size's)."
+    path = Path(ckpt) / "extra" / f"rank-{env.rank}.pt"
+    return torch.load(path, weights_only=False).get("method") if path.exists() else None
 
 # %% ../nbs/29_checkpoints.ipynb #74e760aa
 def retarget_schedule(optimizer, scheduler, cfg: TrainConfig) -> float:

@@ -709,9 +709,6 @@ def _grpo_problems(c) -> list:
         p.append(("reward_weights", f"{len(c.reward_weights)} weights for {len(c.reward_funcs)} reward functions; "
                                     "give one each"))
     if why := _grpo_batch_problem(c): p.append(("num_generations", why))
-    if c.num_iterations > 1 and c.save_steps and c.save_steps % c.num_iterations:
-        p.append(("save_steps", f"save_steps ({c.save_steps}) must be a multiple of num_iterations "
-                  f"({c.num_iterations}): a checkpoint is saved between generation batches, never inside one"))
     if c.batching == "packed": p.append(("batching", "GRPO trains on padded prompt + completion rows; use 'bucketed'"))
     if c.max_completion_length >= c.max_seq_len:
         p.append(("max_completion_length", f"max_completion_length ({c.max_completion_length}) must be below "

@@ -20,7 +20,8 @@ __all__ = ['OWN_TASKS', 'HELDOUT_METRICS', 'heldout_records', 'turn_end', 'heldo
            'check_limit', 'check_model', 'hold_checkpoint', 'start_evaluation']
 
 # %% ../nbs/53_evaluation.ipynb #88966d24
-OWN_TASKS = {"heldout": "chat", "heldout_preference": "preference"}     # task -> the kind of records it is made from
+OWN_TASKS = {"heldout": ("chat", "prompt"), "heldout_preference": ("preference",)}   # task -> the records' kinds it
+# is made from (prompt records: a GRPO run's, each with its `answer` column)
 
 def heldout_records(cfg) -> list:
     "The run's held-out records: its `eval_data`, else its `eval_split` of `data` (none when it held nothing out)."
@@ -38,9 +39,15 @@ def turn_end(tok) -> str:
     return (text.split(mark, 1)[1].strip() if mark in text else "") or tok.eos_token
 
 def heldout_docs(records, tok) -> list[dict]:
-    "One `{prompt, target}` per assistant turn of the chat `records`: the turns before it through the chat template."
+    """One `{prompt, target}` per assistant turn of the chat `records`: the turns before it through the chat template;
+    or per prompt record (GRPO's) with an `answer` column: the prompt as the run samples from it, and that answer."""
     docs = []
     for r in records:
+        if r["kind"] == "prompt":
+            if isinstance(a := r.get("columns", {}).get("answer"), str):
+                from ilab_nb.grpo import prompt_text
+                docs.append(dict(prompt=prompt_text(r["prompt"], tok), target=a))
+            continue
         m = r["messages"]
         for k, turn in enumerate(m):
             if turn["role"] == "assistant" and k:
@@ -149,10 +156,15 @@ def check_tasks(tasks, held: list) -> list[str]:
                         "or an lm-eval task name such as 'arc_easy'")
     kind = held[0]["kind"] if held else None
     for t in tasks:
-        if t in OWN_TASKS and OWN_TASKS[t] != kind:
+        if t in OWN_TASKS and kind not in OWN_TASKS[t]:
             has = f"its held-out records are {kind} records" if kind else ("it held nothing out (no eval_data, no "
                                                                            "eval_split)")
-            raise EvalError(f"task {t!r} is made from the run's held-out {OWN_TASKS[t]} records, but {has}")
+            raise EvalError(f"task {t!r} is made from the run's held-out {' or '.join(OWN_TASKS[t])} records, but "
+                            f"{has}")
+        if t == "heldout" and kind == "prompt" and not any(isinstance(r.get("columns", {}).get("answer"), str)
+                                                          for r in held):
+            raise EvalError("task 'heldout' scores the greedy answer to each held-out prompt against its 'answer' "
+                            "column, and the run's held-out prompts have none")
     other = [t for t in tasks if t not in OWN_TASKS]
     if other:
         known = set(lm_eval_tasks().all_tasks)

@@ -86,9 +86,9 @@ def eval_record(self:Method, loss_sum: float, weight: float, sums: dict) -> dict
     return dict(eval_loss=loss_sum / max(weight, 1), eval_tokens=int(weight))
 
 @patch
-def may_stop_after(self:Method, step: int) -> bool:
-    "Whether a stop request may end the run after `step` (GRPO: not inside a generation batch's steps)."
-    return True
+def checkpoint_state(self:Method, step: int):
+    "What this rank's method keeps in a checkpoint at `step` to go on from it exactly (GRPO: its generation batch)."
+    return None
 
 @patch
 def held_out(self:Method, attempt) -> dict | None:

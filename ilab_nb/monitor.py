@@ -121,7 +121,8 @@ def events(self:RunMonitor) -> list:
 def progress(self:RunMonitor) -> dict:
     """`{step, total_steps, epoch, elapsed_s, eta_s, tokens_per_s, loss}` from the latest records (None where unknown);
     a DPO run's also `margins` and `accuracy` (TRL's `rewards/margins`, `rewards/accuracies`) of its latest step, a
-    GRPO run's `reward`, `reward_std` and `rewards` (each function's mean) of its latest step, a plain-text run's
+    GRPO run's `reward`, `reward_std` and `rewards` (each function's mean) of its latest sampled batch (and its
+    `reward_step`: with num_iterations > 1 the steps that reuse a batch log no reward), a plain-text run's
     `perplexity` (and its `perplexity_step`) of its latest evaluation, a GRPO run's `held_out_reward` (and its
     `held_out_step`) of its latest evaluation; `skipped_steps` if any were."""
     h, tr = self.header, self.train_records
@@ -136,9 +137,10 @@ def progress(self:RunMonitor) -> dict:
     out = {"step": step, "total_steps": total, "epoch": last.get("epoch"), "elapsed_s": elapsed, "eta_s": eta,
            "tokens_per_s": last.get("tokens_per_s"), "loss": last.get("loss")}
     if "rewards/margins" in last: out.update(margins=last["rewards/margins"], accuracy=last.get("rewards/accuracies"))
-    if "reward" in last:                               # GRPO: its latest step's mean reward, and each function's
-        fns = {k[8:-5]: v for k, v in last.items() if k.startswith("rewards/") and k.endswith("/mean")}
-        out.update(reward=last["reward"], reward_std=last.get("reward_std"), rewards=fns)
+    grpo = last and ("reward" in last or (h or {}).get("method") == "grpo")
+    if rw := next((r for r in reversed(tr) if "reward" in r), None) if grpo else None:   # GRPO: the latest sampled
+        fns = {k[8:-5]: v for k, v in rw.items() if k.startswith("rewards/") and k.endswith("/mean")}   # batch's
+        out.update(reward=rw["reward"], reward_std=rw.get("reward_std"), rewards=fns, reward_step=rw["step"])
     ev = next((r for r in reversed(self.eval_records) if "eval_perplexity" in r), None)
     if ev: out.update(perplexity=ev["eval_perplexity"], perplexity_step=ev["step"])
     if ev := next((r for r in reversed(self.eval_records) if "eval_reward" in r), None):     # GRPO: greedy answers

@@ -36,10 +36,10 @@ def summary_rows(monitor) -> list[tuple]:
         rows.append(("held-out chosen preferred", ev[-1]["step"], f(ev[-1]["eval_rewards/accuracies"], ".0%")))
     if ev and "eval_perplexity" in ev[-1]:
         rows.append(("held-out perplexity", ev[-1]["step"], f(ev[-1]["eval_perplexity"], ",.1f")))
-    if tr and "reward" in tr[-1]:                              # GRPO: the mean reward, first and last, each function's
-        rows += [("first mean reward", tr[0]["step"], f(tr[0]["reward"], ".3f")),
-                 ("last mean reward", tr[-1]["step"], f(tr[-1]["reward"], ".3f"))]
-        rows += [(f"reward {k[8:-5]}", tr[-1]["step"], f(v, ".3f")) for k, v in tr[-1].items()
+    if rw := [r for r in tr if "reward" in r]:               # GRPO: the mean reward, first and last, each function's
+        rows += [("first mean reward", rw[0]["step"], f(rw[0]["reward"], ".3f")),   # (a step that reuses a batch
+                 ("last mean reward", rw[-1]["step"], f(rw[-1]["reward"], ".3f"))]  # logs none)
+        rows += [(f"reward {k[8:-5]}", rw[-1]["step"], f(v, ".3f")) for k, v in rw[-1].items()
                  if k.startswith("rewards/") and k.endswith("/mean")]
     if held := [r for r in ev if "eval_reward" in r]:               # GRPO: the greedy answers' held-out reward
         rows += [("first held-out reward", held[0]["step"], f(held[0]["eval_reward"], ".3f")),

@@ -70,7 +70,7 @@ def run_fields(common: dict, values: dict) -> dict:
 def run_summary(monitor: RunMonitor) -> dict:
     """Final train/eval loss, best eval loss and its step, mean tokens/s and steps of one run, from its records; and
     what its method measures besides at the last step and evaluation (DPO: accuracy and margin; plain text:
-    perplexity; GRPO: reward)."""
+    perplexity; GRPO: reward, of its last sampled batch)."""
     monitor.poll()
     tr, ev = monitor.train_records, monitor.eval_records
     best = min((r for r in ev if isinstance(r.get("eval_loss"), (int, float))), key=lambda r: r["eval_loss"],
@@ -80,7 +80,8 @@ def run_summary(monitor: RunMonitor) -> dict:
                 final_eval_loss=ev[-1].get("eval_loss", math.nan) if ev else math.nan,
                 best_eval_loss=best["eval_loss"] if best else math.nan, best_eval_step=best["step"] if best else None,
                 tokens_per_s=sum(tps) / len(tps) if tps else math.nan,
-                **{name: tr[-1][key] for name, key in EXTRA_TRAIN_SUMMARY if tr and key in tr[-1]},
+                **{name: next(r[key] for r in reversed(tr) if key in r) for name, key in EXTRA_TRAIN_SUMMARY
+                   if any(key in r for r in tr)},                     # GRPO: a step that reuses a batch logs no reward
                 **{name: ev[-1][key] for name, key in EXTRA_SUMMARY if ev and key in ev[-1]})
 
 EXTRA_TRAIN_SUMMARY = (("final_reward", "reward"),)

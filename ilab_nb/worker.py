@@ -34,7 +34,7 @@ from .placement import (DistEnv, init_distributed, group_timeout, machines_in_ef
                                unwrap, local_param_count, setup_model, make_optimizer, make_scheduler)
 # 29_checkpoints
 from .checkpoints import (save_checkpoint, prune_checkpoints, load_checkpoint, retarget_schedule, write_final,
-                                 seal_final)
+                                 seal_final, checkpoint_method_state)
 from .collectives import (chunked_loss_head, hidden_states_out, _set_grad_sync, all_reduce_sum, nonfinite_in,
                                  reshard, stop_requested, data_seen_by_ranks, leave_group)   # 18_collectives
 
@@ -136,6 +136,7 @@ class Attempt:
     start: int = 0
     resumed: bool = False
     position: dict | None = None     # the data position resumed from (`resume_position`), None for a fresh start
+    method_state: object = None      # this rank's method state kept in the checkpoint resumed from (GRPO: its batch)
     autocast: object = nullcontext
     record_data_seen: bool = False   # a check's probe (ILAB_NB_RECORD_DATA_SEEN=1): see `data_seen_by_ranks`
     seen: set | None = None          # the data_seen probe's samples of this rank, this attempt (set by `train_loop`)
@@ -284,6 +285,7 @@ def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, 
                 train_ds=train_ds, eval_ds=eval_ds, data_stats=data_stats, lengths=lengths, loss_tokens=weights,
                 tokens=tokens, real=real, steps=steps, model=model, model_info=model_info, optimizer=optimizer,
                 scheduler=scheduler, start=start, resumed=bool(resume), position=position, autocast=autocast,
+                method_state=checkpoint_method_state(resume, env) if resume else None,
                 record_data_seen=os.environ.get("ILAB_NB_RECORD_DATA_SEEN") == "1")
     method.prepare(a, a.forward)                  # DPO: the reference's log-probabilities, before step 1 (or read back)
     return a
@@ -363,13 +365,14 @@ def evaluate_now(self:Attempt, step: int, epoch: float):
 # %% ../nbs/34_worker.ipynb #bce09ba1
 @patch
 def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
-    "A complete checkpoint at `step` (model, optimizer, scheduler, RNG, trainer state)."
+    "A complete checkpoint at `step` (model, optimizer, scheduler, RNG, the method's state, trainer state)."
     pos = self.steps[step - 1]["pos"] if step > 0 else None
     pos = pos or ({k: v for k, v in self.position.items() if k not in ("step", "total_steps")} if self.position
                   else dict(epoch=0, batches=0, world_size=None, epoch_float=0.0))
     path = save_checkpoint(self.paths, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
                            dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last,
-                                eval_loss=eval_loss, data_position=pos, attempt=self.metrics.attempt))
+                                eval_loss=eval_loss, data_position=pos, attempt=self.metrics.attempt),
+                           self.method.checkpoint_state(step))
     if self.env.rank == 0: prune_checkpoints(self.paths, self.cfg.save_total_limit)
     self.metrics.write("event", event=Event.checkpoint, step=step, epoch=epoch, path=str(path))
 
@@ -425,8 +428,7 @@ def after_step(self:Attempt, step: int, last: dict, eval_loss) -> tuple:
     end_of_epoch = step == total or self.steps[step]["epoch"] != s["epoch"]
     if step != total and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch):
         eval_loss = self.evaluate_now(step, s["epoch_float"])
-    # (a GRPO run's generation batch is trained on whole: num_iterations steps)
-    if self.method.may_stop_after(step) and stop_requested(self.paths, self.env):
+    if stop_requested(self.paths, self.env):         # (inside a GRPO generation batch too: the checkpoint keeps it)
         self.checkpoint(step, s["epoch_float"], last, eval_loss)
         seen = {} if self.seen is None else dict(data_seen=data_seen_by_ranks(self.seen, self.env))
         self.metrics.write("event", event=Event.stopped, step=step, **seen)

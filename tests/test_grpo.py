@@ -1,10 +1,12 @@
 """GRPO for real, as cheaply as it can be proven: the loss and TRL's metrics against TRL's own `GRPOTrainer` on the same
 prompts, completions and rewards (fed to both, in this process, per loss_type); one 2-rank FSDP run started from a
 "kernel" (a process whose `__main__` defines the reward function) that exits at once, the run surviving it, with
-held-out evaluations; its fork at step 1 from this process (a new kernel), stopped by `stop()` at step 2 and resumed by
-`ilab-nb resume` (another new process), sampling the same completions as the uninterrupted run, and its model exported;
-one in-process LoRA run against the reference, one whose reward raises and one with num_iterations=2; reward functions
-named in a YAML config; and the demo model's held-out expected reward raised by a few GRPO steps."""
+held-out evaluations and num_iterations=2 (each generation batch trained on twice); its fork at step 1 (inside a
+generation batch) from this process (a new kernel), stopped by `stop()` at step 3 (inside the next one) and resumed by
+`ilab-nb resume` (another new process), training on the same batches as the uninterrupted run;
+its model exported and evaluated by lm-eval on its held-out prompts; one in-process LoRA run against the reference and one
+whose reward raises; a sweep of two one-step runs over reward_weights; reward functions named in a YAML config; and the
+demo model's held-out expected reward raised by a few GRPO steps."""
 import json, math, os, subprocess, sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -180,9 +182,10 @@ s.start()
 print(s.run_id)          # and the kernel is gone: the run goes on in the background
 '''
 
-GRPO_RUN = dict(method="grpo", num_processes=2, strategy="fsdp", device="cpu", max_steps=3, save_steps=1, logging_steps=1,
+GRPO_RUN = dict(method="grpo", num_processes=2, strategy="fsdp", device="cpu", max_steps=4, save_steps=1, logging_steps=1,
                 learning_rate=2e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
-                max_seq_len=256, num_completions_to_print=4, seed=3, beta=0.04, eval_steps=2)
+                max_seq_len=256, num_completions_to_print=4, seed=3, beta=0.04, eval_steps=3, num_iterations=2)
+SAMPLED = (1, 3)       # the steps that sample a generation batch; steps 2 and 4 train on it again
 HELD_OUT = 5           # held-out prompts: 3 on rank 0 and 2 on rank 1, which answers one more it does not count
 
 
@@ -205,9 +208,10 @@ def letters_stopping_once(marker: Path):
 
 @pytest.fixture(scope="module")
 def grpo_run(demo, tmp_path_factory):
-    """A 2-rank FSDP GRPO run of 3 steps (beta > 0: the starting shards swapped in; held-out evaluations at steps 0, 2
-    and 3), started by a kernel process that exits at once, its reward a function of that kernel's `__main__`; then,
-    from this process, its fork at step 1, stopped with a checkpoint at step 2 and resumed by `ilab-nb resume`."""
+    """A 2-rank FSDP GRPO run of 4 steps, 2 generation batches (num_iterations=2; beta > 0: the starting shards swapped
+    in; held-out evaluations at steps 0, 3 and 4), started by a kernel process that exits at once, its reward a function
+    of that kernel's `__main__`; then, from this process, its fork at step 1 (inside the first batch), stopped with a
+    checkpoint at step 3 (inside the second) and resumed by `ilab-nb resume`."""
     from ilab_nb import FineTuneSession
     root = tmp_path_factory.mktemp("grpo")
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _prompts(16)))
@@ -223,7 +227,7 @@ def grpo_run(demo, tmp_path_factory):
             assert k.returncode == 0, k.stderr[-3000:]
             s = FineTuneSession.attach(k.stdout.split()[-1])         # a new kernel: the session's only link is the id
             assert s.wait(timeout=600) == "completed", s.reason
-            # the same run from its step-1 checkpoint, in a new run whose reward stops it once, at step 2
+            # the same run from its step-1 checkpoint, in a new run whose reward stops it once, at step 3
             f = s.fork(1, reward_funcs=[letters_stopping_once(root / "stopped")])
             assert f.wait(timeout=600) == "cancelled" and f.reason == "stopped on request", f.reason
             ilab("resume", f.run_id, check=0, env=env)       # from yet another process
@@ -242,11 +246,14 @@ def test_a_run_from_a_kernel_that_exits_trains_on_two_ranks(grpo_run):
     head = _records(s.run_dir, "header")[0]
     assert (head["method"], head["data_kind"], head["strategy"], head["world_size"]) == ("grpo", "prompt", "fsdp", 2)
     train = _records(s.run_dir, "train")
-    assert [r["step"] for r in train] == [1, 2, 3] and all(r["prompts"] == 2 for r in train)   # 1 prompt x 4 per rank
-    for k in ("reward", "reward_std", "rewards/letters/mean", "rewards/letters/std", "completions/mean_length",
-              "completions/clipped_ratio", "entropy", "kl", "frac_reward_zero_std", "clip_ratio/region_mean"):
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and all(r["prompts"] == 2 for r in train)  # 1 prompt x 4 per rank
+    for k in ("entropy", "kl", "clip_ratio/region_mean"):             # the loss's: at every step
         assert all(k in r and math.isfinite(r[k]) for r in train), k
-    assert any(r["reward_std"] > 0 for r in train) and any(abs(r["loss"]) > 0 for r in train)
+    for k in ("reward", "reward_std", "rewards/letters/mean", "rewards/letters/std", "completions/mean_length",
+              "completions/clipped_ratio", "frac_reward_zero_std"):   # a batch's: once, when sampled (as TRL logs)
+        assert [r["step"] for r in train if k in r and math.isfinite(r[k])] == list(SAMPLED), k
+    assert any(r.get("reward_std", 0) > 0 for r in train) and any(abs(r["loss"]) > 0 for r in train)
+    assert train[1]["loss"] != train[0]["loss"]        # the same batch again, against the policy that sampled it
     kl = [r["kl"] for r in train]
     assert kl[0] == pytest.approx(0, abs=1e-7) and kl[-1] > 1e-6, kl   # the policy is the reference only at step 1
     p = RunPaths(s.run_dir)
@@ -254,9 +261,9 @@ def test_a_run_from_a_kernel_that_exits_trains_on_two_ranks(grpo_run):
     assert "def letters" in (p.rewards / "0-letters.py").read_text()
     assert sorted(q.name for q in p.reference.iterdir()) == ["rank-0.pt", "rank-1.pt"]      # each rank its shard
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
-    assert sorted(comp) == [1, 2, 3] and all(len(c) == 4 and set(c[0]["rewards"]) == {"letters"} for c in comp.values())
+    assert sorted(comp) == list(SAMPLED) and all(len(c) == 4 and set(c[0]["rewards"]) == {"letters"} for c in comp.values())
     ev = _records(s.run_dir, "eval")                  # greedy answers to the held-out prompts, scored by `letters`
-    assert [(r["step"], r["eval_prompts"]) for r in ev] == [(0, HELD_OUT), (2, HELD_OUT), (3, HELD_OUT)]
+    assert [(r["step"], r["eval_prompts"]) for r in ev] == [(0, HELD_OUT), (3, HELD_OUT), (4, HELD_OUT)]
     assert all(math.isfinite(r[k]) for r in ev for k in ("eval_reward", "eval_rewards/letters/mean",
                                                          "eval_completions/mean_length"))
     assert ev[0]["eval_reward"] == ev[0]["eval_rewards/letters/mean"] and "eval_loss" not in ev[0]
@@ -264,24 +271,27 @@ def test_a_run_from_a_kernel_that_exits_trains_on_two_ranks(grpo_run):
 
 @pytest.mark.processes
 def test_stopped_and_resumed_from_a_new_kernel_it_samples_what_the_uninterrupted_run_did(grpo_run):
-    """The fork from step 1 (started from this process: the reward function comes from the saved file, the sampler's
-    seed from the step) samples step 2 as the run did; `stop()` at step 2 checkpoints it, and its `resume()` from
-    another process samples the completions, computes the losses and the held-out rewards of step 3 as the
-    uninterrupted run did."""
+    """The fork from step 1, inside a generation batch (started from this process: the reward function comes from the
+    saved file), trains step 2 on the batch its checkpoint kept, as the run did, and samples step 3 as the run did (the
+    sampler's seed from the step); `stop()` at step 3, inside that batch, checkpoints it with the batch, and its
+    `resume()` from another process trains step 4 on that same batch: the losses, rewards and held-out rewards of steps
+    2-4 are the uninterrupted run's."""
     s, f = grpo_run
     events = [(r["attempt"], r["event"], r.get("step")) for r in _records(f.run_dir, "event")
               if r["event"] in ("stopped", "completed")]
-    assert events == [(1, "stopped", 2), (2, "completed", 3)]
-    assert [h["resumed_from_step"] for h in _records(f.run_dir, "header")] == [1, 2]
+    assert events == [(1, "stopped", 3), (2, "completed", 4)]
+    assert [h["resumed_from_step"] for h in _records(f.run_dir, "header")] == [1, 3]
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
     again = {r["step"]: r["completions"] for r in _records(f.run_dir, "completions")}
-    assert sorted(again) == [2, 3] and all(again[k] == comp[k] for k in again)
+    assert sorted(again) == [3] and again[3] == comp[3]            # steps 2 and 4 sampled nothing: the batch was kept
     train, fork_train = _records(s.run_dir, "train"), {r["step"]: r for r in _records(f.run_dir, "train")}
+    assert sorted(fork_train) == [2, 3, 4]
     for r in train[1:]:
-        for k in ("loss", "reward", "entropy", "kl"):
-            assert fork_train[r["step"]][k] == pytest.approx(r[k], rel=1e-5, abs=1e-7), (r["step"], k)
+        assert ("reward" in fork_train[r["step"]]) == ("reward" in r), r["step"]
+        for k in ("loss", "reward", "entropy", "kl", "clip_ratio/region_mean"):
+            if k in r: assert fork_train[r["step"]][k] == pytest.approx(r[k], rel=1e-5, abs=1e-7), (r["step"], k)
     held, fork_held = ({r["step"]: r["eval_reward"] for r in _records(d, "eval")} for d in (s.run_dir, f.run_dir))
-    assert sorted(fork_held) == [2, 3] and all(fork_held[k] == pytest.approx(held[k], abs=1e-7) for k in fork_held)
+    assert sorted(fork_held) == [3, 4] and all(fork_held[k] == pytest.approx(held[k], abs=1e-7) for k in fork_held)
 
 
 @pytest.mark.processes
@@ -292,13 +302,13 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
     from ilab_nb.cli import main
     from ilab_nb.sweep import run_summary
     s, _ = grpo_run
-    train = _records(s.run_dir, "train")
+    rw = [r for r in _records(s.run_dir, "train") if "reward" in r][-1]     # step 3's: step 4 reused its batch
     last = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}[3]
     dash = s.dashboard(autostart=False)
     dash.update()
-    assert f"reward {train[-1]['reward']:.3f}" in dash.progress_text.value and dash.reward_view.value[:4] == b"\x89PNG"
+    assert f"reward {rw['reward']:.3f}" in dash.progress_text.value and dash.reward_view.value[:4] == b"\x89PNG"
     held = _records(s.run_dir, "eval")[-1]["eval_reward"]
-    assert f"held-out reward {held:.3f} (step 3)" in dash.progress_text.value
+    assert f"held-out reward {held:.3f} (step 4)" in dash.progress_text.value
     assert "Completions at step 3" in dash.completions_view.value
     assert html.escape(last[0]["completion"]) in dash.completions_view.value
     dash.close()
@@ -308,23 +318,31 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
     assert "last held-out reward" in report
     assert main(["status", s.run_id, "--runs-root", str(Path(s.run_dir).parent)]) == 0
     out = capsys.readouterr().out
-    assert f"reward {train[-1]['reward']:.3f}  letters {train[-1]['rewards/letters/mean']:.3f}" in out
+    assert f"reward {rw['reward']:.3f}  letters {rw['rewards/letters/mean']:.3f}" in out
     assert f"held-out reward {held:.3f}" in out
     row = run_summary(s.monitor)          # what a sweep's results() and report compare it by: its rewards
-    assert (row["final_reward"], row["final_eval_reward"]) == (train[-1]["reward"], held)
+    assert (row["final_reward"], row["final_eval_reward"]) == (rw["reward"], held)
 
 
 @pytest.mark.processes
-def test_its_model_exports_and_its_own_held_out_task_is_refused_in_a_sentence(grpo_run, tmp_path):
+def test_its_model_exports_and_is_evaluated_by_lm_eval_on_its_held_out_prompts(grpo_run, tmp_path):
     """export() of the GRPO run's final model writes every tensor (that a GGUF file reads back as the model is
-    test_export's check); evaluate() with the run's own 'heldout' task says why not: it is made from chats, the run held
-    out prompts."""
-    from ilab_nb.evaluation import EvalError
+    test_export's check); evaluate() with the run's own 'heldout' task, made from its held-out prompts and their
+    'answer' column, runs lm-eval on the trained model and keeps lm-eval's results and samples."""
+    from ilab_nb.rundir import State
     s, _ = grpo_run
     out = s.export(dtype="f32", path=tmp_path / "grpo.gguf", modelfile=False, progress=False)
     assert (out.name, out.tensors, out.fallbacks, out.exists()) == ("grpo.gguf", 38, {}, True)
-    with pytest.raises(EvalError, match="held-out chat records, but its held-out records are prompt records"):
-        s.evaluate(["heldout"])
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in runs_env(tmp_path).items(): mp.setenv(k, v)
+        ev = s.evaluate(["heldout"], base=False)
+        assert ev.wait(timeout=600) == State.completed, ev.reason
+    df = ev.results().set_index("metric")
+    (res,) = (ev.dir / "tuned").glob("results_*.json")
+    got = json.loads(res.read_text())["results"]["heldout"]
+    assert got["exact_match,none"] == df.loc["exact_match", "tuned"] and 0 <= got["exact_match,none"] <= 1
+    samples = (ev.dir / "tuned").glob("samples_heldout_*.jsonl").__next__().read_text().splitlines()
+    assert sorted(json.loads(l)["doc"]["target"] for l in samples) == sorted(r["answer"] for r in _prompts(HELD_OUT, 100))
 
 
 # --- in this process: LoRA against its base, a reward that raises ---------------------------------------------------
@@ -375,15 +393,24 @@ def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path):
     assert failed["event"] == "failed" and "RewardError: reward function 'picky' raised at step 1" in failed["error"]
 
 
-def test_num_iterations_trains_twice_on_one_generation_batch(demo, tmp_path):
-    """num_iterations=2 (TRL's mu): step 2 trains on step 1's completions (sampled and kept once; the same rewards)
-    against the log-probabilities they were sampled under, which step 1's update moved: another loss."""
+@pytest.mark.processes
+def test_a_sweep_over_reward_weights(demo, runs_root, tmp_path):
+    """A sweep of two one-step GRPO runs, one process each, over `reward_weights`: the same seed samples the same
+    completions from the same model, so each function's reward is the same and the weighted reward, the sweep table's
+    `final_reward`, is exactly doubled."""
+    from ilab_nb import FineTuneSession
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _prompts(4)))
-    assert _in_process_run(demo, tmp_path / "r", data, reward_funcs=[letters], num_iterations=2) == "completed"
-    train = _records(tmp_path / "r", "train")
-    assert [r["step"] for r in _records(tmp_path / "r", "completions")] == [1]
-    assert train[0]["reward"] == train[1]["reward"] and train[0]["loss"] != train[1]["loss"], train
+    sw = FineTuneSession.sweep(str(demo.model_dir), str(data), grid={"reward_weights": [[1.0], [2.0]]},
+                               **{**GRPO_RUN, "num_processes": 1, "strategy": "single", "max_steps": 1, "save_steps": None,
+                                  "eval_steps": None, "beta": 0.0, "num_iterations": 1, "max_completion_length": 4},
+                               reward_funcs=[letters])
+    assert sw.wait(timeout=600) == ["completed", "completed"], [s.reason for s in sw.sessions]
+    df = sw.results()
+    assert list(df["reward_weights"]) == [[1.0], [2.0]] and list(df["step"]) == [1, 1]
+    one, two = (s.metrics(kinds=("train",))[-1] for s in sw.sessions)
+    assert one["rewards/letters/mean"] == two["rewards/letters/mean"] > 0         # the same completions
+    assert list(df["final_reward"]) == [one["reward"], two["reward"]] and two["reward"] == 2 * one["reward"]
 
 
 def test_reward_functions_named_in_a_config_file(tmp_path):

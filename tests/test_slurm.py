@@ -1,9 +1,9 @@
 """The SLURM backend on a real two-node SLURM cluster started by this module (tests/slurm_cluster.py): every node
 (one CPU each) runs one rank of a 2-machine FSDP run of the demo model. Several scenarios share a few runs: two
-submissions queue in SLURM, a queued job is cancelled from outside, a run is stopped and resumed to the end while a
-second (continued pretraining on plain text) runs and loses a rank, and a new process attaches; a DPO run with LoRA
-adapters saves before its time limit, resumes and loses a node."""
-import os, re, signal, subprocess, sys
+submissions queue in SLURM, a queued job is cancelled from outside, a run (GRPO, its reward function defined here)
+is stopped and resumed to the end while a second (continued pretraining on plain text) runs and loses a rank, and a
+new process attaches; a DPO run with LoRA adapters saves before its time limit, resumes and loses a node."""
+import json, os, re, signal, subprocess, sys
 from pathlib import Path
 
 import psutil
@@ -42,6 +42,20 @@ def run_cfg(demo, small_train, **kw):
                    learning_rate=3e-3, logging_steps=1, slurm={"partition": "debug", "time": "00:20:00"}), **kw}
 
 
+def letters(prompts, completions, **kw):
+    "A GRPO reward defined in this test module: the runs' processes on the nodes get it saved by value."
+    return [sum(ch.isalpha() for ch in c[0]["content"]) / 8 for c in completions]
+
+
+def prompt_file(demo, path):
+    "GRPO prompts: the conversations of the demo's held-out data up to their first answer."
+    from ilab_nb.demo import read_chat_jsonl
+    rows = [{"prompt": c[:next(i for i, m in enumerate(c) if m["role"] == "assistant")]}
+            for c in read_chat_jsonl(demo.eval_file)[:16]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def rank_process(run_dir, rank):
     "The live worker process of `rank` of the run in `run_dir` (found by its tag and RANK)."
     for p in psutil.process_iter(["cmdline"]):
@@ -66,8 +80,10 @@ def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small
     assert not runs_root.exists()
 
 
-def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, demo, small_train):
-    a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=16, save_steps=4),
+def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, demo, small_train, tmp_path):
+    grpo = dict(method="grpo", data=str(prompt_file(demo, tmp_path / "prompts.jsonl")), reward_funcs=[letters],
+                num_generations=4, per_device_train_batch_size=4, max_completion_length=8)    # a prompt per rank a step
+    a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=16, save_steps=4, **grpo),
                            "slurm": {"partition": "debug", "time": "00:20:00", "requeue": True}}, name="a").start()
     script = (a.run_dir / "slurm-attempt-1.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "srun --kill-on-bad-exit=1" in script
@@ -92,6 +108,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     wait_until(lambda: a.status == "running" and a.progress()["step"], 300, what="run a training")
     head = a.monitor.header
     assert head["world_size"] == 2 and head["num_machines"] == 2 and sorted(head["nodes"]) == ["n1", "n2"]
+    assert (head["method"], head["data_kind"]) == ("grpo", "prompt")
     assert len(head["params_per_rank"]) == 2 and all(abs(n - head["params_total"] / 2) / head["params_total"] < 0.05 for n in head["params_per_rank"])
     assert a.stop(timeout=240) == "cancelled" and a.reason == "stopped on request" and a.checkpoints
     stopped_at = a.checkpoints[-1]["step"]
@@ -135,6 +152,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
                           "print(s.status, sorted({r['step'] for r in s.metrics() if r['kind'] == 'train'}))"],
                          capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.stdout.strip() == f"completed {list(range(1, 17))}", out.stdout + out.stderr
+    assert all(r["prompts"] == 2 and r["reward"] > 0 for r in a.metrics(kinds=("train",)))     # scored on the nodes
 
     # No process of any run survives it, on either node.
     wait_until(lambda: not run_processes_under(runs_root), 60, what="every process of the runs gone")
