@@ -393,6 +393,30 @@ def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path):
     assert failed["event"] == "failed" and "RewardError: reward function 'picky' raised at step 1" in failed["error"]
 
 
+def test_a_completed_run_resumed_for_one_more_step_trains_on_the_batch_its_last_checkpoint_kept(demo, tmp_path):
+    """num_iterations=2: a run that completes at step 3, the first step of its second generation batch, keeps that
+    batch in its step-3 checkpoint; resumed with max_steps=4, its step 4 trains on that batch, sampling nothing, as the
+    uninterrupted 4-step run's step 4 does: the same loss and KL to the last bit (one process, one thread, the same
+    seed and a constant learning rate, so that steps 1-3 are the same in both)."""
+    import torch.distributed as dist
+    from ilab_nb import worker
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _prompts(4)))
+    kw = dict(reward_funcs=[letters], num_iterations=2, beta=0.04, lr_scheduler_type="constant", save_steps=3)
+    assert _in_process_run(demo, tmp_path / "whole", data, max_steps=4, **kw) == "completed"
+    assert _in_process_run(demo, tmp_path / "part", data, max_steps=3, **kw) == "completed"
+    p = RunPaths(tmp_path / "part")
+    TrainConfig(**{**json.loads(p.config.read_text()), "max_steps": 4}).to_json(p.attempt_config(2))
+    try: assert worker.run(p, resume=str(p.root / "checkpoints" / "step-00000003"), attempt=2) == "completed"
+    finally:
+        if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+    whole = {r["step"]: r for r in _records(tmp_path / "whole", "train")}
+    part = {r["step"]: r for r in _records(p.root, "train")}
+    assert sorted(part) == sorted(whole) == [1, 2, 3, 4]
+    assert [(part[4][k], "reward" in part[4]) for k in ("loss", "kl")] == [(whole[4][k], False) for k in ("loss", "kl")]
+    assert [r["step"] for r in _records(p.root, "completions")] == [1, 3]        # step 4 sampled nothing
+
+
 @pytest.mark.processes
 def test_a_sweep_over_reward_weights(demo, runs_root, tmp_path):
     """A sweep of two one-step GRPO runs, one process each, over `reward_weights`: the same seed samples the same
