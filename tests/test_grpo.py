@@ -366,7 +366,7 @@ def _in_process_run(demo, rd, data, **kw):
     p = RunPaths(rd)
     p.logs.mkdir(parents=True)
     kw = {**GRPO_RUN, "model": str(demo.model_dir), "num_processes": 1, "strategy": "single", "max_steps": 2,
-          "save_steps": None, "beta": 0.0, "eval_steps": None, **kw}
+          "save_steps": None, "beta": 0.0, "eval_steps": None, "num_iterations": 1, **kw}
     G.save_rewards(TrainConfig(data=[str(data)], **kw), p).to_json(p.config)
     try: return worker.run(p)
     finally:
@@ -496,8 +496,9 @@ def _expected_reward(model_dir, tok_dir, rows) -> float:
 # the greedy answer was already right wherever the model's likeliest answer was; GRPO moved probability towards the
 # right answers (the expected reward above), not the likeliest answer.
 LEARNED_BEFORE, LEARNED_AFTER = 0.379, 0.437
-LEARN = dict(max_steps=30, learning_rate=3e-4, lr_scheduler_type="constant", num_generations=8,
-             per_device_train_batch_size=32, max_completion_length=6, max_seq_len=512, seed=0, num_completions_to_print=0)
+LEARN = dict(max_steps=30, learning_rate=3e-4, lr_scheduler_type="constant", num_generations=8, num_iterations=1,
+             per_device_train_batch_size=32, max_completion_length=6, max_seq_len=512, seed=0,
+             num_completions_to_print=0)
 
 
 @pytest.mark.processes
