@@ -325,12 +325,17 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
 
 
 @pytest.mark.processes
-def test_its_model_exports_and_is_evaluated_by_lm_eval_on_its_held_out_prompts(grpo_run, tmp_path):
-    """export() of the GRPO run's final model writes every tensor (that a GGUF file reads back as the model is
-    test_export's check); evaluate() with the run's own 'heldout' task, made from its held-out prompts and their
-    'answer' column, runs lm-eval on the trained model and keeps lm-eval's results and samples."""
+def test_its_model_answers_in_a_chat_box_exports_and_is_evaluated_by_lm_eval(grpo_run, tmp_path):
+    """The chat box over the GRPO run's final model answers; export() of that model writes every tensor (that a GGUF
+    file reads back as the model is test_export's check); evaluate() with the run's own 'heldout' task, made from its
+    held-out prompts and their 'answer' column, runs lm-eval on the trained model and keeps lm-eval's results and
+    samples."""
     from ilab_nb.rundir import State
     s, _ = grpo_run
+    box = s.chat(temperature=0.0, max_new_tokens=4)
+    box.input.value = _prompts(1, offset=100)[0]["prompt"][-1]["content"]          # what Enter does
+    assert box.wait(120) and box.error is None and "done" in box.status.value, box.status.value
+    assert [m["role"] for m in box.chat.messages] == ["user", "assistant"]
     out = s.export(dtype="f32", path=tmp_path / "grpo.gguf", modelfile=False, progress=False)
     assert (out.name, out.tensors, out.fallbacks, out.exists()) == ("grpo.gguf", 38, {}, True)
     with pytest.MonkeyPatch.context() as mp:
