@@ -109,13 +109,16 @@ def show(self:LiveDisplay) -> LiveDisplay:
         if refresher.done(): self.finalize()        # it ended between the check above and now
     return self
 
-# %% ../nbs/15_live.ipynb #be530328
+# %% ../nbs/15_live.ipynb #b08dcbc9
 def _update(display_id: str, data: dict, parent: dict | None):
-    "Replace the data of display `display_id`, under the current parent and (where the kernel can) under `parent` too."
+    """Replace the data of display `display_id`, under the current parent and (where the kernel can, if it names
+    another request) under `parent` too."""
     from IPython.display import update_display
     update_display(data, raw=True, display_id=display_id)
     pub = _display_pub()
-    if parent and hasattr(pub, "set_thread_parent"):            # ipykernel >= 6.29: this thread's parent, for one send
+    here = (getattr(pub, "parent_header", None) or {}).get("msg_id")
+    # ipykernel >= 6.29 sets this thread's parent for one send
+    if parent and parent.get("msg_id") != here and hasattr(pub, "set_thread_parent"):
         token = pub.set_thread_parent(parent)
         try: update_display(data, raw=True, display_id=display_id)
         finally: pub.reset_thread_parent(token)

@@ -189,6 +189,16 @@ def settled_record(page, timeout_ms=60_000) -> dict:
     return record_state(page)
 
 
+def record_shot(page, path):
+    """The record as the page shows it now: the page clipped to the record's box. A display update may render the record
+    anew at any time with the same content (JupyterLab re-renders an output per update), and an element screenshot of
+    the replaced node fails as detached; the box of the one shown is enough for a clip (the whole page if none is)."""
+    from playwright.sync_api import Error as PlaywrightError
+    try: box = page.locator(".ilab-record").first.bounding_box()
+    except PlaywrightError: box = None
+    page.screenshot(path=str(path), **({"clip": box} if box else {}))
+
+
 def shut_down_kernels(lab):
     "Shut down every kernel of this JupyterLab through its REST API, as the Kernel menu's Shut Down does."
     with urllib.request.urlopen(f"{lab.url}/api/kernels?token={lab.token}", timeout=10) as r: kernels = json.load(r)
@@ -288,7 +298,7 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
                 page.click(".ilab-stop")
                 # the run ends cancelled, and the cell's output becomes the run's record: static HTML, no widget
                 rec = settled_record(page, timeout_ms=120_000)
-                page.locator(".ilab-record").first.screenshot(path=str(ARTIFACTS / "browser-4-record.png"))
+                record_shot(page, ARTIFACTS / "browser-4-record.png")
                 assert rec["badge"] == "cancelled" and rec["img"] > 0 and not rec["widgets"], rec
                 assert step_of(dict(text=rec["text"])) >= step_of(later), rec
                 # saved, its kernel shut down, the page reloaded: the record is what the notebook shows
