@@ -19,7 +19,7 @@ from .launcher import (Supervisor, accelerate_command, free_port, free_ports, ru
 from .slurm import node_reports
 
 # %% auto #0
-__all__ = ['UNANSWERED_S', 'UNAVAILABLE_S', 'QUEUED_AFTER_S', 'KEEP_IDLE', 'RAY_START', 'RayError', 'connect', 'bundle',
+__all__ = ['UNANSWERED_S', 'UNAVAILABLE_S', 'QUEUED_AFTER_S', 'KEEP_IDLE', 'RAYLET', 'RAY_START', 'RayError', 'connect', 'bundle',
            'resources_text', 'placement_problem', 'alive_nodes', 'node_label', 'preflight_ray', 'Machine', 'RayDriver',
            'RaySupervisor', 'main', 'LocalCluster']
 
@@ -480,6 +480,7 @@ if __name__ == "__main__" and "IPython" not in sys.modules:   # not when the not
 # preflight started a new one (a Python process importing Ray: 1.7 CPU-s) on each node. Kept, the probes of every
 # session of this process reuse them: 2 such workers for the whole cluster instead of about one per node per session.
 KEEP_IDLE = {"RAY_num_workers_soft_limit": "8"}
+RAYLET = "core/src/ray/raylet/raylet"           # the raylet's executable, in the ray package
 RAY_START = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats",
              "--include-log-monitor=false"]   # no driver here reads the workers' logs: one Python process less a node
 
@@ -515,12 +516,26 @@ def alive(self:LocalCluster) -> list:
     except Exception: return []        # not up yet
 
 @patch
-def _late(self:LocalCluster, args, out) -> str:
-    "What a node that did not come up left: `ray start`'s last words, the last lines of the newest raylet log."
-    logs = sorted(self.temp_dir.glob("session_*/logs/raylet*.out"), key=lambda p: p.stat().st_mtime)
-    tail = "\n".join(tail_lines(logs[-1], 8)) if logs else "(no raylet log)"
-    return (f"a node started with `ray start {' '.join(args)}` is not live after {self.timeout} s; ray start said: "
-            f"{out[-600:]}\nits raylet's log ends:\n{tail}")
+def _late(self:LocalCluster, args, out, what=None) -> str:
+    """What a node that did not come up left: `ray start`'s last words, the last records of the newest raylet error log
+    with any (a raylet that died says why there), else of the newest raylet log."""
+    logs = sorted(self.temp_dir.glob("session_*/logs/raylet*.err"), key=lambda p: p.stat().st_mtime)
+    logs = [p for p in logs if p.stat().st_size] or sorted(self.temp_dir.glob("session_*/logs/raylet*.out"),
+                                                            key=lambda p: p.stat().st_mtime)
+    records = [l[:1000] for l in tail_lines(logs[-1], 60) if l.strip() and not l.startswith(("/", "***", " "))] \
+        if logs else ["(no raylet log)"]        # its log records, not the stack frames after them
+    return (f"a node started with `ray start {' '.join(args)}` {what or f'is not live after {self.timeout} s'}; "
+            f"ray start said: {out[-600:]}\nits raylet's log ends:\n" + "\n".join(records[-3:]))
+
+@patch
+def _raylets(self:LocalCluster) -> set:
+    "The pids of the cluster's raylets that are running (one a live node)."
+    out = set()
+    for p in self._processes(RAYLET):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE: out.add(p.pid)
+        except psutil.Error: pass
+    return out
 
 @patch
 def add_node(self:LocalCluster, args=None) -> str:
@@ -528,6 +543,7 @@ def add_node(self:LocalCluster, args=None) -> str:
     args = args or [f"--address={self.address}"]
     env = {**os.environ, "RAY_gcs_server_port_wait_time_s": str(int(self.timeout)),   # the head's GCS: its own wait
            **KEEP_IDLE}
+    before = self._raylets()
     r = subprocess.run([*RAY_START, f"--num-cpus={self.num_cpus}", *args], env=env, capture_output=True, text=True,
                        timeout=self.timeout)
     out = (r.stdout + r.stderr).strip()
@@ -536,6 +552,8 @@ def add_node(self:LocalCluster, args=None) -> str:
     t0 = time.time()
     while len(self.alive()) <= len(self.node_ids):
         if time.time() - t0 > self.timeout: raise TimeoutError(self._late(args, out))
+        if not self._raylets() - before:            # its raylet is gone: it will never register
+            raise RuntimeError(self._late(args, out, "lost its raylet before it registered"))
         time.sleep(0.5)
     self.node_ids.append(next(n for n in self.alive() if n not in self.node_ids))
     return self.node_ids[-1]

@@ -9,7 +9,7 @@ one more `resume()` completes it; no process is left behind. Every other method 
 a LoRA DPO run, a plain-text run and a GRPO run, all three at once; the DPO run's fork sweep runs on Ray too, and
 the finished run is evaluated and exported. A run too large for the cluster, and an address nobody answers, are
 refused before anything is written."""
-import json, time
+import json, socket, time
 from pathlib import Path
 
 import pytest
@@ -203,3 +203,20 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
         assert train_steps(f, attempt=1) == [2]
     print(f"fork sweep, evaluation and export of the DPO run: {time.time() - t1:.1f} s; "
           f"all in {time.time() - t0:.1f} s")
+
+
+def test_a_node_whose_raylet_dies_before_it_registers_is_said_when_ray_start_returns(ray_cluster):
+    """A node whose raylet cannot bind its port exits at once and never registers: `add_node` says so, with the
+    raylet's own reason, as soon as `ray start` returns (after its fixed 30 s), not after the cluster's whole timeout
+    (300 s); the cluster's nodes are left as they were."""
+    nodes, raylets = list(ray_cluster.node_ids), ray_cluster._raylets()
+    assert len(raylets) == len(nodes)                      # one running raylet a live node
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0)); busy.listen()
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match="lost its raylet before it registered") as e:
+            ray_cluster.add_node([f"--address={ray_cluster.address}", f"--object-manager-port={busy.getsockname()[1]}"])
+    print(f"a node whose raylet died: said {time.time() - t0:.1f} s after `ray start` began")
+    assert "Address already in use" in str(e.value), str(e.value)
+    assert ray_cluster.node_ids == nodes and sorted(ray_cluster.alive()) == sorted(nodes)
+    assert ray_cluster._raylets() == raylets
