@@ -529,7 +529,7 @@ def _late(self:LocalCluster, args, out, what=None) -> str:
 
 @patch
 def _raylets(self:LocalCluster) -> set:
-    "The pids of the cluster's raylets that are running (one a live node)."
+    "The pids of the cluster's running raylets (one for each live node)."
     out = set()
     for p in self._processes(RAYLET):
         try:

@@ -210,7 +210,7 @@ def test_a_node_whose_raylet_dies_before_it_registers_is_said_when_ray_start_ret
     raylet's own reason, as soon as `ray start` returns (after its fixed 30 s), not after the cluster's whole timeout
     (300 s); the cluster's nodes are left as they were."""
     nodes, raylets = list(ray_cluster.node_ids), ray_cluster._raylets()
-    assert len(raylets) == len(nodes)                      # one running raylet a live node
+    assert len(raylets) == len(nodes)                      # one running raylet for each live node
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0)); busy.listen()
         t0 = time.time()
