@@ -516,12 +516,17 @@ def alive(self:LocalCluster) -> list:
     except Exception: return []        # not up yet
 
 @patch
-def _late(self:LocalCluster, args, out, what=None) -> str:
-    """What a node that did not come up left: `ray start`'s last words, the last records of the newest raylet error log
-    with any (a raylet that died says why there), else of the newest raylet log."""
-    logs = sorted(self.temp_dir.glob("session_*/logs/raylet*.err"), key=lambda p: p.stat().st_mtime)
-    logs = [p for p in logs if p.stat().st_size] or sorted(self.temp_dir.glob("session_*/logs/raylet*.out"),
-                                                            key=lambda p: p.stat().st_mtime)
+def _raylet_logs(self:LocalCluster) -> set:
+    "The raylet logs in the cluster's folder (each node's raylet writes its own `.out` and `.err`)."
+    return set(self.temp_dir.glob("session_*/logs/raylet*.*"))
+
+@patch
+def _late(self:LocalCluster, args, out, what=None, old_logs=frozenset()) -> str:
+    """What a node that did not come up left: `ray start`'s last words, the last records of its raylet's error log if
+    it wrote one (a raylet that died says why there), else of its raylet's log; its logs are those not in `old_logs`
+    (another node's may be newer: the head's writes on)."""
+    new = sorted((p for p in self._raylet_logs() - set(old_logs) if p.exists()), key=lambda p: p.stat().st_mtime)
+    logs = [p for p in new if p.suffix == ".err" and p.stat().st_size] or [p for p in new if p.suffix == ".out"]
     records = [l[:1000] for l in tail_lines(logs[-1], 60) if l.strip() and not l.startswith(("/", "***", " "))] \
         if logs else ["(no raylet log)"]        # its log records, not the stack frames after them
     return (f"a node started with `ray start {' '.join(args)}` {what or f'is not live after {self.timeout} s'}; "
@@ -543,7 +548,7 @@ def add_node(self:LocalCluster, args=None) -> str:
     args = args or [f"--address={self.address}"]
     env = {**os.environ, "RAY_gcs_server_port_wait_time_s": str(int(self.timeout)),   # the head's GCS: its own wait
            **KEEP_IDLE}
-    before = self._raylets()
+    before, old_logs = self._raylets(), self._raylet_logs()
     r = subprocess.run([*RAY_START, f"--num-cpus={self.num_cpus}", *args], env=env, capture_output=True, text=True,
                        timeout=self.timeout)
     out = (r.stdout + r.stderr).strip()
@@ -551,9 +556,9 @@ def add_node(self:LocalCluster, args=None) -> str:
         raise RuntimeError(f"`ray start {' '.join(args)}` failed ({r.returncode}): {out[-1500:]}")
     t0 = time.time()
     while len(self.alive()) <= len(self.node_ids):
-        if time.time() - t0 > self.timeout: raise TimeoutError(self._late(args, out))
+        if time.time() - t0 > self.timeout: raise TimeoutError(self._late(args, out, old_logs=old_logs))
         if not self._raylets() - before:            # its raylet is gone: it will never register
-            raise RuntimeError(self._late(args, out, "lost its raylet before it registered"))
+            raise RuntimeError(self._late(args, out, "lost its raylet before it registered", old_logs))
         time.sleep(0.5)
     self.node_ids.append(next(n for n in self.alive() if n not in self.node_ids))
     return self.node_ids[-1]

@@ -9,7 +9,7 @@ one more `resume()` completes it; no process is left behind. Every other method 
 a LoRA DPO run, a plain-text run and a GRPO run, all three at once; the DPO run's fork sweep runs on Ray too, and
 the finished run is evaluated and exported. A run too large for the cluster, and an address nobody answers, are
 refused before anything is written."""
-import json, socket, time
+import json, os, socket, time
 from pathlib import Path
 
 import pytest
@@ -211,6 +211,9 @@ def test_a_node_whose_raylet_dies_before_it_registers_is_said_when_ray_start_ret
     (300 s); the cluster's nodes are left as they were."""
     nodes, raylets = list(ray_cluster.node_ids), ray_cluster._raylets()
     assert len(raylets) == len(nodes)                      # one running raylet for each live node
+    head_err = ray_cluster.temp_dir / "session_latest" / "logs" / "raylet.err"     # the head's, which writes on (a
+    with open(head_err, "a") as f: f.write("E the head's raylet: the disk is nearly full\n")   # full disk, say):
+    os.utime(head_err, (time.time() + 3600,) * 2)          # newer than the new node's, and not what it says
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0)); busy.listen()
         t0 = time.time()
