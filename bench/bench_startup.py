@@ -1,18 +1,21 @@
-"""Start-up with Python's cyclic garbage collector on against paused (`ilab_nb.core.gc_paused`), side by side.
+"""Start-up with Python's cyclic garbage collector on, paused, and paused then frozen, side by side.
 
-    .venv/bin/python bench/bench_startup.py              # ~3 minutes on 2 cores, writes results_startup.md
+    .venv/bin/python bench/bench_startup.py              # ~5 minutes on 2 cores, writes results_startup.md
     .venv/bin/python bench/bench_startup.py --pairs 2 --no-write
 
 Two start-ups, each in a fresh process as they happen for real, timed from outside (wall, and the child's user +
 system CPU from the operating system):
 
-- **a rank's set-up**: what `python -m ilab_nb.worker` does before its first step (import the worker, torch and
-  datasets; read the model's config; build, load and set up the demo's tiny model; tokenize the data; write the
-  header), in one process (`setup_attempt` + `write_header`, as nbs/34_worker.ipynb runs them);
-- **a session's preflight**: `FineTuneSession(...)` in a fresh process (imports, data, tokenizer, model config).
+- **a rank, through its first steps**: what `python -m ilab_nb.worker` does (import the worker, torch and datasets;
+  read the model's config; build, load and set up the demo's tiny model; tokenize the data; write the header; train
+  4 steps; write the final model), in one process (`_train`, as nbs/34_worker.ipynb runs it). Three ways: the
+  collector on throughout (`on`); off until the first step (`paused`, as ranks started before the freeze); off until
+  the first step, with what set-up left frozen (`frozen`: `_train` as a rank runs it, `_AS_RANK`);
+- **a session's preflight**: `FineTuneSession(...)` in a fresh process (imports, data, tokenizer, model config), on and
+  paused (`ilab_nb.core.gc_paused`).
 
-Each pair runs the two variants back to back in alternating order (on, paused, paused, on, ...), so the machine's
-drift falls on both; the table gives the median of each and the median of the pairs' ratios.
+The variants of a start-up run back to back, in an order that turns each round, so the machine's drift falls on
+all; the table gives the median of each and the median of the rounds' ratios to `on`.
 """
 import argparse, datetime, json, os, resource, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -22,17 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RANK = """
 import gc, sys, tempfile
 from pathlib import Path
-if sys.argv[1] == "paused": gc.disable()                   # as a rank started as `python -m ilab_nb.worker` does
-from ilab_nb.worker import DistEnv, MetricsWriter, setup_attempt
+if sys.argv[1] != "on": gc.disable()                   # as a rank started as `python -m ilab_nb.worker` does
+import ilab_nb.worker as W
 from ilab_nb.config import TrainConfig
 from ilab_nb.rundir import RunPaths
-rd = Path(tempfile.mkdtemp()) / "run"; RunPaths(rd).logs.mkdir(parents=True)
-cfg = TrainConfig(model=sys.argv[2], data=[sys.argv[3]], num_processes=1, strategy="single", device="cpu", max_steps=2,
+W._AS_RANK = sys.argv[1] == "frozen"                   # `_train` freezes what the rank set up, as a rank's does
+rd = RunPaths(Path(tempfile.mkdtemp()) / "run"); rd.logs.mkdir(parents=True)
+cfg = TrainConfig(model=sys.argv[2], data=[sys.argv[3]], num_processes=1, strategy="single", device="cpu", max_steps=4,
                   logging_steps=1, max_tokens_per_batch=1024, max_seq_len=256)
-a = setup_attempt(rd, cfg, DistEnv(), "bucketed", MetricsWriter(RunPaths(rd).metrics, "run", 1))
-a.write_header()
-gc.enable()
-assert len(a.steps) == 2
+cfg.to_json(rd.config)
+assert W._train(rd, cfg, W.DistEnv(), "bucketed", W.MetricsWriter(rd.metrics, "run", 1), None) == "completed"
+assert gc.isenabled()
 """
 
 PREFLIGHT = """
@@ -56,14 +59,16 @@ def timed(code, variant, model, data) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def measure(code, pairs, model, data) -> dict:
-    got = {"on": [], "paused": []}
-    for i in range(pairs):
-        for v in (("on", "paused") if i % 2 == 0 else ("paused", "on")): got[v].append(timed(code, v, model, data))
-    med = lambda v, k: statistics.median(x[k] for x in got[v])
-    ratio = lambda k: statistics.median(p[k] / o[k] for p, o in zip(got["paused"], got["on"]))
-    return dict(on_wall=med("on", 0), on_cpu=med("on", 1), paused_wall=med("paused", 0), paused_cpu=med("paused", 1),
-                wall_ratio=ratio(0), cpu_ratio=ratio(1))
+def measure(code, variants, rounds, model, data) -> dict:
+    "Each variant's median wall and CPU seconds, and the median of the rounds' ratios to the first variant."
+    got = {v: [] for v in variants}
+    for i in range(rounds):
+        for v in variants[i % len(variants):] + variants[:i % len(variants)]: got[v].append(timed(code, v, model, data))
+    out = {}
+    for v in variants:
+        out[v] = dict(wall=statistics.median(x[0] for x in got[v]), cpu=statistics.median(x[1] for x in got[v]),
+                      cpu_ratio=statistics.median(x[1] / o[1] for x, o in zip(got[v], got[variants[0]])))
+    return out
 
 
 def main():
@@ -75,16 +80,17 @@ def main():
     demo = demo_assets(Path(tempfile.mkdtemp()) / "demo")
     few = Path(tempfile.mkdtemp()) / "train.jsonl"                        # the suite's slice of the demo's data
     few.write_text("".join(demo.train_file.read_text().splitlines(keepends=True)[:200]))
-    rows = {"a rank's set-up (to its header)": measure(RANK, a.pairs, str(demo.model_dir), str(few)),
-            "a session's preflight (FineTuneSession(...))": measure(PREFLIGHT, a.pairs, str(demo.model_dir), str(few))}
-    lines = [f"# Start-up with the garbage collector on and paused\n",
+    rows = {"a rank, through its first 4 steps (`_train`)":
+                measure(RANK, ["on", "paused", "frozen"], a.pairs, str(demo.model_dir), str(few)),
+            "a session's preflight (FineTuneSession(...))":
+                measure(PREFLIGHT, ["on", "paused"], a.pairs, str(demo.model_dir), str(few))}
+    lines = [f"# Start-up with the garbage collector on, paused, and paused then frozen\n",
              f"`python bench/bench_startup.py --pairs {a.pairs}`, {datetime.date.today()}, {os.cpu_count()} CPUs, "
-             f"Python {sys.version.split()[0]}, one fresh process a sample, medians of {a.pairs} pairs.\n",
-             "| start-up | wall, on | wall, paused | paused / on | CPU, on | CPU, paused | paused / on |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"Python {sys.version.split()[0]}, one fresh process a sample, medians of {a.pairs} rounds.\n",
+             "| start-up | way | wall | CPU | CPU / on |", "|---|---|---:|---:|---:|"]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['on_wall']:.2f} s | {r['paused_wall']:.2f} s | {r['wall_ratio']:.2f} | "
-                     f"{r['on_cpu']:.2f} s | {r['paused_cpu']:.2f} s | {r['cpu_ratio']:.2f} |")
+        for v, x in r.items():
+            lines.append(f"| {name} | {v} | {x['wall']:.2f} s | {x['cpu']:.2f} s | {x['cpu_ratio']:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if not a.no_write: (ROOT / "bench" / "results_startup.md").write_text(text)
