@@ -542,6 +542,36 @@ def _raylets(self:LocalCluster) -> set:
         except psutil.Error: pass
     return out
 
+def _raylet_exited(pid: int) -> int | None:
+    "The pid of an exited raylet (a zombie: not reaped yet) among the children of process `pid`, else None."
+    try: kids = psutil.Process(pid).children()
+    except psutil.Error: return None
+    for k in kids:
+        try:
+            if k.name() == "raylet" and k.status() == psutil.STATUS_ZOMBIE: return k.pid
+        except psutil.Error: pass
+    return None
+
+@patch
+def _ray_start(self:LocalCluster, args, env, old_logs) -> tuple[int, str]:
+    """Run `ray start` with `args`: its exit code and output; ended at once, with the node's error, when its raylet
+    has exited while it waits for it (or after the cluster's `timeout`)."""
+    p = subprocess.Popen([*RAY_START, f"--num-cpus={self.num_cpus}", *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while True:
+        try: out = p.communicate(timeout=0.5)[0]      # retried after a timeout: no output is lost
+        except subprocess.TimeoutExpired: out = None
+        if out is not None: return p.returncode, out.strip()
+        dead, late = _raylet_exited(p.pid), time.time() - t0 > self.timeout
+        if dead or late:
+            _kill(_trees([psutil.Process(p.pid)]))
+            out = p.communicate()[0].strip()
+            if late: raise TimeoutError(self._late(args, out, f"did not return in {self.timeout} s", old_logs))
+            why = f"lost its raylet before it registered (the raylet, pid {dead}, exited while ray start waited for " \
+                  "it: ray start stopped)"
+            raise RuntimeError(self._late(args, out, why, old_logs))
+
 @patch
 def add_node(self:LocalCluster, args=None) -> str:
     "Start one more node (`ray start`, `args` for the head) and wait until the head lists it alive; its node id."
@@ -549,11 +579,9 @@ def add_node(self:LocalCluster, args=None) -> str:
     env = {**os.environ, "RAY_gcs_server_port_wait_time_s": str(int(self.timeout)),   # the head's GCS: its own wait
            **KEEP_IDLE}
     before, old_logs = self._raylets(), self._raylet_logs()
-    r = subprocess.run([*RAY_START, f"--num-cpus={self.num_cpus}", *args], env=env, capture_output=True, text=True,
-                       timeout=self.timeout)
-    out = (r.stdout + r.stderr).strip()
-    if r.returncode and "timed out during startup" not in out:      # late only: its processes go on and register
-        raise RuntimeError(f"`ray start {' '.join(args)}` failed ({r.returncode}): {out[-1500:]}")
+    code, out = self._ray_start(args, env, old_logs)
+    if code and "timed out during startup" not in out:      # late only: its processes go on and register
+        raise RuntimeError(f"`ray start {' '.join(args)}` failed ({code}): {out[-1500:]}")
     t0 = time.time()
     while len(self.alive()) <= len(self.node_ids):
         if time.time() - t0 > self.timeout: raise TimeoutError(self._late(args, out, old_logs=old_logs))
