@@ -490,7 +490,7 @@ def finish(self:Attempt, end: dict) -> str:
     if self.env.rank == 0:
         if merge:                                         # the training state goes before the whole base is read in
             self.model = self.optimizer = self.scheduler = None
-            gc.unfreeze()                                 # frozen by a rank's `_train`: collectable again
+            if _AS_RANK: gc.unfreeze()                    # frozen by a rank's `_train`: collectable again
             gc.collect()
             if self.env.device_type == "cuda": torch.cuda.empty_cache()
         seal_final(self.paths, merge)
