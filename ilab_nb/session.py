@@ -306,6 +306,13 @@ def stop(self:FineTuneSession, wait=True, timeout=None, grace_s=None, *, trust_o
         write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}",
                                  "grace_s": grace_s})
     if not wait: return self.status
+    status = _ended_after_stop(self, grace_s, timeout)
+    if status in TERMINAL and not self._evaluating(self.state):   # as `wait` does: in this cell, not in a later one
+        finalize_displays(self.run_id, run_views_only=True)
+    return status
+
+def _ended_after_stop(self:FineTuneSession, grace_s, timeout) -> str:
+    "Wait for the run asked to stop to end; killed and recorded cancelled if it has not ended in time. Its status."
     g = grace_s if grace_s is not None else float(os.environ.get("ILAB_NB_STOP_GRACE_S", STOP_GRACE_S))
     waited = timeout if timeout is not None else g + TERM_GRACE_S + 30
     deadline = time.time() + waited
