@@ -23,8 +23,8 @@ from .core import patch
 
 # %% auto #0
 __all__ = ['DataSources', 'GRPO_DEFAULTS', 'DPO_LOSSES', 'GRPO_LOSSES', 'ConfigError', 'config_line', 'InMemoryData',
-           'data_sources', 'SlurmOptions', 'RayOptions', 'config_problems', 'TrainConfig', 'fields_table',
-           'load_config']
+           'data_sources', 'SlurmOptions', 'RayOptions', 'reward_file', 'config_problems', 'TrainConfig',
+           'fields_table', 'load_config']
 
 # %% ../nbs/12_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -505,7 +505,7 @@ class _MethodFields(_FieldGroup):
             d = {**{k: v for k, v in GRPO_DEFAULTS.items() if k in cls.model_fields}, **d}
         return d
 
-# %% ../nbs/12_config.ipynb #c14d31f2
+# %% ../nbs/12_config.ipynb #002537c7
 class _GRPOFields(_FieldGroup):
     "GRPO's sampling, loss and rewards (TRL's `GRPOConfig` names and defaults)."
     num_generations: int = Field(8, ge=2, description=(
@@ -536,6 +536,12 @@ class _GRPOFields(_FieldGroup):
         "('file.py:name')."))
     reward_weights: list[float] | None = Field(None, description=(
         "GRPO: each reward function's weight in the total reward; None = 1.0 each."))
+    reward_timeout: float = Field(600.0, gt=0, description=(
+        "GRPO: seconds one reward function call may take (they run in a process of their own on each rank); past "
+        "it the call is stopped and fails (reward_errors). Below ddp_timeout."))
+    reward_errors: Literal["fail", "skip"] = Field("fail", description=(
+        "GRPO: a reward call that raises, times out or ends its process fails the run, naming the function and step "
+        "(fail), or its rewards are left out, as None, and the run goes on (skip)."))
     num_completions_to_print: int = Field(4, ge=0, description=(
         "GRPO: completions per optimizer step kept with their rewards in metrics.jsonl (`completions` records) for the "
         "dashboard and the record (TRL's name; 0 = none)."))
@@ -638,10 +644,10 @@ def _lora_fields(v):
     except (TypeError, ValueError) as e: raise ValueError(f"peft.LoraConfig refuses it: {e}") from None
     return v
 
-# %% ../nbs/12_config.ipynb #6812d87d
+# %% ../nbs/12_config.ipynb #f8eecd2f
 _MODULE_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
-def _reward_file(f: str) -> str | None:
+def reward_file(f: str) -> str | None:
     "The file a reward reference names (`file.py`, `file.py:name`, `file.pkl`), or None for 'module:function'."
     path = f.rsplit(":", 1)[0] if ":" in f and Path(f).suffix not in (".py", ".pkl") else f
     return path if Path(path).suffix in (".py", ".pkl") else None
@@ -652,13 +658,20 @@ def _reward_refs(v):
         if callable(f): continue
         if not isinstance(f, str):
             raise ValueError(f"item {i} is a {type(f).__name__}: give a function, 'module:function' or a .py file")
-        if (path := _reward_file(f)) is not None:
+        if (path := reward_file(f)) is not None:
             if not Path(path).expanduser().is_file():
-                raise ValueError(f"{path}: file not found (looked in {Path.cwd()})")
+                where = "" if Path(path).expanduser().is_absolute() else f" (looked in {Path.cwd()})"
+                raise ValueError(f"{path}: file not found{where}")
         elif not _MODULE_REF.fullmatch(f):
             raise ValueError(f"{f!r}: give 'module:function' (importable by the training processes), a .py file, or "
                              "a function")
     return v
+
+# %% ../nbs/12_config.ipynb #b0907cde
+def _ref_resolved(ref, base: Path):
+    "A reward reference whose relative file exists under `base`, made absolute; any other as it is."
+    if not isinstance(ref, str) or (f := reward_file(ref)) is None or Path(f).expanduser().is_absolute(): return ref
+    return str((base / f).resolve()) + ref[len(f):] if (base / f).exists() else ref
 
 # %% ../nbs/12_config.ipynb #562ac8e2
 def _existing_file(v):
@@ -684,7 +697,7 @@ def _device_problems(c) -> list:
             p.append(("devices", "GPU indices given but device is 'cpu'; use device='cuda' or 'auto', or drop devices"))
     return p
 
-# %% ../nbs/12_config.ipynb #70a97914
+# %% ../nbs/12_config.ipynb #81758388
 DPO_LOSSES, GRPO_LOSSES = ("sigmoid", "ipo", "hinge"), ("dapo", "grpo", "dr_grpo", "bnpo")
 
 def _grpo_batch_problem(c) -> str | None:
@@ -713,6 +726,10 @@ def _grpo_problems(c) -> list:
     if c.max_completion_length >= c.max_seq_len:
         p.append(("max_completion_length", f"max_completion_length ({c.max_completion_length}) must be below "
                   f"max_seq_len ({c.max_seq_len}): a prompt gets the rest"))
+    if c.reward_timeout >= c.ddp_timeout:
+        p.append(("reward_timeout", f"reward_timeout ({c.reward_timeout:g} s) must be below ddp_timeout "
+                  f"({c.ddp_timeout} s): the other processes wait for a rank's rewards in a collective that gives "
+                  "up then"))
     return p
 
 # %% ../nbs/12_config.ipynb #dcf41aec
@@ -846,13 +863,16 @@ def from_kwargs(cls:TrainConfig, **kw: Any) -> TrainConfig:
     "Build a config from keyword arguments."
     return cls.from_dict(kw)
 
-# %% ../nbs/12_config.ipynb #405d99a2
+# %% ../nbs/12_config.ipynb #8ce0a959
 @patch(cls_method=True)
 def from_file(cls:TrainConfig, path: str | os.PathLike, **overrides: Any) -> TrainConfig:
     "Load a YAML or JSON config file; keyword `overrides` replace the file's values."
     d, lines = _read_config_file(path)
     # an override's error is not the file's
     lines = {k: n for k, n in lines.items() if k.split(".")[0] not in overrides}
+    if isinstance(d, dict) and isinstance(d.get("reward_funcs"), list):        # its reward files: beside it
+        here = Path(path).expanduser().absolute().parent
+        d = {**d, "reward_funcs": [_ref_resolved(r, here) for r in d["reward_funcs"]]}
     try: return cls.from_dict({**d, **overrides})
     except ConfigError as e: raise ConfigError(e.errors, str(path), lines) from None
 
@@ -879,7 +899,7 @@ def to_json(self:TrainConfig, path: str | os.PathLike) -> Path:
     p.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8")
     return p
 
-# %% ../nbs/12_config.ipynb #72359e3b
+# %% ../nbs/12_config.ipynb #b1b2bd60
 @patch
 def resolved(self:TrainConfig, base_dir: str | os.PathLike) -> TrainConfig:
     "A copy whose local paths (those that exist relative to `base_dir`) are absolute; hub ids are untouched."
@@ -892,6 +912,7 @@ def resolved(self:TrainConfig, base_dir: str | os.PathLike) -> TrainConfig:
     upd = dict(model=res(self.model), data=[res(p) for p in self.data])
     if self.eval_data is not None: upd["eval_data"] = [res(p) for p in self.eval_data]
     if self.accelerate_config is not None: upd["accelerate_config"] = res(self.accelerate_config)
+    upd["reward_funcs"] = [_ref_resolved(r, base) for r in self.reward_funcs]
     return self.model_copy(update=upd)
 
 # %% ../nbs/12_config.ipynb #1c7ae6c0

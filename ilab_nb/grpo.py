@@ -4,17 +4,17 @@
 
 # %% ../nbs/31_grpo.ipynb #33daa5c5
 from __future__ import annotations
-import importlib, importlib.util, inspect, json, math, numbers, re, sys, sysconfig, traceback
+import inspect, json, math, numbers, re
 from contextlib import contextmanager
 from pathlib import Path
 
-import cloudpickle
 import datasets
 import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
 from .core import patch, patch_to
+from .usercode import UserCode, UserCodeError, callable_name, pickled
 from .methods import Method
 from .rundir import RunPaths
 from .collectives import all_reduce_sum, reshard
@@ -24,70 +24,44 @@ from . import data as D
 from . import lora as L
 
 # %% auto #0
-__all__ = ['RewardError', 'reward_name', 'load_reward', 'save_reward', 'save_rewards', 'call_reward', 'prompt_text',
-           'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'whole_fits', 'whole_weights',
-           'completion_logps', 'model_forward', 'nanstd', 'advantages', 'reward_metrics', 'masked_means_global',
-           'policy_loss', 'clip_metrics', 'completion_stats', 'eval_metrics', 'check_rewards']
+__all__ = ['RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names', 'reward_blob', 'save_reward', 'save_rewards',
+           'call_reward', 'prompt_text', 'build_prompts', 'GRPO', 'sampler_seed', 'completion_mask', 'whole_fits',
+           'whole_weights', 'completion_logps', 'model_forward', 'nanstd', 'advantages', 'reward_metrics',
+           'masked_means_global', 'policy_loss', 'clip_metrics', 'completion_stats', 'eval_metrics', 'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #6c880cf5
 class RewardError(RuntimeError):
     "A reward function could not be loaded, or failed, or returned something that is not a reward."
 
+class OtherRankRewardError(RewardError):
+    "Another rank's reward function failed, and this rank stops with it (its account says so: 19_rankfiles)."
+    from_another_rank = True
+
 def reward_name(fn) -> str:
     "The name of a reward function in the metrics: its `__name__` (TRL's)."
-    return getattr(fn, "__name__", None) or type(fn).__name__
+    return callable_name(fn)
 
-# %% ../nbs/31_grpo.ipynb #d72df837
-def _from_file(path: str, name: str | None = None):
-    "The function `name` of the Python file `path`, or its first public function."
-    stem = re.sub(r"\W", "_", Path(path).stem)
-    spec = importlib.util.spec_from_file_location(f"ilab_nb_reward_{stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if name:
-        if not callable(getattr(mod, name, None)): raise RewardError(f"{path} defines no function {name!r}")
-        return getattr(mod, name)
-    fns = [v for k, v in vars(mod).items()
-           if inspect.isfunction(v) and v.__module__ == mod.__name__ and not k.startswith("_")]
-    if not fns: raise RewardError(f"{path} defines no public function; name one as '{path}:name'")
-    return fns[0]
+def unique_names(names: list) -> list:
+    "`names` with each repeat numbered (`<lambda>`, `<lambda>_1`), so that every function's metrics are its own."
+    seen, out = {}, []
+    for n in names:
+        k = seen.get(n, 0)
+        seen[n] = k + 1
+        out.append(n if k == 0 else f"{n}_{k}")
+    return out
 
-def load_reward(ref):
-    "The function a `reward_funcs` item names (a function is itself)."
-    if callable(ref): return ref
-    head, _, name = ref.rpartition(":")
-    try:
-        if ref.endswith(".pkl"): return cloudpickle.loads(Path(ref).read_bytes())
-        if ref.endswith(".py"): return _from_file(ref)
-        if head.endswith(".py"): return _from_file(head, name)
-        fn = getattr(importlib.import_module(head), name, None)
-    except RewardError: raise
-    except Exception as e:
-        raise RewardError(f"reward function {ref!r} could not be loaded: {type(e).__name__}: {e}") from e
-    if not callable(fn): raise RewardError(f"reward function {ref!r}: module {head!r} has no function {name!r}")
-    return fn
-
-# %% ../nbs/31_grpo.ipynb #823b01d5
-def _by_value_module(fn):
-    "The module of `fn` to pickle by value: a user's own module file (not `__main__`, installed or stdlib), or None."
-    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
-    f = getattr(mod, "__file__", None)
-    if mod is None or mod.__name__ == "__main__" or not f: return None
-    roots = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")}
-    return None if any(Path(f).resolve().is_relative_to(r) for r in roots) else mod
+# %% ../nbs/31_grpo.ipynb #c1f13de8
+def reward_blob(fn) -> bytes:
+    "Reward function `fn` pickled by value; a `RewardError` naming it when it cannot be."
+    try: return pickled(fn)
+    except UserCodeError as e: raise RewardError(f"reward function {e}") from None
 
 def save_reward(fn, i: int, paths: RunPaths, tag: str = "") -> str:
     "Write reward function `fn` (item `i`) by value to `rewards/<i>-<name><tag>.pkl`, its source to `.py`; the .pkl."
+    blob = reward_blob(fn)
     paths.rewards.mkdir(exist_ok=True)
     safe = re.sub(r"[^\w.-]", "_", reward_name(fn))
     stem = paths.rewards / f"{i}-{safe}{tag}"
-    mod = _by_value_module(fn)
-    if mod is not None: cloudpickle.register_pickle_by_value(mod)
-    try: blob = cloudpickle.dumps(fn)
-    except Exception as e:
-        raise RewardError(f"reward function {reward_name(fn)!r} cannot be saved by value: {e}") from e
-    finally:
-        if mod is not None: cloudpickle.unregister_pickle_by_value(mod)
     Path(f"{stem}.pkl").write_bytes(blob)
     try: Path(f"{stem}.py").write_text(inspect.getsource(fn))
     except (OSError, TypeError): pass                 # a builtin, or a function whose file is gone: no source to keep
@@ -99,31 +73,45 @@ def save_rewards(cfg: TrainConfig, paths: RunPaths, tag: str = "") -> TrainConfi
     refs = [save_reward(f, i, paths, tag) if callable(f) else f for i, f in enumerate(cfg.reward_funcs)]
     return cfg.model_copy(update=dict(reward_funcs=refs))
 
-# %% ../nbs/31_grpo.ipynb #2c89dbf0
+# %% ../nbs/31_grpo.ipynb #4c912964
 def _bad_value(v) -> bool:
     return not (v is None or (isinstance(v, numbers.Real) and math.isfinite(float(v))))
 
-def _raises(fn, kw: dict):
-    "The index and traceback of the first single completion `fn` raises on, or None."
+def _as_list(out, n: int) -> tuple:
+    "`(rewards as a list, None)`, or `(None, why)` when `out` is not a sequence of them."
+    if isinstance(out, (list, tuple)): return list(out), None
+    if getattr(out, "ndim", None) == 1 and hasattr(out, "tolist"): return out.tolist(), None
+    return None, f"returned {type(out).__name__}, not a list of {n} rewards"
+
+def _raises(code: UserCode, j: int, kw: dict):
+    "The index and traceback of the first single completion function `j` raises on, or None."
     for i in range(len(kw["completions"])):
-        try: fn(**{k: v[i:i + 1] for k, v in kw.items()})
-        except Exception: return i, traceback.format_exc()
+        try: code.call(j, **{k: v[i:i + 1] for k, v in kw.items()})
+        except UserCodeError as e: return (i, e.detail) if e.kind == "raised" else None
     return None
 
-def call_reward(fn, kw: dict, step: int) -> list:
-    "The rewards of `fn` on the completions in `kw` (lists: prompts, completions, completion_ids, columns), checked."
-    name, n = reward_name(fn), len(kw["completions"])
+# %% ../nbs/31_grpo.ipynb #2d656ac4
+def _failed(e: UserCodeError, name: str, step: int) -> RewardError:
+    "The error of a call that ran past its time or ended its process."
+    hint = "; give it more time with reward_timeout" if e.kind == "timeout" else ""
+    return RewardError(f"reward function {name!r} {e} at step {step}{hint}")
+
+def call_reward(code: UserCode, j: int, name: str, kw: dict, step: int) -> list:
+    """The rewards of function `j` of `code` (named `name`) on the completions in `kw` (lists: prompts, completions,
+    completion_ids, columns), checked."""
+    n = len(kw["completions"])
     def fail(i, what, tb=""):
         raise RewardError(f"reward function {name!r} {what} at step {step}, on prompt {kw['prompts'][i]!r}"
                           + (f"\n{tb.rstrip()}" if tb else ""))
-    try: out = fn(**kw)
-    except Exception:
-        i, tb = _raises(fn, kw) or (0, traceback.format_exc())
+    try: out = code.call(j, **kw)
+    except UserCodeError as e:
+        if e.kind != "raised": raise _failed(e, name, step) from None
+        i, tb = _raises(code, j, kw) or (0, e.detail)
         fail(i, "raised", tb)
-    try: out = list(out)
-    except TypeError: fail(0, f"returned {type(out).__name__}, not a list of {n} rewards")
+    out, why = _as_list(out, n)
+    if why: fail(0, why)
     if len(out) != n: fail(0, f"returned {len(out)} rewards for {n} completions (one each)")
-    if (i := next((j for j, v in enumerate(out) if _bad_value(v)), None)) is not None:
+    if (i := next((k for k, v in enumerate(out) if _bad_value(v)), None)) is not None:
         fail(i, f"returned {out[i]!r} for completion {i} ({kw['completions'][i]!r}): a reward is a finite number or "
                 "None")
     return [None if v is None else float(v) for v in out]
@@ -453,20 +441,27 @@ def load_reference(self:GRPO, attempt) -> list:
 
 @patch
 def prepare(self:GRPO, attempt, forward):
-    "The reward functions, their weights and the reference; the step the attempt starts from."
+    "The reward functions (their process started), their weights and the reference; the step the attempt starts from."
     c = self.cfg
+    self.close()                                               # a process of an earlier prepare, if any
     self.attempt, self.tokenizer, self.step, self.buffer = attempt, attempt.tokenizer, attempt.start, None
     st = getattr(attempt, "method_state", None)               # resumed inside a generation batch: that batch
     if st and (st["step"], st["world_size"]) == (attempt.start, attempt.env.world_size) and \
             st["fields"] == self.batch_fields(): self.buffer = st["buffer"]
-    self.rewards = [load_reward(r) for r in c.reward_funcs]
-    self.names = [reward_name(f) for f in self.rewards]
-    self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
+    self.rewards = UserCode(c.reward_funcs, c.reward_timeout, "reward function")    # in a process of their own
+    try: self.names = unique_names(self.rewards.start())
+    except UserCodeError as e: raise RewardError(str(e)) from None
+    self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.names), dtype=torch.float32)
     if c.beta != 0.0 and not L.is_adapted(unwrap(attempt.model)): self.reference = self.load_reference(attempt)
     self.fits = bool(_sharded(attempt.model)) and whole_fits(attempt.model, attempt.env)
     for m in _sharded(attempt.model)[1:] if self.fits else []:   # a block keeps its weights from its forward to its
         m.set_reshard_after_forward(False, recurse=False)       # backward, which shards them: gathered once, not twice
     return None
+
+@patch
+def close(self:GRPO):
+    "End the reward functions' process (the worker calls it when the attempt ends)."
+    if getattr(self, "rewards", None) is not None: self.rewards.close()
 
 # %% ../nbs/31_grpo.ipynb #b8985f46
 @patch
@@ -477,14 +472,22 @@ def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list,
     keys = sorted({k for c in columns for k in c})
     kw = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
               **{k: [c.get(k) for c in columns] for k in keys})
-    out, err = torch.full((len(completions), len(self.rewards)), float("nan")), None
-    try:
-        for j, fn in enumerate(self.rewards):
-            out[:, j] = torch.tensor([float("nan") if v is None else v for v in call_reward(fn, kw, self.step)])
-    except RewardError as e: err = f"{e} (rank {env.rank})"
-    every = _all_objects((err, out, share), env)
-    if errs := [e for e, _, _ in every if e]: raise RewardError(errs[0])
-    return out, [(o, sh) for _, o, sh in every]
+    out, failed, err = torch.full((len(completions), len(self.names)), float("nan")), [0.0] * len(self.names), None
+    for j, name in enumerate(self.names):
+        try: out[:, j] = torch.tensor([float("nan") if v is None else v
+                                       for v in call_reward(self.rewards, j, name, kw, self.step)])
+        except RewardError as e:
+            if self.cfg.reward_errors != "skip":
+                err = f"{e} (rank {env.rank})"
+                break
+            failed[j] = 1.0
+            print(f"[ilab_nb.grpo] rank {env.rank}: {e}\n  its rewards here are left out (reward_errors='skip')",
+                  flush=True)
+    every = _all_objects((err, out, failed, share), env)
+    if errs := [(r, e) for r, (e, *_) in enumerate(every) if e]:
+        raise (RewardError if errs[0][0] == env.rank else OtherRankRewardError)(errs[0][1])
+    self.failure_frequency = [sum(f[j] for _, _, f, _ in every) / len(every) for j in range(len(self.names))]
+    return out, [(o, sh) for _, o, _, sh in every]
 
 @patch
 def score(self:GRPO, prompts: list, completions: list, completion_ids: list, columns: list, env) -> torch.Tensor:
@@ -543,6 +546,8 @@ def generation_batch(self:GRPO, rows: list, env) -> dict:
     lengths = torch.cat([sh[0] for _, sh in every])
     g["metrics"] = {**reward_metrics(torch.cat(parts), rewards, zero, self.names),
                     **completion_stats(lengths, torch.cat([sh[1] for _, sh in every]))}
+    if c.reward_errors == "skip":
+        g["metrics"].update({f"rewards/{n}/failure_frequency": f for n, f in zip(self.names, self.failure_frequency)})
     g["num_items_in_batch"] = sum(sh[2] for _, sh in every)
     self.keep_completions(prompts, completions, mine, rewards[start:], g["advantages"], env)
     return g
@@ -665,15 +670,22 @@ def held_out(self:GRPO, attempt) -> dict:
     return dict(eval_prompts=len(rpf), **eval_metrics(rpf, lengths, truncated, self.reward_weights, self.names))
 
 # %% ../nbs/31_grpo.ipynb #b40dabf1
-def check_rewards(cfg: TrainConfig, records: list) -> list:
-    "Each reward function called on the first prompt with dummy completions; `[problem]` (empty when all answer)."
-    r = records[0]
+def _trial(r: dict) -> dict:
+    "A reward call's arguments for record `r`'s prompt and two dummy completions."
     texts = ["", "a dummy completion"]
     completions = [t if isinstance(r["prompt"], str) else [{"role": "assistant", "content": t}] for t in texts]
-    kw = dict(prompts=[r["prompt"]] * 2, completions=completions, completion_ids=[[], [0]],
-              **{k: [v] * 2 for k, v in r.get("columns", {}).items()})
+    return dict(prompts=[r["prompt"]] * 2, completions=completions, completion_ids=[[], [0]],
+                **{k: [v] * 2 for k, v in r.get("columns", {}).items()})
+
+def check_rewards(cfg: TrainConfig, records: list, held: list = ()) -> list:
+    "Each reward function called on the first prompt (and held-out prompt) with dummy completions; `[problem]`."
     out = []
-    for ref in cfg.reward_funcs:
-        try: call_reward(load_reward(ref), kw, 0)
-        except RewardError as e: out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})")
+    with UserCode(cfg.reward_funcs, cfg.reward_timeout, "reward function") as code:
+        try: names = unique_names(code.start())
+        except UserCodeError as e: return [str(e)]
+        for r in [records[0], *held[:1]]:
+            for j, name in enumerate(names):
+                try: call_reward(code, j, name, _trial(r), 0)
+                except RewardError as e:
+                    out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})")
     return out

@@ -100,6 +100,11 @@ def prepare(self:Method, attempt, forward):
     "Work before step 1, with the attempt's model and data set up (DPO's reference log-probabilities); nothing for SFT."
     return None
 
+@patch
+def close(self:Method):
+    "What ends with the attempt (GRPO: its reward functions' process); nothing for SFT."
+    return None
+
 # %% ../nbs/22_methods.ipynb #4418cda5
 @patch
 def micro_batches(self:Method, ds, step_plan: list, rank: int, layout: str, pad_id: int) -> list:

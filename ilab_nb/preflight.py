@@ -680,10 +680,16 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
 
 # %% ../nbs/60_preflight.ipynb #9559a493
-def check_reward_funcs(cfg, records: list):
-    "A `PreflightError` naming each reward function that fails on the first prompt with dummy completions."
+def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False):
+    """A `PreflightError` for a reward function's file that another user owns (unless trusted), or naming each reward
+    function that fails on the first prompt (and held-out prompt) with dummy completions."""
     from ilab_nb.grpo import check_rewards
-    if problems := check_rewards(cfg, records): raise PreflightError("; ".join(problems), "reward_funcs")
+    from ilab_nb.config import reward_file
+    from ilab_nb.rundir import Action, OwnerError, gate
+    files = [f for r in cfg.reward_funcs if isinstance(r, str) and (f := reward_file(r))]
+    try: gate(None, Action.code, "run its reward functions", trust_owner, also=files)
+    except OwnerError as e: raise PreflightError(f"reward_funcs: {e}", "reward_funcs") from None
+    if problems := check_rewards(cfg, records, evals): raise PreflightError("; ".join(problems), "reward_funcs")
 
 def grpo_generation_tokens(cfg) -> int:
     "Tokens of key/value cache a GRPO process holds while sampling (its step's completions at their longest), else 0."
@@ -729,7 +735,7 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
     return out
 
 # %% ../nbs/60_preflight.ipynb #0c908bee
-@gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 10_core
+@gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 08_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     """Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`:
     11_rundir."""
@@ -749,7 +755,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
-    if cfg.method == "grpo": check_reward_funcs(cfg, records)
+    if cfg.method == "grpo": check_reward_funcs(cfg, records, evals, trust_owner)
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's

@@ -57,7 +57,9 @@ _COLLECTIVE = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|Broken pi
                          r"Read error|Write error|closed by peer|timed out", re.I)
 
 def is_collective_error(e: BaseException) -> bool:
-    "True when `e` is a failed exchange with other ranks: usually the consequence of another rank's end."
+    """True when `e` is a failed exchange with other ranks, or another rank's failure that this one stops with
+    (`from_another_rank`): the consequence of another rank's error, not the cause."""
+    if getattr(e, "from_another_rank", False): return True
     if {c.__name__ for c in type(e).__mro__} & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}:
         return True
     return bool(_COLLECTIVE.search(f"{type(e).__name__}: {e}"))

@@ -482,7 +482,7 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                                 efficiency="float", elapsed_s="float", peak_mem_mb="float?"),
                   optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}, "prompts": "int",
                             **{k: "float" for k in _GRPO_METRICS}},
-                  patterns={r"rewards/.+/(mean|std)": "float"}),
+                  patterns={r"rewards/.+/(mean|std|failure_frequency)": "float"}),
     "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step; "
                                            "`eval_loss` and `eval_tokens` in every one but a GRPO run's, whose "
                                            "evaluation scores greedy answers (`eval_prompts`, `eval_reward`, ...)",

@@ -157,16 +157,25 @@ def start(self:FineTuneSession) -> FineTuneSession:
             raise DevicesBusyError(f"The devices of run {self.run_id} ({', '.join(request['pool'])}) are busy: held by "
                                    f"or promised to run(s) {', '.join(map(str, busy))}. Wait for it, stop it, or start "
                                    f"with queue=True.")
-    d = self.store.create_run(self.run_id)
-    self.config = write_memory_data(self.config, d)   # data held in memory -> data/*.jsonl, named in config.json
-    self.config = saved_rewards(self.config, RunPaths(d))   # GRPO: this kernel's reward functions -> rewards/*.pkl
-    self.config.to_json(RunPaths(d).config)
-    self.store.write_state(self.run_id, status=State.queued, attempt=1, request=request, device=request["kind"],
-                           num_processes=self.config.num_processes, devices=self.config.devices,
-                           preflight=self.preflight)
-    self.store.append_event(self.run_id, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}")
+    self._make_run(request)
     self._spawn(1)
     return self
+
+@patch
+def _make_run(self:FineTuneSession, request: dict):
+    "The run directory, whole (data, reward functions, config, state, `created`), or none at all."
+    d = self.store.create_run(self.run_id)
+    try:
+        cfg = write_memory_data(self.config, d)      # data held in memory -> data/*.jsonl, named in config.json
+        cfg = saved_rewards(cfg, RunPaths(d))        # GRPO: this kernel's reward functions -> rewards/*.pkl
+        cfg.to_json(RunPaths(d).config)
+        self.store.write_state(self.run_id, status=State.queued, attempt=1, request=request, device=request["kind"],
+                               num_processes=cfg.num_processes, devices=cfg.devices, preflight=self.preflight)
+        self.store.append_event(self.run_id, Event.created, by=f"pid {os.getpid()} on {socket.gethostname()}")
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)         # a refused start leaves nothing, and its run id free
+        raise
+    self.config = cfg
 
 # %% ../nbs/61_session.ipynb #2c8e58c6
 class DevicesBusyError(RuntimeError):

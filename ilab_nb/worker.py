@@ -288,7 +288,10 @@ def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, 
                 scheduler=scheduler, start=start, resumed=bool(resume), position=position, autocast=autocast,
                 method_state=checkpoint_method_state(resume, env) if resume else None,
                 record_data_seen=os.environ.get("ILAB_NB_RECORD_DATA_SEEN") == "1")
-    method.prepare(a, a.forward)                  # DPO: the reference's log-probabilities, before step 1 (or read back)
+    try: method.prepare(a, a.forward)             # DPO: the reference's log-probabilities, before step 1 (or read back)
+    except BaseException:
+        method.close()                            # GRPO: its reward functions' process, if it started
+        raise
     return a
 
 # %% ../nbs/34_worker.ipynb #6e1cd96e
@@ -509,8 +512,10 @@ def _train(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics
         gc.collect()
         gc.freeze()
     gc.enable()                              # a rank set up with it off (the imports' cell): on for the steps
-    end = attempt.train_loop()
-    return Event.stopped if end["status"] == Event.stopped else attempt.finish(end)
+    try:
+        end = attempt.train_loop()
+        return Event.stopped if end["status"] == Event.stopped else attempt.finish(end)
+    finally: attempt.method.close()          # GRPO: its reward functions' process ends with the attempt
 
 # %% ../nbs/34_worker.ipynb #694864ce
 def run(paths: RunPaths, resume: str | None = None, attempt: int = 1) -> str:

@@ -19,6 +19,7 @@ from ilab_nb import grpo as G
 from ilab_nb.config import TrainConfig
 from ilab_nb.demo import read_chat_jsonl, shipped_data_dir
 from ilab_nb.rundir import RunPaths
+from ilab_nb.usercode import UserCode
 
 from conftest import cli_env, ilab, kill_processes_under, runs_env, within
 
@@ -134,7 +135,7 @@ def test_grpo_agrees_with_trl(demo, tmp_path, case):
     completions = [[{"role": "assistant", "content": t}] for t in tok.batch_decode(comps, skip_special_tokens=True)]
     call = dict(prompts=prompts, completions=completions, completion_ids=comps,
                 answer=[r["answer"] for r in rows for _ in range(NUM_GEN)])
-    rpf = torch.tensor([[math.nan if v is None else v for v in G.call_reward(f, call, 1)] for f in (answer_word, short)]).T
+    rpf = torch.tensor([[math.nan if v is None else v for v in f(**call)] for f in (answer_word, short)]).T
     adv, rewards, zero = G.advantages(rpf, torch.tensor([1.0, 0.5]), NUM_GEN, kw["scale_rewards"])
     ours = {**G.reward_metrics(rpf, rewards, zero, ["answer_word", "short"]),
             **G.completion_stats(torch.tensor([len(c) for c in comps]), torch.tensor([c[-1] != tok.eos_token_id for c in comps]))}
@@ -378,6 +379,7 @@ def _in_process_run(demo, rd, data, **kw):
         if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
 
+@pytest.mark.processes          # the reward functions' own process
 def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path):
     """beta > 0 with LoRA: the reference is the base with the adapters off (kl 0 at step 1, above 0 once the adapters
     moved, no starting shards kept). A reward function that raises fails the step, naming itself, the prompt and the
@@ -398,6 +400,7 @@ def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path):
     assert failed["event"] == "failed" and "RewardError: reward function 'picky' raised at step 1" in failed["error"]
 
 
+@pytest.mark.processes
 def test_a_completed_run_resumed_for_one_more_step_trains_on_the_batch_its_last_checkpoint_kept(demo, tmp_path):
     """num_iterations=2: a run that completes at step 3, the first step of its second generation batch, keeps that
     batch in its step-3 checkpoint; resumed with max_steps=4, its step 4 trains on that batch, sampling nothing, as the
@@ -442,6 +445,7 @@ def test_a_sweep_over_reward_weights(demo, runs_root, tmp_path):
     assert list(df["final_reward"]) == [one["reward"], two["reward"]] and two["reward"] == 2 * one["reward"]
 
 
+@pytest.mark.processes
 def test_reward_functions_named_in_a_config_file(tmp_path):
     "A YAML config names its reward functions as a file's function and as 'module:function'; a missing file is refused."
     from ilab_nb.config import ConfigError
@@ -449,7 +453,7 @@ def test_reward_functions_named_in_a_config_file(tmp_path):
     base = "model: m\ndata: d.jsonl\nmethod: grpo\nnum_generations: 4\nper_device_train_batch_size: 4\n"
     (tmp_path / "c.yaml").write_text(base + f"reward_funcs: ['{tmp_path / 'rewards.py'}:exact', 'math:sqrt']\n")
     cfg = TrainConfig.from_file(tmp_path / "c.yaml")
-    assert [G.reward_name(G.load_reward(r)) for r in cfg.reward_funcs] == ["exact", "sqrt"]
+    with UserCode(cfg.reward_funcs, timeout=60) as code: assert code.start() == ["exact", "sqrt"]   # as a rank loads them
     assert (cfg.beta, cfg.loss_type, cfg.batching) == (0.0, "dapo", "bucketed")            # TRL's GRPO defaults
     (tmp_path / "bad.yaml").write_text(base + "reward_funcs: ['nowhere.py']\n")
     with pytest.raises(ConfigError) as e: TrainConfig.from_file(tmp_path / "bad.yaml")
@@ -524,3 +528,75 @@ def test_grpo_raises_the_held_out_reward_of_a_partly_trained_demo_model(demo, de
           f"capital, {len(held)} questions) {before:.4f} -> {after:.4f}; training reward {train[0]['reward']:.3f} "
           f"(step 1) -> {train[-1]['reward']:.3f}")
     assert after >= before + 0.03, (before, after)      # measured: LEARNED_BEFORE -> LEARNED_AFTER, a rise of 0.058
+
+
+# --- user code that misbehaves on 2 ranks: the run goes on as asked, or fails naming it ------------------------------
+
+def misbehaving_on(counts: Path):
+    """A reward function that misbehaves differently on each rank at each generation batch (its calls counted in
+    `counts`, one file per rank, as its process may not survive): rank 0 ends its process with os._exit(0) at step 1,
+    segfaults at step 2 and raises at step 3; rank 1 prints 5 MB at step 1, hangs at step 2 and calls sys.exit at
+    step 3. Both score every completion 0.5 otherwise (the preflight's call, step 4)."""
+    def misbehaving(prompts, completions, **kw):
+        import ctypes, os, sys, time
+        rank = os.environ.get("RANK")
+        if rank is None: return [0.5] * len(completions)                     # the preflight, in the kernel's child
+        f = counts / f"rank-{rank}"
+        step = int(f.read_text()) + (len(completions) > 1) if f.exists() else 1     # one at a time: called again
+        f.write_text(str(step))
+        what = {("0", 1): lambda: os._exit(0), ("0", 2): lambda: ctypes.string_at(0),
+                ("0", 3): lambda: 1 / 0, ("1", 1): lambda: print("x" * 1_000_000 + "\n") or print("y" * 4_000_000),
+                ("1", 2): lambda: time.sleep(600), ("1", 3): lambda: sys.exit(1)}.get((rank, step))
+        if what: what()
+        return [0.5] * len(completions)
+    return misbehaving
+
+
+UNRULY = dict(method="grpo", num_processes=2, strategy="ddp", device="cpu", max_steps=4, logging_steps=1, save_steps=None,
+              learning_rate=1e-3, num_generations=2, per_device_train_batch_size=2, max_completion_length=4, max_seq_len=256,
+              num_iterations=1, beta=0.0, num_completions_to_print=0, seed=1, reward_timeout=3)
+
+
+@pytest.mark.processes
+def test_reward_functions_that_exit_crash_hang_or_raise_on_two_ranks_are_skipped_as_asked(demo, runs_root, tmp_path):
+    """reward_errors='skip': every way user code can fail, on both ranks, in four steps; each failed call's rewards are
+    left out (said in the rank's log and as the function's failure_frequency) and the run completes with its model,
+    the other function's rewards counted throughout."""
+    from ilab_nb import FineTuneSession
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _prompts(8)))
+    (tmp_path / "counts").mkdir()
+    s = FineTuneSession(str(demo.model_dir), str(data), reward_funcs=[misbehaving_on(tmp_path / "counts"), letters],
+                        reward_errors="skip", **UNRULY).start()
+    assert s.wait(timeout=600) == "completed", s.reason
+    train = s.metrics(kinds=("train",))
+    assert [r["rewards/misbehaving/failure_frequency"] for r in train] == [0.5, 1.0, 1.0, 0.0]
+    assert all(math.isfinite(r["rewards/letters/mean"]) for r in train)
+    assert [r["rewards/misbehaving/mean"] for r in train][-1] == 0.5 and math.isnan(train[1]["rewards/misbehaving/mean"])
+    logs = {r: RunPaths(s.run_dir).rank_log(r).read_text() for r in (0, 1)}
+    said = lambda r, what, step: any(what in l and f"at step {step}" in l for l in logs[r].splitlines())
+    assert said(0, "ended its process while it ran (it exited with code 0, as os._exit(0) does)", 1)
+    assert said(0, "ended its process while it ran (it was killed by SIGSEGV)", 2)
+    assert said(0, "'misbehaving' raised", 3) and "ZeroDivisionError" in logs[0]
+    assert said(1, "did not return within 3 s (it was stopped)", 2)
+    assert said(1, "'misbehaving' raised", 3) and "SystemExit: 1" in logs[1]
+    assert len(logs[1]) > 5_000_000 and logs[0].count("left out (reward_errors='skip')") == 3
+    assert (RunPaths(s.run_dir).final / "config.json").exists()
+
+
+@pytest.mark.processes
+def test_a_reward_function_that_hangs_on_one_of_two_ranks_fails_the_run_naming_it(demo, runs_root, tmp_path):
+    """reward_errors='fail' (the default): rank 1's call hangs at step 2; it is stopped after reward_timeout and both
+    ranks end, the run `failed` with the function, the step and the rank, no model."""
+    from ilab_nb import FineTuneSession
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _prompts(8)))
+    (tmp_path / "counts").mkdir()
+    (tmp_path / "counts" / "rank-0").write_text("3")                        # rank 0 scores its batch
+    (tmp_path / "counts" / "rank-1").write_text("1")                        # rank 1's next batch is its step 2: a hang
+    s = FineTuneSession(str(demo.model_dir), str(data), reward_funcs=[misbehaving_on(tmp_path / "counts")],
+                        **{**UNRULY, "max_steps": 2}).start()
+    assert s.wait(timeout=600) == "failed"
+    assert s.reason.startswith(f"Run {s.run_id} failed: rank 1 ") and "RewardError: reward function 'misbehaving' did " \
+           "not return within 3 s (it was stopped) at step 1; give it more time with reward_timeout" in s.reason, s.reason
+    assert not RunPaths(s.run_dir).final.exists()
