@@ -257,8 +257,13 @@ def _prompt_record(obj: dict) -> dict:
 # %% ../nbs/20_data.ipynb #e01ea4a1
 _ANSWERED = ("messages", "conversations", "instruction", "output", "completion")   # a row with these is not a prompt
 
-def _row_record(obj: Any) -> dict:
-    "The record of one row of any accepted shape: `{'kind': 'chat' | 'text' | 'preference' | 'prompt', ...}`."
+def _row_record(obj: Any, method: str | None = None) -> dict:
+    """The record of one row of any accepted shape: `{'kind': 'chat' | 'text' | 'preference' | 'prompt', ...}`; for
+    `method='grpo'`, a prompt or nothing."""
+    if method == "grpo" and isinstance(obj, dict) and obj.get("prompt") is None:
+        keys = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
+        raise _Bad(f"has no 'prompt' (keys: {keys}): GRPO trains on prompts, {{\"prompt\": ..., other columns for the "
+                   "reward functions}")
     if isinstance(obj, dict):
         if obj.get("chosen") is not None or obj.get("rejected") is not None: return _preference_record(obj)
         if "prompt" in obj and not any(k in obj for k in _ANSWERED): return _prompt_record(obj)
@@ -419,14 +424,14 @@ def _rows(p: Path) -> tuple[str, Any]:
     return "line", (_json_rows(p) if p.suffix.lower() == ".json" else _jsonl_rows(p))
 
 # %% ../nbs/20_data.ipynb #e3e72c52
-def _collect(rows, where, unit, records: list, problems: _Problems, empty: str) -> None:
+def _collect(rows, where, unit, records: list, problems: _Problems, empty: str, method=None) -> None:
     "Validate `(position, row)` pairs into `records`; each bad row is a problem."
     n_before, bad_before = len(records), problems.count
     try:
         for n, obj in rows:
             try:
                 if isinstance(obj, _Bad): raise obj
-                records.append({**_row_record(obj), "source": f"{where}:{n}"})
+                records.append({**_row_record(obj, method), "source": f"{where}:{n}"})
             except _Bad as e: problems.add(_problem(str(e), where, n, unit, e.hint))
     except DataError as e:
         problems.merge(e)
@@ -437,8 +442,9 @@ def _collect(rows, where, unit, records: list, problems: _Problems, empty: str) 
     if len(records) == n_before and problems.count == bad_before: problems.add(_problem(empty, where))
 
 # %% ../nbs/20_data.ipynb #ceedb987
-def load_records(sources) -> list[dict]:
-    "Read and validate data (paths, globs, directories, or data in memory): records of one kind, or `DataError`."
+def load_records(sources, method: str | None = None) -> list[dict]:
+    """Read and validate data (paths, globs, directories, or data in memory): records of one kind, or `DataError`
+    (`method`: rows that one trains on, said as such)."""
     try: sources = data_sources(sources)
     except ValueError as e: raise DataError(f"data {e}") from None
     if not sources: raise DataError("no data files given")
@@ -447,7 +453,7 @@ def load_records(sources) -> list[dict]:
         if isinstance(src, InMemoryData):
             if src.records is None:
                 mine = []
-                _collect(_memory_rows(src), src.name, "index", mine, problems, "no records (it is empty)")
+                _collect(_memory_rows(src), src.name, "index", mine, problems, "no records (it is empty)", method)
                 if problems.count == 0: src.records = mine
             records += src.records or []
             continue
@@ -465,7 +471,8 @@ def load_records(sources) -> list[dict]:
             except OSError as e:
                 problems.add(_problem(f"cannot read: {e}", where))
                 continue
-            _collect(rows, where, unit, records, problems, "no records (the file is empty or has only blank lines)")
+            _collect(rows, where, unit, records, problems, "no records (the file is empty or has only blank lines)",
+                     method)
     _one_kind(records, problems)
     problems.raise_if_any()
     return records

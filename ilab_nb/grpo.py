@@ -451,6 +451,9 @@ def prepare(self:GRPO, attempt, forward):
     self.rewards = UserCode(c.reward_funcs, c.reward_timeout, "reward function")    # in a process of their own
     try: self.names = unique_names(self.rewards.start())
     except UserCodeError as e: raise RewardError(str(e)) from None
+    print(f"[ilab_nb.grpo] rank {attempt.env.rank}: reward functions {', '.join(self.names)} in process "
+          f"{self.rewards.proc.pid}, each call given {c.reward_timeout:g} s (reward_timeout); {c.reward_errors} on a "
+          "failed call (reward_errors)", flush=True)
     self.reward_weights = torch.tensor(c.reward_weights or [1.0] * len(self.names), dtype=torch.float32)
     if c.beta != 0.0 and not L.is_adapted(unwrap(attempt.model)): self.reference = self.load_reference(attempt)
     self.fits = bool(_sharded(attempt.model)) and whole_fits(attempt.model, attempt.env)
@@ -677,15 +680,16 @@ def _trial(r: dict) -> dict:
     return dict(prompts=[r["prompt"]] * 2, completions=completions, completion_ids=[[], [0]],
                 **{k: [v] * 2 for k, v in r.get("columns", {}).items()})
 
-def check_rewards(cfg: TrainConfig, records: list, held: list = ()) -> list:
-    "Each reward function called on the first prompt (and held-out prompt) with dummy completions; `[problem]`."
+def check_rewards(cfg: TrainConfig, records: list, held: list = ()) -> tuple:
+    """Each reward function called on the first prompt (and held-out prompt) with dummy completions: `(their names,
+    [problem])`."""
     out = []
     with UserCode(cfg.reward_funcs, cfg.reward_timeout, "reward function") as code:
         try: names = unique_names(code.start())
-        except UserCodeError as e: return [str(e)]
+        except UserCodeError as e: return [], [str(e)]
         for r in [records[0], *held[:1]]:
             for j, name in enumerate(names):
                 try: call_reward(code, j, name, _trial(r), 0)
                 except RewardError as e:
                     out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})")
-    return out
+    return names, out

@@ -109,9 +109,9 @@ def resolve_hub_model(model, timeout=5.0) -> str:
 def load_run_data(cfg) -> tuple:
     "The train and eval records of `cfg` (eval `[]` when none), or the `DataError` that says what is wrong where."
     from ilab_nb.data import load_records, check_method, DataError, KIND_PLURALS
-    records = load_records(cfg.data)
+    records = load_records(cfg.data, cfg.method)
     check_method(cfg.method, records[0]["kind"])
-    evals = load_records(cfg.eval_data) if cfg.eval_data else []
+    evals = load_records(cfg.eval_data, cfg.method) if cfg.eval_data else []
     if evals and evals[0]["kind"] != records[0]["kind"]:
         raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data "
                         f"{KIND_PLURALS[records[0]['kind']]}; give both in one shape")
@@ -680,16 +680,18 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
 
 # %% ../nbs/60_preflight.ipynb #9559a493
-def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False):
-    """A `PreflightError` for a reward function's file that another user owns (unless trusted), or naming each reward
-    function that fails on the first prompt (and held-out prompt) with dummy completions."""
+def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False) -> dict:
+    """The reward functions' names and how they are called; a `PreflightError` for a file of theirs that another user
+    owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with dummy completions."""
     from ilab_nb.grpo import check_rewards
     from ilab_nb.config import reward_file
     from ilab_nb.rundir import Action, OwnerError, gate
     files = [f for r in cfg.reward_funcs if isinstance(r, str) and (f := reward_file(r))]
     try: gate(None, Action.code, "run its reward functions", trust_owner, also=files)
     except OwnerError as e: raise PreflightError(f"reward_funcs: {e}", "reward_funcs") from None
-    if problems := check_rewards(cfg, records, evals): raise PreflightError("; ".join(problems), "reward_funcs")
+    names, problems = check_rewards(cfg, records, evals)
+    if problems: raise PreflightError("; ".join(problems), "reward_funcs")
+    return dict(names=names, reward_timeout=cfg.reward_timeout, reward_errors=cfg.reward_errors)
 
 def grpo_generation_tokens(cfg) -> int:
     "Tokens of key/value cache a GRPO process holds while sampling (its step's completions at their longest), else 0."
@@ -755,7 +757,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
-    if cfg.method == "grpo": check_reward_funcs(cfg, records, evals, trust_owner)
+    rewards = check_reward_funcs(cfg, records, evals, trust_owner) if cfg.method == "grpo" else None
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
@@ -774,5 +776,6 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
             "destinations": destinations, **({"eval_prompts": prompts} if prompts else {}),
             **({"model_id": model_id, "model_path": cfg.model} if model_id != cfg.model else {}), "model": built,
             "memory": memory, "data": data,
-            **({"remote_code": remote_code} if remote_code is not None else {}), **cpus, **disk,
+            **({"remote_code": remote_code} if remote_code is not None else {}),
+            **({"rewards": rewards} if rewards else {}), **cpus, **disk,
             **backend_preflight(cfg, runs_root)}
