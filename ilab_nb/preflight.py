@@ -682,7 +682,8 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
 # %% ../nbs/60_preflight.ipynb #9559a493
 def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False) -> dict:
     """The reward functions' names and how they are called; a `PreflightError` for a file of theirs that another user
-    owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with dummy completions."""
+    owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with dummy
+    completions."""
     from ilab_nb.grpo import check_rewards
     from ilab_nb.config import reward_file
     from ilab_nb.rundir import Action, OwnerError, gate
