@@ -418,9 +418,10 @@ def drive(self:RayDriver) -> int:
         return self._fail(ray, f"its machines could not be started on Ray: {_first_line(e)}")
     return self._watch(ray)
 
-# %% ../nbs/54_ray.ipynb #2cf084d8
+# %% ../nbs/54_ray.ipynb #d884e809
 class RaySupervisor(Supervisor):
     "The supervisor of a Ray run: no device slots here, the driver as its launch, the driver's account in a failure."
+    ends_vanished_ranks = False         # its ranks' processes may be on other machines
     def _devices(self, request): return []
 
     def _command(self, cfg) -> tuple:

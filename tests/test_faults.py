@@ -1,6 +1,7 @@
 """Issue 7, faults of the run directory itself, with real processes: a full disk mid-run (a real small tmpfs as the
 runs root; filled during a checkpoint, while only metrics are written, and while the final model is written), an unreadable `state.json`, a run directory deleted while its ranks train, a run id with a trailing
-newline, and the message of a forced `stop()`. (A `state.json` corrupted while its run trains and as it ends:
+newline, and the message of a forced `stop()`; and faults planted in the real worker (tests/fault_worker.py): rank 0's
+own error, and a rank that exits 0 before it finished. (A `state.json` corrupted while its run trains and as it ends:
 tests/test_session.py::test_queue_and_stop_with_a_corrupt_state.)"""
 import errno, os, shutil, signal, subprocess
 from pathlib import Path
@@ -221,3 +222,21 @@ def test_rank_0s_own_error_is_the_cause_not_the_rank_torchrun_then_terminated(de
             in s.reason), s.reason
     assert s.state["log_file"] == "logs/rank-0.log"
     wait_until(lambda: not run_processes(s.run_dir), 30, what="the run's processes to end")
+
+
+@pytest.mark.processes
+def test_a_rank_that_exits_0_before_it_finished_fails_the_run(demo, small_train, runs_root, monkeypatch):
+    # User code ends the one rank with os._exit(0) as its first step begins (tests/fault_worker.py, FAULT_WORKER=exit0):
+    # exit code 0, but no account of finishing and no final/. The run failed, naming the rank, the step and its log.
+    from functools import partial
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("FAULT_WORKER", "exit0")
+    monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="fault_worker"))
+    s = make(demo, small_train, runs_root, num_processes=1, strategy="single", max_steps=2).start()
+    assert s.wait(timeout=START_UP) == "failed"
+    log = s.run_dir / "logs" / "rank-0.log"
+    assert s.reason == (f"Run {s.run_id} failed: rank 0 exited with code 0 at step 0 of 2 before it finished (it wrote "
+                        f"no account of finishing; final/ is missing). See {log}."), s.reason
+    assert (s.state["failed_rank"], s.state["exit_code"], s.state["log_file"]) == (0, 0, "logs/rank-0.log"), s.state
+    assert s.state["log_tail"] and s.state["log_tail"] == log.read_text().splitlines()[-20:], s.state["log_tail"]
+    assert not (s.run_dir / "final").exists()
