@@ -490,11 +490,11 @@ def submit_attempt(store: RunStore, run_id, cfg: TrainConfig, attempt=1, resume=
     # SLURM would write its output through a link (its owner: judged by start/resume)
     try: gate(rd, Action.write, "submit it", trust_owner=True)
     except RunDirLinkError as e:
-        _finish(store, run_id, State.failed, f"Run {run_id} failed: {e}")
+        _finish(store, run_id, State.failed, str(e))
         raise
     try: job = submit(cfg, rd, attempt, resume)
     except SlurmError as e:
-        _finish(store, run_id, State.failed, f"Run {run_id} failed: it could not be submitted: {e}")
+        _finish(store, run_id, State.failed, f"it could not be submitted: {e}")
         raise
     store.write_state(run_id, job_id=job, job_attempt=attempt, job_restarts=0,
                       requeue=bool(cfg.slurm and cfg.slurm.requeue),
