@@ -276,6 +276,17 @@ def test_a_state_field_of_the_wrong_type_is_left_out_and_named_by_every_reader(t
     assert "attempt" not in s.state and "state_problems" not in json.loads(RunPaths(d).state.read_text())   # read, not written
 
 
+def test_a_running_run_whose_supervisor_is_no_process_reference_is_listed_as_written(tmp_path, capsys):
+    "`supervisor: {pid: 'x'}` raised ValueError into list_runs for the whole root; now said, and nothing is finalized."
+    root = tmp_path / "runs"; listed_run(root, "good"); d = listed_run(root, "odd", status=State.cancelled)
+    st = json.loads(RunPaths(d).state.read_text())
+    RunPaths(d).state.write_text(json.dumps({**st, "status": "running", "supervisor": {"pid": "x", "create_time": 1.0}}))
+    row = FineTuneSession.list_runs(root)[1]
+    assert row["status"] == State.running and "supervisor {'pid': 'x', 'create_time': 1.0} is no process reference" in row["note"]
+    assert main(["ls", "--runs-root", str(root)]) == 0 and "odd: state.json: supervisor" in capsys.readouterr().out
+    assert json.loads(RunPaths(d).state.read_text())["status"] == "running"                 # not finalized on that account
+
+
 def _evaluated_run(root: Path, scores: dict) -> Path:
     "A run with one completed evaluation whose trained model's `task` record has `scores` (the base's is a number)."
     d = listed_run(root, "evald", status=State.completed)
