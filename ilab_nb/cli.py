@@ -4,7 +4,7 @@
 
 # %% ../nbs/63_cli.ipynb #ca717969
 from __future__ import annotations
-import argparse, json, sys, time
+import argparse, json, math, sys, time
 from pathlib import Path
 
 from .rundir import TERMINAL, State, no_follow, status_of
@@ -12,6 +12,7 @@ from .trackers import tracker_notes
 
 # %% auto #0
 __all__ = ['COMMANDS', 'parse_overrides', 'format_runs', 'format_status', 'follow_log', 'demo_summary', 'run_demo',
+           'checkpoint_arg', 'step_arg', 'count_arg', 'amount_arg', 'limit_arg', 'lines_arg', 'lines_check',
            'build_parser', 'main']
 
 # %% ../nbs/63_cli.ipynb #473f0f18
@@ -94,7 +95,7 @@ def _detail_lines(st: dict) -> list:
     lines += _ray_lines(st)
     lines += [f"tracker:  {n}" for n in tracker_notes(st)]
     if st.get("status") == State.failed and st.get("log_tail"):
-        lines += [f"last lines of {st.get('log_file', 'the log')}:"] + ["  " + l for l in st["log_tail"][-15:]]
+        lines += [f"last lines of {st.get('log_file', 'the log')}:"] + [f"  {l}" for l in st["log_tail"][-15:]]
     return lines
 
 # %% ../nbs/63_cli.ipynb #f706a831
@@ -107,7 +108,8 @@ def format_status(s) -> str:
              f"dir:      {s.run_dir}"]
     if pr["step"] is not None: lines.append(_step_line(pr, st.get("status") == State.running))
     lines.append(f"created:  {_fmt_time(st.get('created_at'))}   ended: {_fmt_time(st.get('ended_at'))}")
-    return "\n".join(lines + _detail_lines(st))
+    notes = dict.fromkeys(s.monitor.notes + st.get("state_problems", []))     # what could not be read, once each
+    return "\n".join(lines + _detail_lines(st) + [f"note:     {n}" for n in notes])
 
 # %% ../nbs/63_cli.ipynb #6f1bdfb6
 def _new_lines(path, pos: int) -> tuple:
@@ -221,6 +223,62 @@ def run_demo(path=None, runs_root=None, eval_limit=None, out=None, **overrides) 
     print(demo_summary(s, before, after), file=out)
     return 0
 
+# %% ../nbs/63_cli.ipynb #e620c5eb
+def _step_or_latest(value: str):
+    "A checkpoint's step as an int, 'latest' as it is, else None."
+    v = value.strip()
+    return int(v) if v.isascii() and v.isdigit() else "latest" if v == "latest" else None
+
+def checkpoint_arg(value: str):
+    "`--checkpoint` of chat, export and eval: a step number (an int), 'latest', or a model folder (its path)."
+    if (v := _step_or_latest(value)) is not None: return v
+    if value.strip() and Path(value).is_dir(): return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a checkpoint step (100), 'latest' nor a model folder "
+                                     f"(there is no folder {value})")
+
+def step_arg(value: str):
+    "fork's `--step`: a step number (an int), or 'latest' (None: fork's default); a fork starts from the run's own."
+    if (v := _step_or_latest(value)) is not None: return None if v == "latest" else v
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a checkpoint step (100) nor 'latest' (a fork starts "
+                                     "from one of the run's own checkpoints)")
+
+# %% ../nbs/63_cli.ipynb #8ce6d180
+def count_arg(value: str) -> int:
+    "A count an option takes (-n, --max-new-tokens, --eval-limit): a whole number of at least 1."
+    try: n = int(value)
+    except ValueError: n = 0
+    if n < 1: raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return n
+
+def amount_arg(value: str) -> float:
+    "An amount an option takes (--temperature, --grace): a finite number of at least 0."
+    try: x = float(value)
+    except ValueError: x = math.nan
+    if not (math.isfinite(x) and x >= 0): raise argparse.ArgumentTypeError(f"{value!r} is not a number of at least 0")
+    return x
+
+def limit_arg(value: str):
+    "eval's `--limit`: documents per task (1, 2, ...) or a fraction of them (0 < limit < 1)."
+    try: x = float(value)
+    except ValueError: x = math.nan
+    if x >= 1 and x.is_integer(): return int(x)
+    if 0 < x < 1: return x
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a number of documents per task (1, 2, ...) nor a fraction "
+                                     "of them (0 < limit < 1)")
+
+# %% ../nbs/63_cli.ipynb #62e5145a
+def lines_arg(value: str) -> int:
+    "`logs -n`: how many lines, a whole number of at least 0 (0: with -f only, checked by `lines_check`)."
+    return 0 if value.strip() == "0" else count_arg(value)
+
+def lines_check(command):
+    """The check of `logs` options together (`main` calls a command's `check`): -n 0 without -f is `command`'s
+    argparse error."""
+    def check(a):
+        if a.n == 0 and not a.follow:
+            command.error("argument -n: 0 lines prints nothing; give 1 or more (-n 0 only with -f: follow from now on)")
+    return check
+
 # %% ../nbs/63_cli.ipynb #379a986e
 _TRUST = "act on files another user owns (or anyone may write): their config and model code would run as you"
 
@@ -251,15 +309,16 @@ def _add_watching(sub):
     c = _command(sub, "status", "show where a run stands")
     c.add_argument("--json", action="store_true", help="print state.json")
     c = _command(sub, "logs", "print the tail of a run's log (the failing rank's, else rank 0's)")
-    c.add_argument("-n", type=int, default=50, help="lines (default 50)")
+    c.add_argument("-n", type=lines_arg, default=50, help="lines (default 50; with -f, 0: only what comes)")
     c.add_argument("-f", "--follow", action="store_true")
     c.add_argument("--rank", help="a rank number, or 'supervisor'")
+    c.set_defaults(check=lines_check(c))
     _command(sub, "watch", "follow a run's progress until it ends")
 
 # %% ../nbs/63_cli.ipynb #95058543
 def _add_control(sub):
     c = _command(sub, "stop", "stop a run: checkpoint at the next step, then exit (forced after a grace period)")
-    c.add_argument("--grace", type=float, help="seconds before the run is killed (default 60)")
+    c.add_argument("--grace", type=amount_arg, help="seconds before the run is killed (default 60)")
     c.add_argument("--no-wait", action="store_true", help="return after asking")
     c = _command(sub, "resume", "continue a run from its latest complete checkpoint (with --set: changed settings)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
@@ -268,7 +327,8 @@ def _add_control(sub):
     c.add_argument("--foreground", action="store_true")
     c = _command(sub, "fork", "start a new run from a run's complete checkpoint (weights, optimizer, schedule, data "
                               "position)")
-    c.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    c.add_argument("--step", "--checkpoint", dest="step", type=step_arg,
+                   help="the checkpoint's step, or 'latest' (default: the latest)")
     c.add_argument("--set", dest="changes", action="append", default=[], metavar="key=value",
                    help="a setting of the new run that differs (learning_rate, max_steps, ...); repeatable")
     c.add_argument("--run-id")
@@ -280,12 +340,13 @@ def _add_demo_chat(sub):
     c = _command(sub, "demo", "build the demo model and data, fine-tune in the foreground, print before/after",
                  run_arg=False)
     c.add_argument("--path", help="where to build the demo assets (default: a cache directory)")
-    c.add_argument("--eval-limit", type=int, help="evaluate accuracy on at most this many held-out questions")
+    c.add_argument("--eval-limit", type=count_arg, help="evaluate accuracy on at most this many held-out questions")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="config fields to override")
     c = _command(sub, "chat", "chat with a run's model in the terminal (one message per line; /reset, /quit)")
-    c.add_argument("--checkpoint", help="a checkpoint step, 'latest', or a model directory (default: the final model)")
-    c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--checkpoint", type=checkpoint_arg,
+                   help="a checkpoint step, 'latest', or a model directory (default: the final model)")
+    c.add_argument("--max-new-tokens", type=count_arg, default=128)
+    c.add_argument("--temperature", type=amount_arg, default=0.0)
     c.add_argument("--system", help="a system message for the conversation")
 
 # %% ../nbs/63_cli.ipynb #3dedae8a
@@ -296,16 +357,18 @@ def _add_outputs(sub):
                               "tasks")
     c.add_argument("--tasks", required=True, help="comma-separated: lm-eval task names, or the run's own heldout / "
                                                   "heldout_preference")
-    c.add_argument("--checkpoint", type=int, help="a checkpoint's step (default: the final model)")
+    c.add_argument("--checkpoint", type=checkpoint_arg,
+                   help="a checkpoint step, 'latest', or a model directory (default: the final model)")
     c.add_argument("--no-base", action="store_true", help="do not evaluate the starting model")
     c.add_argument("--base-model", help="the run's starting model where it is now (it moved since training)")
-    c.add_argument("--limit", type=int, help="at most this many documents per task")
+    c.add_argument("--limit", type=limit_arg, help="at most this many documents per task (or a fraction of them)")
     c.add_argument("--foreground", action="store_true", help="wait for it and print the results table")
     c = _command(sub, "export", "write a run's model as a GGUF file for llama.cpp and Ollama, with an Ollama Modelfile "
                                 "beside it")
     c.add_argument("--format", default="gguf", help="gguf (default)")
     c.add_argument("--dtype", default="q8_0", help="f32, f16, bf16 or q8_0 (default)")
-    c.add_argument("--checkpoint", help="a checkpoint step, 'latest', or a model directory (default: the final model)")
+    c.add_argument("--checkpoint", type=checkpoint_arg,
+                   help="a checkpoint step, 'latest', or a model directory (default: the final model)")
     c.add_argument("--out", help="the file, or a folder for it (default: the run's export/)")
     c.add_argument("--no-modelfile", action="store_true", help="do not write the Ollama Modelfile")
     c.add_argument("--base-model", help="the adapters' base model where it is now (it moved since training)")
@@ -396,15 +459,10 @@ def _cmd_fork(a) -> int:
     print(f"{f.run_id} forked from {s.run_id} at step {f.state['forked_from']['step']} ({f.run_dir})", flush=True)
     return _waited(f) if a.foreground else 0
 
-# %% ../nbs/63_cli.ipynb #f3a0aa40
-def _checkpoint_arg(c):
-    "A `--checkpoint` value as `load_model` takes it: a step number, 'latest', a folder, or None."
-    return c if c is None or not c.isdigit() else int(c)
-
-
+# %% ../nbs/63_cli.ipynb #b7ef45c4
 def _cmd_chat(a) -> int:
     from ilab_nb.chat import terminal_chat
-    model, tok = _attached(a).load_model(_checkpoint_arg(a.checkpoint), trust_owner=getattr(a, "trust_owner", False))
+    model, tok = _attached(a).load_model(a.checkpoint, trust_owner=getattr(a, "trust_owner", False))
     return terminal_chat(model, tok, a.max_new_tokens, a.temperature, a.system)
 
 # %% ../nbs/63_cli.ipynb #9693df75
@@ -414,7 +472,7 @@ def _cmd_report(a) -> int:
 
 
 def _cmd_export(a) -> int:
-    f = _attached(a).export(a.format, a.dtype, _checkpoint_arg(a.checkpoint), a.out, not a.no_modelfile,
+    f = _attached(a).export(a.format, a.dtype, a.checkpoint, a.out, not a.no_modelfile,
                             base_model=getattr(a, "base_model", None),
                             overwrite=getattr(a, "overwrite", False), trust_owner=getattr(a, "trust_owner", False))
     print(f)
@@ -430,7 +488,9 @@ def _cmd_eval(a) -> int:
     if not a.foreground: return 0
     status = ev.wait()
     print(f"{ev.eval_id}: {status}" + (f": {ev.reason}" if ev.reason else ""))
-    if status == State.completed: print(ev.results().to_string(index=False))
+    if status == State.completed:
+        df = ev.results()
+        print("\n".join([df.to_string(index=False)] + df.attrs["notes"]))   # and what was left out of it
     return 0 if status == State.completed else 1
 
 # %% ../nbs/63_cli.ipynb #2ab8d4fe
@@ -444,6 +504,7 @@ def main(argv=None) -> int:
     a, extra = parser.parse_known_args(argv)          # key=value may come after options too
     if extra and (a.cmd not in ("run", "demo") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if check := getattr(a, "check", None): check(a)          # options checked together
     if extra: a.overrides = a.overrides + extra
     try: return COMMANDS[a.cmd](a)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as e:

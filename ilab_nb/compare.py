@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from .core import patch
 from .dashboard import format_number, run_curves, smooth_ema
-from .evaluations import latest_scores
+from .evaluations import latest_results
 from .monitor import RunMonitor
 from .rundir import RunPaths, read_json
 
@@ -63,7 +63,7 @@ def __repr__(self:LossComparison):
              f"{format_number(r['best_eval_loss'], '.4f'):>10}" + "".join(f" {format_number(r.get(k), '.4f'):>24}"
                                                                           for k in evals)
              for r in self.summary]
-    return "\n".join(rows)
+    return "\n".join(rows + [f"{r['label']}: {n}" for r in self.summary for n in r.get("notes", [])])
 
 # %% ../nbs/43_compare.ipynb #ee446aa7
 _COLOURS = ["#1a73e8", "#e8710a", "#188038", "#d93025", "#9334e6", "#12b5cb", "#5f6368", "#f538a0"]
@@ -91,11 +91,14 @@ def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
             "final_loss": c["loss"][-1] if c["loss"] else math.nan,
             "best_eval_loss": min(finite) if finite else math.nan,
             "forked_from": f"{fork['run_id']}@{fork['step']}" if fork else None, "changed_at": changed,
-            **_scores(m.run_dir)}
+            **_scores(m)}
 
-def _scores(run_dir) -> dict:
-    "The run's newest evaluation's scores (16_evaluations' `latest_scores`): what `compare()` sets beside the curves."
-    return latest_scores(run_dir)
+def _scores(m) -> dict:
+    """The run's newest evaluation's scores (16_evaluations' `latest_results`): what `compare()` sets beside the
+    curves; and `notes`: what could not be read of the run or of that evaluation."""
+    df = latest_results(m.run_dir)
+    scores = {} if df is None else {f"{r.task}/{r.metric}": r.tuned for r in df.itertuples()}
+    return {**scores, "notes": m.notes + ([] if df is None else df.attrs["notes"])}
 
 # %% ../nbs/43_compare.ipynb #4491376e
 def _style_comparison(ax):

@@ -8,12 +8,12 @@ import json, math, os, socket, time
 from pathlib import Path
 
 from .core import html_join, html_of, patch
-from .live import Refresher, finalize_displays, show_live
+from .live import Refresher, finalize_displays, note_html, show_live
 from .rundir import Action, RunPaths, State, TERMINAL, gated, read_json, status_of
 from .runstore import RunStore, write_json_atomic
 
 # %% auto #0
-__all__ = ['Evaluation', 'EvaluationView', 'evaluations_of', 'latest_scores']
+__all__ = ['Evaluation', 'score_of', 'EvaluationView', 'evaluations_of', 'latest_results', 'latest_scores']
 
 # %% ../nbs/16_evaluations.ipynb #be84b2eb
 class Evaluation:
@@ -25,7 +25,9 @@ class Evaluation:
         self.store = RunStore(self.dir.parent)
     def __repr__(self): return f"Evaluation({self.eval_id!r}, status={self.status!r}, tasks={self.spec.get('tasks')})"
     @property
-    def spec(self) -> dict: return read_json(RunPaths(self.dir).config, {}) or {}
+    def spec(self) -> dict:
+        spec = read_json(RunPaths(self.dir).config, {})
+        return spec if isinstance(spec, dict) else {}
     @property
     def state(self) -> dict:
         if not self.dir.is_dir():   # nothing will end it otherwise
@@ -36,12 +38,18 @@ class Evaluation:
     @property
     def reason(self): return self.state.get("reason")
 
+# %% ../nbs/16_evaluations.ipynb #b5086b16
+@patch
+def _read(self:Evaluation) -> tuple[list, str | None]:
+    "The evaluation's `task` records, in order, read by their schema (11_rundir); and what was skipped (14_monitor)."
+    from ilab_nb.monitor import MetricsReader
+    reader = MetricsReader(RunPaths(self.dir).metrics)
+    return [r for r in reader.read_new() if r.get("kind") == "task"], reader.note
+
 @patch(as_prop=True)
 def records(self:Evaluation) -> list:
     "The evaluation's `task` records, in order."
-    from ilab_nb.monitor import MetricsReader
-    # read by schema (11_rundir)
-    return [r for r in MetricsReader(RunPaths(self.dir).metrics).read_new() if r.get("kind") == "task"]
+    return self._read()[0]
 
 # %% ../nbs/16_evaluations.ipynb #8591c89f
 @patch
@@ -67,45 +75,80 @@ def stop(self:Evaluation, wait: bool = True, timeout=None, *, trust_owner: bool 
         write_json_atomic(stop, {"time": time.time(), "by": f"pid {os.getpid()} on {socket.gethostname()}"})
     return self.wait(timeout) if wait else self.status
 
-# %% ../nbs/16_evaluations.ipynb #b5086b16
+# %% ../nbs/16_evaluations.ipynb #a6cd7c10
+def score_of(v) -> tuple | None:
+    "A task record's score `[value, stderr]` as `(value, stderr or None)`; None when its value is not a number."
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    num = [isinstance(x, (int, float)) and not isinstance(x, bool) for x in v[:2]]
+    if not v or not num[0]: return None
+    return float(v[0]), float(v[1]) if len(v) > 1 and num[1] else None
+
+# %% ../nbs/16_evaluations.ipynb #ee99c7d3
+@patch
+def _scores(self:Evaluation) -> tuple[dict, list]:
+    "`{(task, metric): {model: (value, stderr)}}` of the finished tasks; and a note for each score left out."
+    records, skipped = self._read()
+    got, notes = {}, [skipped] if skipped else []
+    for r in records:
+        if r.get("status") != "done": continue
+        for metric, v in (r.get("scores") or {}).items():
+            if (sc := score_of(v)) is not None: got.setdefault((r["task"], metric), {})[r["model"]] = sc
+            else: notes.append(f"{r['model']} on {r['task']}: score {metric} = {v!r:.40} is not a number, so it is "
+                               "left out")
+    return got, notes
+
+# %% ../nbs/16_evaluations.ipynb #ef9b57e9
 @patch
 def results(self:Evaluation):
     """pandas: one row per task and metric: `task`, `metric`, `base`, `tuned`, `delta` (tuned - base), `stderr`
-    (tuned's)."""
+    (tuned's); `.attrs["notes"]`: what was left out."""
     import pandas as pd
-    got = {}
-    for r in self.records:
-        if r.get("status") != "done": continue
-        for metric, (v, err) in r["scores"].items(): got.setdefault((r["task"], metric), {})[r["model"]] = (v, err)
+    got, notes = self._scores()
     rows = [dict(task=t, metric=m, base=by.get("base", (math.nan,))[0], tuned=by.get("tuned", (math.nan,))[0],
                  stderr=(by.get("tuned") or (None, None))[1]) for (t, m), by in got.items()]
-    rows += [dict(task="heldout_preference", metric=m, base=0.0, tuned=v, stderr=None) for m,
-             v in self.preference_rewards().items()]
+    prefs, more = self._preference()
+    rows += [dict(task="heldout_preference", metric=m, base=0.0, tuned=v, stderr=None) for m, v in prefs.items()]
     df = pd.DataFrame(rows, columns=["task", "metric", "base", "tuned", "delta", "stderr"])
     df["delta"] = df["tuned"] - df["base"]
+    df.attrs["notes"] = notes + more
     return df
 
-# %% ../nbs/16_evaluations.ipynb #5235010e
-def _choice_logps(samples_file: Path) -> dict:
-    "`{doc_id: (logp chosen, logp rejected)}` from an lm-eval samples file of `heldout_preference`."
-    out = {}
-    for line in samples_file.read_text(encoding="utf-8").splitlines():
+# %% ../nbs/16_evaluations.ipynb #bed01887
+def _sample_logps(line: str) -> tuple | None:
+    "`(doc_id, (logp chosen, logp rejected))` of one line of a samples file; None if it does not hold them."
+    try:
         s = json.loads(line)
-        out[s["doc_id"]] = tuple(float(r[0]) for r in s["filtered_resps"][:2])
-    return out
+        doc, logps = s["doc_id"], tuple(float(r[0]) for r in s["filtered_resps"][:2])
+    except (ValueError, KeyError, TypeError, IndexError): return None
+    return (doc, logps) if isinstance(doc, (int, str)) and len(logps) == 2 else None
+
+def _choice_logps(samples_file: Path) -> tuple[dict, list]:
+    """`{doc_id: (logp chosen, logp rejected)}` from an lm-eval samples file of `heldout_preference`; and a note if
+    lines were skipped (not JSON, or without two numbers)."""
+    try: lines = samples_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError) as e: return {}, [f"{samples_file.name} could not be read ({type(e).__name__})"]
+    got = [_sample_logps(line) for line in lines if line.strip()]
+    bad = got.count(None)
+    note = f"{samples_file.name}: {bad} unreadable line{'s' * (bad > 1)} skipped"
+    return dict(g for g in got if g), [note] if bad else []
+
+@patch
+def _preference(self:Evaluation) -> tuple[dict, list]:
+    "`preference_rewards()`, and the notes of what was skipped reading the samples."
+    files = {m: sorted((self.dir / m).glob("samples_heldout_preference_*.jsonl")) for m in ("base", "tuned")}
+    if not (files["base"] and files["tuned"]): return {}, []
+    (base, nb), (tuned, nt) = _choice_logps(files["base"][-1]), _choice_logps(files["tuned"][-1])
+    margins = [(tuned[i][0] - base[i][0]) - (tuned[i][1] - base[i][1]) for i in tuned if i in base]
+    return ({"rewards/accuracies": sum(m > 0 for m in margins) / len(margins),
+             "rewards/margins": sum(margins) / len(margins)} if margins else {}), nb + nt
 
 @patch
 def preference_rewards(self:Evaluation) -> dict:
     """`{'rewards/accuracies', 'rewards/margins'}` of the trained model against the base on `heldout_preference` ({} if
     not both)."""
-    files = {m: sorted((self.dir / m).glob("samples_heldout_preference_*.jsonl")) for m in ("base", "tuned")}
-    if not (files["base"] and files["tuned"]): return {}
-    base, tuned = _choice_logps(files["base"][-1]), _choice_logps(files["tuned"][-1])
-    margins = [(tuned[i][0] - base[i][0]) - (tuned[i][1] - base[i][1]) for i in tuned if i in base]
-    return {"rewards/accuracies": sum(m > 0 for m in margins) / len(margins),
-            "rewards/margins": sum(margins) / len(margins)} if margins else {}
+    return self._preference()[0]
 
-# %% ../nbs/16_evaluations.ipynb #ee99c7d3
+# %% ../nbs/16_evaluations.ipynb #f535cde1
 @patch
 def progress_html(self:Evaluation) -> str:
     "The evaluation as HTML: its status, and each model x task with its scores (or that it runs, or waits)."
@@ -131,14 +174,15 @@ def _num(v) -> str:
 
 @patch
 def record_bundle(self:Evaluation) -> dict:
-    "The evaluation's record: its table as HTML (and text), no widget view."
+    "The evaluation's record: its table as HTML (and text), no widget view; what was left out, said below it."
     df = self.results()
     from markupsafe import Markup
     # pandas escapes each cell
     table = Markup(df.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="—",
                               escape=True)) if len(df) else ""
-    return {"text/html": self.progress_html() + table, "text/plain": repr(self) + ("\n" + df.to_string(index=False)
-            if len(df) else "")}
+    notes = df.attrs["notes"]
+    return {"text/html": self.progress_html() + table + html_join(note_html(n, "#b06000") for n in notes),
+            "text/plain": "\n".join([repr(self)] + ([df.to_string(index=False)] if len(df) else []) + notes)}
 
 # %% ../nbs/16_evaluations.ipynb #47bb9df3
 class EvaluationView:
@@ -163,10 +207,13 @@ def evaluations_of(run_dir) -> list[Evaluation]:
     d = RunPaths(run_dir).evals
     return [Evaluation(p) for p in sorted(d.iterdir()) if (p / "config.json").exists()] if d.is_dir() else []
 
-# %% ../nbs/16_evaluations.ipynb #c649ed5e
+# %% ../nbs/16_evaluations.ipynb #5c0a4ab4
+def latest_results(run_dir):
+    "`results()` of the run's newest completed evaluation (its notes in `.attrs['notes']`); None without one."
+    done = [e for e in evaluations_of(run_dir) if e.status == State.completed]
+    return done[-1].results() if done else None
+
 def latest_scores(run_dir) -> dict:
     "`{'task/metric': value}` of the trained model in the run's newest completed evaluation ({} without one)."
-    done = [e for e in evaluations_of(run_dir) if e.status == State.completed]
-    if not done: return {}
-    df = done[-1].results()
-    return {f"{r.task}/{r.metric}": r.tuned for r in df.itertuples()}
+    df = latest_results(run_dir)
+    return {} if df is None else {f"{r.task}/{r.metric}": r.tuned for r in df.itertuples()}

@@ -4,15 +4,16 @@
 
 # %% ../nbs/14_monitor.ipynb #acefc739
 from __future__ import annotations
-import json, os
+import json, os, stat
 from pathlib import Path
 
 from .core import patch
 from .rundir import (TRAINER_STATE, Event, RunDirLinkError, RunPaths, checkpoint_step, complete_checkpoints,
                             no_follow, read_json, record_problem, standing_records, tail_lines)
+from .runstore import checked_state
 
 # %% auto #0
-__all__ = ['MetricsReader', 'RunMonitor', 'data_notes']
+__all__ = ['MetricsReader', 'not_a_file', 'RunMonitor', 'data_notes']
 
 # %% ../nbs/14_monitor.ipynb #820707b3
 class MetricsReader:
@@ -20,11 +21,23 @@ class MetricsReader:
     def __init__(self, path):
         self.path, self.offset, self.records, self.malformed = Path(path), 0, [], 0
         self.lines, self.bad_lines = 0, []      # lines read so far; the numbers of those skipped
+        self.problem = None                     # why the file could not be read, if it could not
+
+# %% ../nbs/14_monitor.ipynb #ce501758
+def not_a_file(path) -> str | None:
+    "Why `path` is no file to read (a directory, a pipe, ...); None for a file, a link or nothing there."
+    try: mode = os.lstat(path).st_mode
+    except OSError: return None
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode): return None
+    what = "a directory" if stat.S_ISDIR(mode) else "a pipe" if stat.S_ISFIFO(mode) else "a socket or device"
+    return f"{Path(path).name} is not a file ({what})"
 
 # %% ../nbs/14_monitor.ipynb #1951f746
 @patch
 def _new_bytes(self:MetricsReader) -> bytes:
     "The complete lines appended since the last call (and the offset moved past them)."
+    self.problem = not_a_file(self.path)
+    if self.problem: return b""
     try:
         with open(self.path, "rb", opener=no_follow) as f:
             f.seek(0, 2)
@@ -35,6 +48,9 @@ def _new_bytes(self:MetricsReader) -> bytes:
             f.seek(self.offset)
             chunk = f.read(size - self.offset)
     except (FileNotFoundError, RunDirLinkError): return b""           # a link in its place is not followed (11_rundir)
+    except OSError as e:                                               # one it may not read, say
+        self.problem = f"{self.path.name} could not be read ({e.strerror or type(e).__name__})"
+        return b""
     end = chunk.rfind(b"\n")
     if end < 0: return b""
     self.offset += end + 1
@@ -62,8 +78,9 @@ def read_new(self:MetricsReader) -> list:
 
 @patch(as_prop=True)
 def note(self:MetricsReader) -> str | None:
-    "What was skipped, as a sentence: '2 unreadable records in metrics.jsonl, lines 7, 9' (None if nothing)."
-    if not self.bad_lines: return None
+    """What was skipped, as a sentence: '2 unreadable records in metrics.jsonl, lines 7, 9', or why the file could not
+    be read (None if nothing)."""
+    if self.problem or not self.bad_lines: return self.problem
     shown = ", ".join(map(str, self.bad_lines[:5])) + (f" and {len(self.bad_lines) - 5} more" if len(self.bad_lines) > 5
                                                        else "")
     return (f"{len(self.bad_lines)} unreadable record{'s' * (len(self.bad_lines) > 1)} in {self.path.name}, "
@@ -88,8 +105,6 @@ class RunMonitor:
     def records(self) -> list: return self._reader.records
     @property
     def malformed(self) -> int: return self._reader.malformed
-    @property
-    def note(self) -> str | None: return self._reader.note
 
 # %% ../nbs/14_monitor.ipynb #491d560a
 @patch(as_prop=True)
@@ -152,10 +167,21 @@ def progress(self:RunMonitor) -> dict:
 # %% ../nbs/14_monitor.ipynb #f078c5ed
 @patch
 def state(self:RunMonitor) -> dict:
-    "`state.json` as written: {} if absent, `{state_error}` if it does not parse; no liveness checks."
+    "`state.json` as written, fields checked: {} if absent, `{state_error}` if it does not parse; no liveness checks."
     st = read_json(self.paths.state)
-    if isinstance(st, dict): return st
+    if isinstance(st, dict): return checked_state(st)
     return {"state_error": f"{self.paths.state} is unreadable"} if self.paths.state.exists() else {}
+
+# %% ../nbs/14_monitor.ipynb #460f2d97
+@patch(as_prop=True)
+def notes(self:RunMonitor) -> list:
+    "What could not be read of the run: its metrics reader's note, then each field of `state.json` left out."
+    return [n for n in [self._reader.note, *self.state().get("state_problems", [])] if n]
+
+@patch(as_prop=True)
+def note(self:RunMonitor) -> str | None:
+    "`notes` as one sentence (None if there is none)."
+    return "; ".join(self.notes) or None
 
 # %% ../nbs/14_monitor.ipynb #b82fbdd1
 @patch

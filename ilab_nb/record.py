@@ -10,6 +10,7 @@ from pathlib import Path
 from .core import html_join, html_of, patch
 from .monitor import RunMonitor
 from .rundir import RunPaths, State, no_follow, status_of, write_file
+from .runstore import checked_state
 from . import dashboard as D
 from .evaluations import evaluations_of
 
@@ -102,7 +103,7 @@ def rewards_html(monitor) -> str:
 def record_html(monitor, status: str | None = None, png: bytes | None = None, state: dict | None = None) -> str:
     "The run's record as one HTML fragment (inline styles, the loss plot inlined, no script); `png`, `state`: if known."
     monitor.poll()
-    state = state if state is not None else monitor.state()
+    state = checked_state(state) if state is not None else monitor.state()      # its fields checked as a read's are
     status = status or status_of(state)
     h = monitor.header or {}
     top = (html_of(D._BADGE, c=D.STATUS_COLOURS.get(status, "#5f6368"), s=str(status)) + " "
@@ -134,9 +135,11 @@ def record_html(monitor, status: str | None = None, png: bytes | None = None, st
 
 # %% ../nbs/41_record.ipynb #8dc1855d
 def record_text(monitor, status: str | None = None) -> str:
-    "The run's record as text: run id, status (and reason), progress, then the final and best figures."
+    """The run's record as text: run id, status (and reason), progress, then the final and best figures, and what could
+    not be read."""
     lines = [D.render_text(monitor, status)] + [f"{w}: {v} (step {s})" for w, s, v in summary_rows(monitor)]
-    return "\n".join(lines + [f'attach: FineTuneSession.attach("{monitor.run_id}")'])
+    return "\n".join(lines + [f"note: {n}" for n in monitor.notes]
+                     + [f'attach: FineTuneSession.attach("{monitor.run_id}")'])
 
 def record_bundle(monitor, status: str | None = None) -> dict:
     "The MIME bundle of a run's record: `text/html` and `text/plain` (no widget view: it shows without a kernel)."

@@ -13,13 +13,14 @@ import psutil
 from filelock import FileLock
 
 from .core import patch
-from .rundir import STATES, TERMINAL, Event, RunPaths, State, no_follow, read_json, tail_lines, write_file
+from .rundir import (STATES, TERMINAL, Event, RunPaths, State, no_follow, read_json, schema_problems, tail_lines,
+                            write_file)
 
 # %% auto #0
 __all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'SUPERVISED', 'StateError',
            'default_runs_root', 'validate_run_id', 'new_run_id', 'start_ticks', 'ProcessRef', 'write_json_atomic',
            'ends_mid_line', 'append_jsonl', 'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore',
-           'next_attempt', 'rebuild_state', 'refresh_local']
+           'unchecked_refs', 'typed_fields', 'checked_state', 'next_attempt', 'rebuild_state', 'refresh_local']
 
 # %% ../nbs/13_runstore.ipynb #cc84988d
 HEARTBEAT_S = 2.0       # the supervisor writes a heartbeat this often
@@ -201,15 +202,41 @@ def create_run(self:RunStore, run_id) -> Path:
     for sub in ("logs", "control", "checkpoints"): getattr(RunPaths(d), sub).mkdir()
     return d
 
+# %% ../nbs/13_runstore.ipynb #9c88b687
+def unchecked_refs(st: dict) -> list:
+    "A note for each process reference of the state (`supervisor`, `launcher`) that is not one."
+    out = []
+    for k in ("supervisor", "launcher"):
+        try: ProcessRef.from_dict(st.get(k))
+        except (KeyError, TypeError, ValueError) as e:
+            out.append(f"state.json: {k} {st[k]!r:.60} is no process reference ({type(e).__name__}: {e}), so whether "
+                       "the run lives is not checked")
+    return out
+
+# %% ../nbs/13_runstore.ipynb #b1058a7a
+def typed_fields(rec: dict, kind: str) -> tuple[dict, list]:
+    "`rec` without the fields whose type is not the one `rundir.SCHEMA[kind]` gives, and the problem of each."
+    bad = [p for p in schema_problems(rec, kind) if " is not " in p and " is not one of " not in p]
+    drop = {f for f in rec if any(p.startswith(f"{kind} record field {f!r} = ") for p in bad)}
+    return {k: v for k, v in rec.items() if k not in drop}, bad
+
+def checked_state(st: dict) -> dict:
+    """State `st` as readers get it: fields of the wrong type left out, each named in `state_problems`, and process
+    references that are none (`unchecked_refs`) named too."""
+    ok, bad = typed_fields(st, "state")
+    notes = [f"state.json: {p.removeprefix('state record ')}, so it is left out" for p in bad] + unchecked_refs(ok)
+    return {**ok, "state_problems": notes} if notes else st
+
 # %% ../nbs/13_runstore.ipynb #41d3b3db
 @patch
 def read_state(self:RunStore, run_id) -> dict:
-    "The run's `state.json`; rebuilt from its last good copy and events if unreadable ({} if it has none)."
+    """The run's `state.json` (its fields checked: `checked_state`); rebuilt from its last good copy and events if
+    unreadable ({} if it has none)."""
     p = RunPaths(self.run_dir(run_id))
     st = read_json(p.state)
-    if isinstance(st, dict): return st
+    if isinstance(st, dict): return checked_state(st)
     if not p.state.exists() and not p.state_prev.exists(): return {}
-    return rebuild_state(p.root)
+    return checked_state(rebuild_state(p.root))
 
 # %% ../nbs/13_runstore.ipynb #275749db
 ATTEMPT_ENDING = ("reason", "exit_code", "signal", "failed_rank", "log_tail", "ended_at", "launcher", "supervisor",
@@ -235,8 +262,8 @@ def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fiel
         st = self.read_state(run_id)
         now = time.time()
         st.pop("rebuilt_from", None)
-        # keep the bad bytes
-        if st.pop("state_error", None) and p.state.exists(): os.replace(p.state, p.state_corrupt(now))
+        bad = st.pop("state_error", None), st.pop("state_problems", None)
+        if any(bad) and p.state.exists(): os.replace(p.state, p.state_corrupt(now))   # keep the bad bytes
         for k, allowed in (expect or {}).items():
             if st.get(k) not in allowed:
                 raise StateError(f"Run {run_id} is now {st.get('status', 'without a state')} (attempt "
@@ -292,27 +319,33 @@ _EVENT_STATUS = {Event.created: State.queued, Event.resumed: State.queued, Event
                  Event.running: State.running, Event.completed: State.completed, Event.failed: State.failed,
                  Event.cancelled: State.cancelled}
 
+# %% ../nbs/13_runstore.ipynb #7e70ea92
+def _status_events(path) -> list:
+    "The lifecycle events in `path` that move a status, with a time; each without its fields of the wrong type."
+    try: lines = path.read_text().splitlines()
+    except OSError: return []
+    out = []
+    for line in lines:
+        try: e = json.loads(line)
+        except ValueError: continue
+        e = typed_fields(e, "lifecycle")[0] if isinstance(e, dict) else {}
+        if e.get("event") in _EVENT_STATUS and "time" in e: out.append(e)
+    return out
+
 # %% ../nbs/13_runstore.ipynb #bfb4d53e
 def rebuild_state(run_dir) -> dict:
     "A run's state from `state.json.prev` and later events; `{'state_error': why}` if neither helps."
     d = Path(run_dir)
     p = RunPaths(d)
     st = read_json(p.state_prev)
-    st = dict(st) if isinstance(st, dict) else {}
+    st = checked_state(st) if isinstance(st, dict) else {}
     src = [p.state_prev.name] if st else []
-    evs = []
-    try:
-        for line in p.events.read_text().splitlines():
-            try: evs.append(json.loads(line))
-            except ValueError: pass
-    except OSError: pass
-    for e in evs:
-        if not isinstance(e, dict) or e.get("event") not in _EVENT_STATUS: continue
-        if (e.get("time") or 0) <= (st.get("updated_at") or 0): continue
+    for e in _status_events(p.events):
+        if e["time"] <= (st.get("updated_at") or 0): continue
         status = _EVENT_STATUS[e["event"]]
         if st.get("status") in TERMINAL and e["event"] != Event.resumed: continue
-        st.update(status=status, updated_at=e.get("time"))
-        st.setdefault("created_at", e.get("time"))
+        st.update(status=status, updated_at=e["time"])
+        st.setdefault("created_at", e["time"])
         if e.get("attempt") is not None: st["attempt"] = e["attempt"]
         for k in ("reason", "exit_code"):
             if k in e: st[k] = e[k]
@@ -381,12 +414,23 @@ def refresh_local(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> di
 # %% ../nbs/13_runstore.ipynb #388a7f4b
 SUPERVISED = ("local", "ray")     # backends whose every attempt is watched by a supervisor process (35_launcher)
 
+def _backend_refresh(backend: str):
+    "`ilab_nb.<backend>.refresh_run`, or None where no module of this ilab_nb by that name has one."
+    import importlib
+    if not backend.isidentifier(): return None
+    try: return getattr(importlib.import_module(f"ilab_nb.{backend}"), "refresh_run", None)
+    except ModuleNotFoundError as e:
+        if e.name != f"ilab_nb.{backend}": raise        # the backend's own import failed: its error stands
+        return None
+
 @patch
 def refresh(self:RunStore, run_id, stale_s=None, spawn_grace_s=None) -> dict:
     "The run's state after finalizing it if it is gone (its supervisor here, or its job on a cluster)."
     st = self.read_state(run_id)
     backend = st.get("backend", "local")
-    if backend not in SUPERVISED and st.get("status") not in TERMINAL and not st.get("state_error"):
-        import importlib
-        return importlib.import_module(f"ilab_nb.{backend}").refresh_run(self, run_id)
-    return refresh_local(self, run_id, stale_s, spawn_grace_s)
+    if st.get("status") not in TERMINAL and unchecked_refs(st): return st      # not to be judged (said in the state)
+    if backend in SUPERVISED or st.get("status") in TERMINAL or st.get("state_error"):
+        return refresh_local(self, run_id, stale_s, spawn_grace_s)
+    if fn := _backend_refresh(backend): return fn(self, run_id)
+    why = f"state.json: backend {backend!r} is none this ilab_nb knows, so the run's state is shown as it was written"
+    return {**st, "state_problems": [*st.get("state_problems", []), why]}

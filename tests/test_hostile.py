@@ -202,3 +202,152 @@ def test_adapters_whose_base_moved_say_so_and_load_onto_it_where_it_is(demo, tmp
         s.load_model()
     model, tok = s.load_model(base_model=str(tmp_path / "moved"))
     assert hasattr(model, "peft_config") and tok.pad_token_id is not None
+
+
+# --- tolerant readers: one bad file of one run is said where the run is shown, never raised into a reader --------------
+# (run directories built by hand: no process starts; the command line is called in-process)
+
+import math
+from markupsafe import escape
+from ilab_nb.cli import main
+from ilab_nb.compare import compare
+from ilab_nb.evaluations import Evaluation
+from ilab_nb.runstore import write_json_atomic
+
+TRAIN = dict(total_steps=4, epoch=0.5, loss=2.0, learning_rate=1e-4, grad_norm=1.0, tokens=100, tokens_per_s=10.0,
+             real_tokens_per_s=10.0, efficiency=1.0, elapsed_s=1.0, peak_mem_mb=None)
+
+
+def _line(kind, **f) -> str: return json.dumps(dict(schema=1, kind=kind, run_id="r", attempt=1, time=1.0, **f)) + "\n"
+
+
+def listed_run(root: Path, run_id: str, **state) -> Path:
+    "A run that ended (`ended_run`) with two train records (step 2 of 4, loss 2.0): what every reader below reads."
+    d = ended_run(root, run_id, **state)
+    RunPaths(d).metrics.write_text("".join(_line("train", step=s, **TRAIN) for s in (1, 2)))
+    return d
+
+
+def every_reader(root: Path, run_id: str, capsys) -> dict:
+    "What each reader shows of run `run_id`: list_runs' row, `ilab-nb ls` and `status`, the record, the dashboard, report.html."
+    row = next(r for r in FineTuneSession.list_runs(root) if r["run_id"] == run_id)
+    assert main(["ls", "--runs-root", str(root)]) == 0
+    ls = capsys.readouterr().out
+    assert main(["status", run_id, "--runs-root", str(root)]) == 0
+    status = capsys.readouterr().out
+    s = FineTuneSession.attach(run_id, runs_root=root)
+    d = s.dashboard(autostart=False); d.update()
+    shown = "".join(w.value for w in (d.header, d.progress_text, getattr(d, "eval_view", d.failure)))
+    return dict(row=row, ls=ls, status=status, record=s.record()._repr_mimebundle_()["text/html"],
+                text=repr(s.record()), dashboard=shown, report=s.report().path.read_text())
+
+
+def test_a_run_whose_metrics_file_is_a_directory_is_listed_with_a_note_and_so_is_every_other(tmp_path, capsys):
+    "metrics.jsonl made a directory: list_runs and `ilab-nb ls` (IsADirectoryError for the whole root before) show both runs."
+    root = tmp_path / "runs"; listed_run(root, "good"); d = listed_run(root, "odd")
+    RunPaths(d).metrics.unlink(); RunPaths(d).metrics.mkdir()
+    got, said = every_reader(root, "odd", capsys), "metrics.jsonl is not a file (a directory)"
+    assert [(r["run_id"], r["step"], r["note"]) for r in FineTuneSession.list_runs(root)] == [("good", 2, None), ("odd", None, said)]
+    assert f"odd: {said}" in got["ls"] and ["good", "failed", "1", "2/4"] in [l.split()[:4] for l in got["ls"].splitlines()]
+    assert f"note:     {said}" in got["status"] and f"note: {said}" in got["text"]
+    for where in ("record", "dashboard", "report"): assert said in got[where], where
+
+
+def test_a_state_field_of_the_wrong_type_is_left_out_and_named_by_every_reader(tmp_path, capsys):
+    """state.json with a string attempt ("2", "x") and other typed fields of the wrong type: record(), the dashboard and
+    report() raised TypeError; now each field is left out (as if missing), named, and the rest of the run shows."""
+    root = tmp_path / "runs"; listed_run(root, "good"); d = listed_run(root, "odd", reason="it broke")
+    bad = dict(attempt="2", created_at="yesterday", updated_at="x", exit_code="1", world_size="2", ended_at=[1])
+    st = json.loads(RunPaths(d).state.read_text()); RunPaths(d).state.write_text(json.dumps({**st, **bad}))
+    e = listed_run(root, "odd-x"); st = json.loads(RunPaths(e).state.read_text())
+    RunPaths(e).state.write_text(json.dumps({**st, "attempt": "x"}))
+    got = every_reader(root, "odd", capsys)
+    said = [f"state.json: field {f!r} = {v!r} is not {t}, so it is left out" for f, v, t in
+            (("attempt", "2", "int"), ("created_at", "yesterday", "float"), ("exit_code", "1", "int?"))]
+    assert got["row"]["attempt"] is None and got["row"]["status"] == State.failed and got["row"]["step"] == 2
+    assert all(n in got["row"]["note"] for n in said)
+    assert [r["run_id"] for r in FineTuneSession.list_runs(root)] == ["good", "odd", "odd-x"]
+    assert "odd-x: state.json: field 'attempt' = 'x' is not int, so it is left out" in got["ls"]
+    assert all(f"note:     {n}" in got["status"] for n in said) and "reason:   it broke" in got["status"]
+    for where in ("record", "dashboard", "report"):
+        assert all(str(escape(n)) in got[where] for n in said) and "step <b>2</b> / 4" in got[where], where
+    assert "Run failed:</b> it broke" in got["record"]
+    s = FineTuneSession.attach("odd", runs_root=root)
+    assert "attempt" not in s.state and "state_problems" not in json.loads(RunPaths(d).state.read_text())   # read, not written
+
+
+def test_a_running_run_whose_supervisor_is_no_process_reference_is_listed_as_written(tmp_path, capsys):
+    "`supervisor: {pid: 'x'}` raised ValueError into list_runs for the whole root; now said, and nothing is finalized."
+    root = tmp_path / "runs"; listed_run(root, "good"); d = listed_run(root, "odd", status=State.cancelled)
+    st = json.loads(RunPaths(d).state.read_text())
+    RunPaths(d).state.write_text(json.dumps({**st, "status": "running", "supervisor": {"pid": "x", "create_time": 1.0}}))
+    row = FineTuneSession.list_runs(root)[1]
+    assert row["status"] == State.running and "supervisor {'pid': 'x', 'create_time': 1.0} is no process reference" in row["note"]
+    assert main(["ls", "--runs-root", str(root)]) == 0 and "odd: state.json: supervisor" in capsys.readouterr().out
+    assert json.loads(RunPaths(d).state.read_text())["status"] == "running"                 # not finalized on that account
+
+
+def _evaluated_run(root: Path, scores: dict) -> Path:
+    "A run with one completed evaluation whose trained model's `task` record has `scores` (the base's is a number)."
+    d = listed_run(root, "evald", status=State.completed)
+    store = RunStore(RunPaths(d).evals); e = store.create_run("eval-1")
+    write_json_atomic(RunPaths(e).config, dict(kind="eval", run_id="evald", tasks=["heldout"],
+                                               models=[dict(label="base", path="m"), dict(label="tuned", path="m")]))
+    store.write_state("eval-1", status=State.completed, attempt=1)
+    task = lambda model, sc: json.dumps(dict(schema=1, kind="task", run_id="eval-1", attempt=1, time=1.0, model=model,
+                                             task="heldout", status="done", scores=sc)) + "\n"
+    RunPaths(e).metrics.write_text(task("base", {"exact_match,none": [0.25, 0.1], "f1": [0.5, None]}) + task("tuned", scores))
+    return d
+
+
+def test_an_evaluation_score_that_is_not_a_number_shows_as_missing_with_a_note(tmp_path, capsys):
+    "A `task` record's score 'oops' broke results(), and so the record, the dashboard, report() and compare(): now a note."
+    root = tmp_path / "runs"
+    d = _evaluated_run(root, {"exact_match,none": "oops", "f1": ["0.7", 0.1]})
+    df = Evaluation(RunPaths(d).evals / "eval-1").results()
+    assert [(r.metric, r.base) for r in df.itertuples()] == [("exact_match,none", 0.25), ("f1", 0.5)]
+    assert df.tuned.isna().all() and len(df.attrs["notes"]) == 2
+    said = "tuned on heldout: score exact_match,none = 'oops' is not a number, so it is left out"
+    assert said == df.attrs["notes"][0] and "score f1 = ['0.7', 0.1] is not a number" in df.attrs["notes"][1]
+    got = every_reader(root, "evald", capsys)
+    for where in ("record", "dashboard", "report"):
+        assert str(escape(said)) in got[where] and "step <b>2</b> / 4" in got[where], where
+    cmp = compare([d])
+    assert math.isnan(cmp.summary[0]["heldout/exact_match,none"]) and f"evald: {said}" in repr(cmp)
+
+
+@pytest.mark.parametrize("verb", ["chat", "export", "eval", "fork"])
+def test_every_verb_takes_the_same_checkpoint_and_refuses_garbage_naming_it(verb, tmp_path, capsys):
+    "`--checkpoint`: a step, 'latest' (eval refused it: type=int) or a folder; anything else is argparse's exit 2."
+    from ilab_nb.cli import build_parser
+    root = tmp_path / "runs"; listed_run(root, "r"); folder = tmp_path / "model"; folder.mkdir()
+    base = [verb, "r", "--runs-root", str(root)] + (["--tasks", "heldout"] if verb == "eval" else [])
+    parse = lambda c: build_parser().parse_args(base + ["--checkpoint", c]).__dict__["step" if verb == "fork" else "checkpoint"]
+    assert [parse("latest"), parse("12")] == [None if verb == "fork" else "latest", 12]
+    if verb != "fork": assert parse(str(folder)) == str(folder)
+    for garbage in ("-3", "1.5", "lastest", str(tmp_path / "no-such-folder")):
+        with pytest.raises(SystemExit) as e: main(base + ["--checkpoint", garbage])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --" in err and "--checkpoint" in err and f"{garbage!r} is neither" in err, err
+
+
+@pytest.mark.parametrize("args,option,said", [
+    (["logs", "r", "-n", "-5"], "-n", "'-5' is not a whole number of at least 1"),
+    (["logs", "r", "-n", "0"], "-n", "0 lines prints nothing"),
+    (["eval", "r", "--tasks", "heldout", "--limit", "0"], "--limit", "'0' is neither a number of documents per task"),
+    (["eval", "r", "--tasks", "heldout", "--limit", "-2"], "--limit", "'-2' is neither"),
+    (["chat", "r", "--max-new-tokens", "0"], "--max-new-tokens", "'0' is not a whole number of at least 1"),
+    (["chat", "r", "--temperature", "-0.5"], "--temperature", "'-0.5' is not a number of at least 0"),
+    (["chat", "r", "--temperature", "nan"], "--temperature", "'nan' is not a number of at least 0"),
+    (["stop", "r", "--grace", "-1"], "--grace", "'-1' is not a number of at least 0"),
+    (["demo", "--eval-limit", "-1"], "--eval-limit", "'-1' is not a whole number of at least 1"),
+])
+def test_a_count_or_amount_out_of_range_is_argparses_error_naming_the_option(args, option, said, tmp_path, capsys):
+    "`logs -n -5` printed nothing and exited 0: each numeric option refuses what it cannot mean, exit status 2."
+    root = tmp_path / "runs"; listed_run(root, "r")
+    with pytest.raises(SystemExit) as e: main(args + ["--runs-root", str(root)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {option}: {said}" in err, err
+    if args[:2] == ["logs", "r"]:                 # -n 0 with -f follows from now on (a run that ended: its last line)
+        assert main(["logs", "r", "-n", "0", "-f", "--runs-root", str(root)]) == 0
+        assert capsys.readouterr().out == "--- run r failed (attempt 1)\n"
