@@ -3,7 +3,7 @@ every rule (links, another user's files, values that would be markup, a bad metr
 a run directory that disappears), from one registry of entry points; then the failures that led to the gate, one
 test each. A method added to FineTuneSession or a verb added to `ilab-nb` fails
 `test_every_entry_point_is_gated_and_swept` until it is gated (ilab_nb.rundir.gated) and listed here."""
-import json, os, shutil
+import json, os, pickle, shutil
 from pathlib import Path
 
 import pytest
@@ -60,6 +60,22 @@ def _adapters(base: Path, out: Path):
     pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules=["q_proj"]))
     pm.peft_config["default"].base_model_name_or_path = str(base)
     pm.save_pretrained(out / "adapter"); AutoTokenizer.from_pretrained(base).save_pretrained(out)
+
+
+class _Opens:
+    "Unpickled, it creates the file it names: a reward function's pickle that shows whether it was loaded."
+    def __init__(self, path): self.path = str(path)
+    def __reduce__(self): return (open, (self.path, "w"))
+
+
+def grpo_shaped(d: Path, unpickled: Path) -> Path:
+    """The run in `d` made a GRPO run whose config names its reward function `rewards/0-f.pkl` (and its source `.py`), a
+    pickle that leaves `unpickled` when it is loaded; the .pkl."""
+    p = RunPaths(d); p.rewards.mkdir(); pkl = p.rewards / "0-f.pkl"
+    pkl.write_bytes(pickle.dumps(_Opens(unpickled))); (p.rewards / "0-f.py").write_text("def f(prompts, completions, **kw): ...\n")
+    cfg = TrainConfig.read_json(p.config)
+    TrainConfig(model=cfg.model, data=cfg.data, num_processes=1, device="cpu", method="grpo", reward_funcs=[str(pkl)]).to_json(p.config)
+    return pkl
 
 
 def chown_all(d: Path, uid=NOBODY):
@@ -135,13 +151,15 @@ def rules_applied_outside_the_gate() -> list:
 
 # --- the sweep: every entry point x every rule -----------------------------------------------------------------------
 
-RULES = ("link", "owner", "markup", "bad record", "moved base", "removed")
+RULES = ("link", "owner", "markup", "bad record", "moved base", "removed", "their reward code", "writable reward code")
+USER_CODE_RULES = RULES[-2:]     # a file of the run's user code (rewards/*.pkl) another user's, or anyone's to write
 
 
 def _cases():
     for name in API:
         for rule in RULES:
-            if rule == "owner" and not ROOT: continue
+            if rule in ("owner", "their reward code") and not ROOT: continue
+            if rule == "writable reward code" and Action.code not in kinds(name): continue   # reading: once is enough
             if rule == "markup" and name not in HTML: continue                  # no page: nothing to escape
             if rule == "bad record" and acts(name) and name not in ("report", "stop"): continue   # reads no metrics
             if rule == "moved base" and name not in LOADS_MODEL: continue      # loads no model
@@ -161,6 +179,7 @@ def hostile(demo, tmp_path):
         p = RunPaths(d)
         if rule == "moved base": base.rename(tmp_path / "moved")
         if rule == "link": p.rank_log(1).symlink_to(out / "secret.txt")
+        if rule in USER_CODE_RULES: pkl = grpo_shaped(d, out / "unpickled")     # in elsewhere/: would show as a new file
         if rule == "bad record":
             with open(p.metrics, "a") as f: f.write(_record("train", **{**TRAIN, "step": "7"}) + "[1]\n")
         if rule == "markup":
@@ -174,6 +193,8 @@ def hostile(demo, tmp_path):
             (RunPaths(e).metrics).write_text(_record("task", model=SCRIPT, task=IMG, status="done", scores={SCRIPT: [1.0, None]}))
         s = FineTuneSession.attach(d.name, runs_root=root)
         if rule == "owner": chown_all(d)
+        if rule == "their reward code": os.chown(pkl, NOBODY, NOBODY)
+        if rule == "writable reward code": os.chmod(pkl, 0o666)
         if rule == "removed": shutil.rmtree(d)
         return s, out
     return make
@@ -190,6 +211,10 @@ def test_every_entry_point_holds_every_rule(name, rule, hostile):
     elif rule == "owner" and name == "stop":
         with pytest.raises(OwnerError, match="will not stop it"): call(s)
         assert not RunPaths(s.run_dir).stop.exists()
+    elif rule in USER_CODE_RULES and Action.code in kinds(name):     # runs the run's code: the reward function's too
+        why = "is owned by nobody .uid 65534." if rule == "their reward code" else "is writable by every user"
+        with pytest.raises(OwnerError, match=f"rewards/0-f.pkl {why}.*; ilab_nb will not .* unless you trust its owner"):
+            call(s)
     elif rule == "moved base":
         with pytest.raises(ValueError, match="which is no longer there .moved or deleted..; put it back.*base_model=PATH"):
             call(s)
