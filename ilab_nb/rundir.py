@@ -408,8 +408,8 @@ def _parent_ok(path: Path):
                               f"write through links: remove it")
 
 def write_file(path, data, mode: int = 0o644, in_run: bool = True) -> Path:
-    """Replace `path` with `data` (str or bytes) atomically, never through a link at `path`; `in_run`: nor below a linked
-    folder, else (a user's own destination) in the folder a link there leads to. The path written."""
+    """Replace `path` with `data` (str or bytes) atomically, never through a link at `path`; `in_run`: nor below a
+    linked folder, else (a user's own destination) in the folder a link there leads to. The path written."""
     path = Path(path)
     if in_run: _parent_ok(path)
     else: path = Path(os.path.realpath(path.parent)) / path.name
@@ -426,6 +426,7 @@ def write_file(path, data, mode: int = 0o644, in_run: bool = True) -> Path:
         raise
     return path
 
+# %% ../nbs/11_rundir.ipynb #42b783c6
 def open_append(path, mode: str = "a", **kw):
     "`open(path, mode)` to append to (or create) a file of a run: not through a symbolic link, not into a hard link."
     path = Path(path)
