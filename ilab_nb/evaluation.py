@@ -273,13 +273,11 @@ def write_own_tasks(task_dir, tasks: list, held: list, tok, max_gen_toks: int | 
     return out
 
 # %% ../nbs/53_evaluation.ipynb #ff7fdeb6
-def eval_spec(session, tasks, checkpoint=None, base: bool = True, limit=None, batch_size: int = 16, base_model=None,
-              tuned=None) -> dict:
+def eval_spec(session, tasks, tuned, checkpoint=None, base: bool = True, limit=None, batch_size: int = 16,
+              base_model=None) -> dict:
     """What an evaluation of `session`'s run evaluates: its tasks, models (the run's starting one, or `base_model` where
-    it
-    is now, then its trained one, at `tuned` if given: a checkpoint held for it)."""
+    it is now, then its trained one at `tuned`: the folder `check_model` let through, a checkpoint held for it)."""
     cfg = session.config
-    tuned = tuned or session.model_path(checkpoint)
     start = str(base_model or cfg.model)
     models = ([dict(label="base", path=start)] if base else []) + [dict(label="tuned", path=str(tuned),
                                                                         checkpoint=checkpoint,
@@ -292,13 +290,18 @@ def eval_spec(session, tasks, checkpoint=None, base: bool = True, limit=None, ba
 
 # %% ../nbs/53_evaluation.ipynb #03373ca3
 def load_for_eval(path: str, spec: dict):
-    "`(model, tokenizer)` at `path` (a model folder, or a LoRA checkpoint's adapters on their base), for evaluation."
+    """`(model, tokenizer)` at `path` (a model folder, or a LoRA checkpoint's adapters on their base), for evaluation;
+    `trust_remote_code` told to transformers (no terminal to ask on here), a model's own code refused without it."""
     import torch
     from transformers import AutoTokenizer
     from ilab_nb.lora import load_trained
     from ilab_nb.core import no_hf_progress_bars
+    from ilab_nb.models import own_code_problem
     dtype = torch.bfloat16 if spec.get("precision") == "bf16" else torch.float32
     trc = bool(spec.get("trust_remote_code"))
+    if why := next((w for m in (path, spec.get("base_model")) if m and (w := own_code_problem(m, trc))), None):
+        raise EvalError(f"{why}: the evaluation runs a model's own code only when the run's config says "
+                        "trust_remote_code=True")
     with no_hf_progress_bars():
         extra = {"base_model": spec["base_model"]} if spec.get("base_model") else {}
         model = load_trained(path, trust_remote_code=trc, dtype=dtype, **extra).eval()
@@ -423,13 +426,13 @@ def check_limit(limit):
                         "of them (0 < limit < 1); leave it out to evaluate every document")
     return int(limit) if limit is not None and limit >= 1 else limit
 
-def check_model(session, checkpoint, base_model=None):
-    """The trained model's folder, refused before launch if it is incomplete or its adapters' base moved (say
-    `base_model=`)."""
+def check_model(session, checkpoint, base_model=None, trust_owner: bool = False):
+    """The trained model's folder, as every loader takes it (61_session: gated, its own code refused or named), refused
+    before launch if it is incomplete or its adapters' base moved (say `base_model=`)."""
     from ilab_nb.models import model_files_problem
-    if isinstance(checkpoint, str) and checkpoint.strip().isdigit():   # a step, as fork takes it
+    if isinstance(checkpoint, str) and checkpoint.strip().isdigit():   # a step, as fork takes it (and the spec says)
         checkpoint = int(checkpoint)
-    try: tuned = session.model_path(checkpoint)
+    try: tuned = session._model_to_load(checkpoint, base_model, trust_owner, "evaluate it", "in the evaluation process")
     except FileNotFoundError as e: raise EvalError(f"evaluate: {e}") from None
     if why := model_files_problem(tuned, base_model):
         raise EvalError(f"evaluate: {why.replace('load_model(', 'evaluate(')}")
@@ -446,7 +449,7 @@ def hold_checkpoint(tuned: Path, eval_dir: Path) -> Path:
     return eval_dir / "model"
 
 def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=None, num_processes=None,
-                     batch_size: int = 16, queue: bool = True, base_model=None):
+                     batch_size: int = 16, queue: bool = True, base_model=None, trust_owner: bool = False):
     "Queue an evaluation of `session`'s run (its trained model, and its starting one with `base`); returns it, started."
     from transformers import AutoTokenizer
     from ilab_nb.slots import device_request
@@ -456,7 +459,7 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
                         f"holds it; use num_processes=1 (or leave it out)")
     cfg = session.config
     limit = check_limit(limit)
-    checkpoint, tuned = check_model(session, checkpoint, base_model)
+    checkpoint, tuned = check_model(session, checkpoint, base_model, trust_owner)
     start = str(base_model or cfg.model)
     if os.path.isabs(start) and not os.path.exists(start):
         raise EvalError(f"evaluate: the run's starting model {start} is no longer there (moved or deleted?); put it "
@@ -467,7 +470,7 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
     store = RunStore(RunPaths(session.run_dir).evals)
     eid = new_run_id("eval")
     d = store.create_run(eid)
-    spec = eval_spec(session, tasks, checkpoint, base, limit, batch_size, base_model, hold_checkpoint(tuned, Path(d)))
+    spec = eval_spec(session, tasks, hold_checkpoint(tuned, Path(d)), checkpoint, base, limit, batch_size, base_model)
     write_own_tasks(Path(d) / "tasks", tasks, held, AutoTokenizer.from_pretrained(base_model or cfg.model,
             trust_remote_code=cfg.trust_remote_code))
     write_json_atomic(RunPaths(d).config, spec)

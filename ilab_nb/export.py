@@ -40,13 +40,13 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "Qwen3ForCausalLM": "qwen3"}
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 
-def model_config(model_dir):
+def model_config(model_dir, trust_remote_code: bool = False):
     "The model's config (transformers' reading of `config.json`); an architecture not in `ARCHITECTURES` is refused."
     from transformers import AutoConfig
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"export_gguf: {model_dir} has no config.json: pass a Hugging Face model folder "
                                 "(as save_pretrained writes it)")
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)   # told: never asked
     found = config.architectures or [type(config).__name__]
     if not any(a in ARCHITECTURES for a in found):
         raise ValueError(f"export_gguf: {model_dir} is a {', '.join(found)}; GGUF export supports "
@@ -317,14 +317,14 @@ def plain_jinja_template(template):
     return _MARKER.sub(tag, template)
 
 # %% ../nbs/52_export.ipynb #3a557c85
-def hf_tokenizer(model_dir):
+def hf_tokenizer(model_dir, trust_remote_code: bool = False):
     "`(tokenizer, its tokenizer.json as a dict)`: the tokenizer transformers runs for the model; byte-level BPE only."
     from transformers import AutoTokenizer
     d = Path(model_dir)
     if not (d / "tokenizer.json").is_file():
         raise FileNotFoundError(f"export_gguf: {d} has no tokenizer.json: save the tokenizer with the model "
                                 "(tokenizer.save_pretrained); export supports byte-level BPE tokenizers")
-    tok = AutoTokenizer.from_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d, trust_remote_code=trust_remote_code)
     tj = json.loads(tok.backend_tokenizer.to_str())
     if (tj.get("model") or {}).get("type") != "BPE" or tj["model"].get("byte_fallback"):
         raise ValueError(f"export_gguf: {d}'s tokenizer is not a byte-level BPE; export supports byte-level BPE only")
@@ -333,9 +333,9 @@ def hf_tokenizer(model_dir):
     return tok, tj
 
 # %% ../nbs/52_export.ipynb #0a896751
-def tokenizer_vocab(model_dir, vocab_size: int) -> dict:
+def tokenizer_vocab(model_dir, vocab_size: int, trust_remote_code: bool = False) -> dict:
     "What the file says about the tokenizer: pre-tokenizer name, tokens, types, and gguf's `SpecialVocab`, adjusted."
-    tok, tj = hf_tokenizer(model_dir)
+    tok, tj = hf_tokenizer(model_dir, trust_remote_code)
     pre, (tokens, types) = pre_tokenizer_name(tj), vocab_tokens(tok, vocab_size)
     sv = _gguf().SpecialVocab(Path(model_dir), load_merges=True, n_vocab=vocab_size)
     adds, eot = adds_special_tokens(tok), end_of_turn_token(tok)
@@ -364,13 +364,13 @@ class GGUFFile(type(Path())):
 # %% ../nbs/52_export.ipynb #9f499e4b
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 
-def _writer(model_dir: Path, config, dtype: str):
+def _writer(model_dir: Path, config, dtype: str, trust_remote_code: bool = False):
     "A gguf writer holding the model's metadata and tokenizer (no tensors yet)."
     g, h = _gguf(), hparams(config)
     w = g.GGUFWriter(None, gguf_arch(config))
     add_hparams(w, h, model_dir.name, getattr(g.LlamaFileType, _FILE_TYPES[dtype]))
     if dtype == "q8_0": w.add_quantization_version(g.GGML_QUANT_VERSION)
-    add_tokenizer(w, tokenizer_vocab(model_dir, h["vocab_size"]))
+    add_tokenizer(w, tokenizer_vocab(model_dir, h["vocab_size"], trust_remote_code))
     return w
 
 # %% ../nbs/52_export.ipynb #046e1eb3
@@ -437,17 +437,17 @@ def write_streaming(writer, plan: list[PlannedTensor], out: Path, progress=None,
 
 # %% ../nbs/52_export.ipynb #dded0c10
 def export_gguf(model_dir, out_path, dtype: str = "q8_0", progress: Callable[[int, int], None] | None = None,
-                publish: Callable[[], bool] | None = None) -> GGUFFile:
+                publish: Callable[[], bool] | None = None, trust_remote_code: bool = False) -> GGUFFile:
     """Write the Hugging Face model in `model_dir` as one GGUF file at `out_path`, tensor by tensor; `progress(done,
     total)`; `publish()`, asked once the file is whole, may end it before it takes its name (`ExportEnded`)."""
     if dtype not in DTYPES: raise ValueError(f"export_gguf: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     model_dir, out = Path(model_dir), GGUFFile(out_path)
-    config = model_config(model_dir)
+    config = model_config(model_dir, trust_remote_code)
     if (win := hparams(config)["sliding_window"]) and win < config.max_position_embeddings:
         log.warning(f"export_gguf: llama.cpp attends to the whole context, not the model's sliding window of {win} "
                     "tokens: answers are the same within the window, they differ beyond it")
     plan = plan_tensors(model_dir, config, dtype)
-    write_streaming(_writer(model_dir, config, dtype), plan, out, progress, publish)
+    write_streaming(_writer(model_dir, config, dtype, trust_remote_code), plan, out, progress, publish)
     out.dtype, out.tensors, out.fallbacks = dtype, len(plan), {p.name: p.note for p in plan if p.note}
     for name, why in out.fallbacks.items(): log.warning(f"export_gguf: {name} written as {why}")
     return out
@@ -548,10 +548,10 @@ def go_template(parts: ChatParts, bos_token: str | None = None) -> str:
     return out + '{{ end }}{{ end }}{{ if ne $role "assistant" }}' + lit(parts.generation) + "{{ end }}"
 
 # %% ../nbs/52_export.ipynb #84ac35e2
-def write_modelfile(gguf_path, model_dir) -> Path:
+def write_modelfile(gguf_path, model_dir, trust_remote_code: bool = False) -> Path:
     "Write an Ollama Modelfile for the GGUF file beside it, its template derived from `model_dir`'s chat template."
     from transformers import AutoTokenizer
-    gguf_path, tok = Path(gguf_path), AutoTokenizer.from_pretrained(model_dir)
+    gguf_path, tok = Path(gguf_path), AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     try: parts = checked_chat_parts(tok)
     except TemplateError as e:
         raise TemplateError(f"write_modelfile: {e}; write the Modelfile's TEMPLATE by hand") from None
@@ -560,17 +560,17 @@ def write_modelfile(gguf_path, model_dir) -> Path:
     stops = list(dict.fromkeys(t for t in (end_of_turn_token(tok), tok.eos_token) if t))
     lines = [f"FROM ./{gguf_path.name}", f'TEMPLATE """{template}"""', *(f"PARAMETER stop "
                                                                          f"{json.dumps(s)}" for s in stops),
-             f"PARAMETER num_ctx {model_config(model_dir).max_position_embeddings}"]
+             f"PARAMETER num_ctx {model_config(model_dir, trust_remote_code).max_position_embeddings}"]
     from ilab_nb.rundir import write_file
-    # never through a link (11_rundir)
-    return write_file(gguf_path.with_suffix(".Modelfile"), "\n".join(lines) + "\n")
+    # beside the GGUF file, in the user's destination (11_rundir): never through a link in its place
+    return write_file(gguf_path.with_suffix(".Modelfile"), "\n".join(lines) + "\n", in_run=False)
 
 # %% ../nbs/52_export.ipynb #c536b6df
-def modelfile_drift(model_dir) -> str | None:
+def modelfile_drift(model_dir, trust_remote_code: bool = False) -> str | None:
     """How the Modelfile written for `model_dir` renders a conversation with spaced text differently from its chat
     template, or None."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     msgs = [{"role": "user", "content": "  Hi there?\n"}, {"role": "assistant", "content": " Hello. "}]
     try: got, want = chat_parts(tok).render(msgs), tok.apply_chat_template(msgs, tokenize=False)
     except TemplateError: return None
@@ -595,7 +595,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "vocab.json", "merges.txt")
 
 @contextlib.contextmanager
-def model_folder(path, work_dir, base_model=None):
+def model_folder(path, work_dir, base_model=None, trust_remote_code: bool = False):
     """`path` as a model folder: itself, or (adapters only) its adapters merged onto their base (or `base_model`) in a
     temporary folder under `work_dir`."""
     from ilab_nb.lora import adapter_folder, merge_adapter
@@ -605,21 +605,20 @@ def model_folder(path, work_dir, base_model=None):
         return
     tmp = Path(work_dir) / f".merged-{p.name}-{os.getpid()}"
     try:
-        merge_adapter(a, tmp, base_model)
+        merge_adapter(a, tmp, base_model, trust_remote_code)
         for name in TOKENIZER_FILES:
             src = next((d / name for d in (p, a) if (d / name).exists()), None)
             if src: shutil.copy2(src, tmp / name)
         yield tmp
     finally: shutil.rmtree(tmp, ignore_errors=True)
 
-# %% ../nbs/52_export.ipynb #bbcdde32
-def _asked() -> bool:
-    "Say the file is whole, and wait for the caller's word."
+# %% ../nbs/52_export.ipynb #fb568a40
+def _asked(fd: int) -> bool:
+    "Say the file is whole, and wait for the caller's word on the pipe `fd`."
     print("written", flush=True)
-    return sys.stdin.readline().strip() == "publish"
+    with os.fdopen(fd) as f: return f.readline().strip() == "publish"
 
-def main(argv: list[str] | None = None) -> int:
-    "The `python -m ilab_nb.export` command line."
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ilab_nb.export", description="Write a Hugging Face model folder (or a "
                                  "LoRA adapter folder, merged onto its base first) as a GGUF file.")
     ap.add_argument("model_dir")
@@ -627,37 +626,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="q8_0", help=f"one of {', '.join(DTYPES)} (default q8_0)")
     ap.add_argument("--modelfile", action="store_true", help="also write an Ollama Modelfile beside the file")
     ap.add_argument("--base-model", help="the base model of an adapter folder, where it is now (moved since training)")
-    ap.add_argument("--ask", action="store_true", help="once the file is whole, print 'written' and give it its name "
-                    "only if standard input then says 'publish' (the caller's last check that its source still exists)")
-    a, t0 = ap.parse_args(argv), time.time()
-    if a.dtype not in DTYPES:
-        print(f"error: dtype {a.dtype!r} is not one of {', '.join(DTYPES)}", file=sys.stderr)
+    ap.add_argument("--trust-remote-code", action="store_true", help="run the model's own Python code (its .py files) "
+                    "if it needs it: only code you trust")
+    ap.add_argument("--ask", type=int, metavar="FD", help="once the file is whole, print 'written' and give it its "
+                    "name only if the pipe FD then says 'publish' (the caller's last check that its source still "
+                    "exists)")
+    return ap
+
+# %% ../nbs/52_export.ipynb #a295592e
+def _refusal(a) -> str | None:
+    "Why the command line `a` is refused before anything is read: the type, or a model that needs its own code."
+    from ilab_nb.models import own_code_problem
+    if a.dtype not in DTYPES: return f"dtype {a.dtype!r} is not one of {', '.join(DTYPES)}"
+    why = next((w for m in (a.model_dir, a.base_model) if m and (w := own_code_problem(m, a.trust_remote_code))), None)
+    return why and f"{why}: pass --trust-remote-code to run it (only code you trust)"
+
+def _destination(out) -> Path:
+    "`out` in the folder it names, that folder made if missing and resolved once (a link to it is the user's own)."
+    folder = Path(out).absolute().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return Path(os.path.realpath(folder)) / Path(out).name
+
+def _modelfile(f: Path, src: Path, trust_remote_code: bool) -> str | None:
+    "Write the Modelfile beside `f`: a template it cannot hold, or one that renders otherwise, is a warning."
+    try: m = str(write_modelfile(f, src, trust_remote_code))
+    except TemplateError as e:
+        print(f"warning: {e}", file=sys.stderr)
+        return None
+    if drift := modelfile_drift(src, trust_remote_code): print(f"warning: write_modelfile: {drift}", file=sys.stderr)
+    return m
+
+# %% ../nbs/52_export.ipynb #745abb84
+def main(argv: list[str] | None = None) -> int:
+    "The `python -m ilab_nb.export` command line."
+    a, t0 = _parser().parse_args(argv), time.time()
+    if why := _refusal(a):
+        print(f"error: {why}", file=sys.stderr)
         return 2
-    Path(a.out).absolute().parent.mkdir(parents=True, exist_ok=True)
-    for f in remove_stale_tmp(Path(a.out).absolute().parent):
+    out = _destination(a.out)
+    for f in remove_stale_tmp(out.parent):
         print(f"warning: removed {f}, the unfinished file of an export process (pid {tmp_writer(f).pid}) that is gone",
               file=sys.stderr)
     with contextlib.ExitStack() as stack:
         try:
-            src = stack.enter_context(model_folder(a.model_dir, Path(a.out).absolute().parent, a.base_model))
-            f = export_gguf(src, a.out, a.dtype, progress=lambda i, n: print(f"tensor {i}/{n}", flush=True),
-                            publish=_asked if a.ask else None)
+            src = stack.enter_context(model_folder(a.model_dir, out.parent, a.base_model, a.trust_remote_code))
+            f = export_gguf(src, out, a.dtype, progress=lambda i, n: print(f"tensor {i}/{n}", flush=True),
+                            publish=(lambda: _asked(a.ask)) if a.ask is not None else None,
+                            trust_remote_code=a.trust_remote_code)
         except (ValueError, FileNotFoundError, ImportError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except ExportEnded as e:
             print(f"ended: {e}", file=sys.stderr)
             return 3
-        modelfile = None
-        if a.modelfile:
-            try: modelfile = str(write_modelfile(f, src))
-            except TemplateError as e: print(f"warning: {e}", file=sys.stderr)
-            if modelfile and (drift := modelfile_drift(src)):
-                print(f"warning: write_modelfile: {drift}", file=sys.stderr)
+        modelfile = _modelfile(f, src, a.trust_remote_code) if a.modelfile else None
     print(json.dumps(dict(path=str(f.absolute()), dtype=f.dtype, bytes=f.stat().st_size, tensors=f.tensors,
-                          fallbacks=f.fallbacks,
-                          peak_rss_mb=peak_rss_mb(), seconds=round(time.time() - t0, 2), modelfile=modelfile)),
-                          flush=True)
+                          fallbacks=f.fallbacks, peak_rss_mb=peak_rss_mb(), seconds=round(time.time() - t0, 2),
+                          modelfile=modelfile)), flush=True)
     return 0
 
 if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs
@@ -673,25 +698,40 @@ def export_target(run_dir, run_id: str, source, dtype: str, path=None) -> Path:
     p = Path(path).expanduser()
     return p / name if p.is_dir() or str(path).endswith(os.sep) else p
 
-# %% ../nbs/52_export.ipynb #abeaf2d4
+# %% ../nbs/52_export.ipynb #a79a6a70
+@contextlib.contextmanager
+def _export_process(cmd: list, env: dict):
+    "`(process, publish)`: the export process of `cmd`, with no terminal to ask, and `publish()` its word on its pipe."
+    r, w = os.pipe()
+    try:
+        with subprocess.Popen(cmd + ["--ask", str(r)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, pass_fds=(r,)) as p:
+            os.close(r)
+            r = -1
+            yield p, lambda: os.write(w, b"publish\n")
+    finally:
+        for fd in (r, w):
+            if fd >= 0: os.close(fd)
+
+# %% ../nbs/52_export.ipynb #e8f970fe
 def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, progress: bool | None = None,
-               base_model=None, alive: Callable[[], bool] | None = None) -> GGUFFile:
+               base_model=None, alive: Callable[[], bool] | None = None, trust_remote_code: bool = False) -> GGUFFile:
     """Export `model_dir` (a model or adapter folder) to `out` in a process of its own, showing its progress; the
     written file.
     `alive()`: whether what it exports still exists, asked at each tensor and once more when the file is whole, before
-    it takes its name; the export is ended, leaving no file, when it says False."""
+    it takes its name; the export is ended, leaving no file, when it says False. `trust_remote_code`: the run's."""
     from ilab_nb.launcher import RUN_ENV, run_env
     from ilab_nb.diagnosis import describe_exit
     from ilab_nb.rundir import RunGoneError
     out = Path(out).absolute()
-    cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype", dtype,
-           "--ask"] + (["--modelfile"] if modelfile else [])
-    cmd += ["--base-model", str(base_model)] if base_model else []
+    cmd = [sys.executable, "-m", "ilab_nb.export", str(model_dir), str(out), "--dtype", dtype] + (["--modelfile"]
+                                                                                              if modelfile else [])
+    cmd += (["--base-model", str(base_model)] if base_model else []) + (["--trust-remote-code"] if trust_remote_code
+                                                                       else [])
     env = run_env(out.parent)   # not one of a run's processes: a run's clean-up leaves it alone
     env.pop(RUN_ENV, None)
     view, last = ExportProgress(out.name) if progress is not False else None, None
-    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env) as p:
+    with _export_process(cmd, env) as (p, publish):
         err = []
         t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)   # no pipe left full
         t.start()
@@ -704,9 +744,7 @@ def run_export(model_dir, out, dtype: str = "q8_0", modelfile: bool = True, prog
                 if view: view.done("failed: run directory removed")
                 raise RunGoneError(f"export of {model_dir}: run directory removed while it was exported; the export "
                                    f"was ended")
-            if line == "written\n":             # whole, and what it exports is still there: it may take its name
-                p.stdin.write("publish\n")
-                p.stdin.flush()
+            if line == "written\n": publish()     # whole, and what it exports is still there: it may take its name
             elif m := re.fullmatch(r"tensor (\d+)/(\d+)\n?", line):
                 if view: view.update(int(m[1]), int(m[2]))
             elif line.strip(): last = line
@@ -745,12 +783,13 @@ def _base_of(source: Path, base_model=None) -> Path:
     if base_model: return Path(base_model)
     return Path(json.loads((a / "adapter_config.json").read_text()).get("base_model_name_or_path") or source)
 
-def export_checks(source: Path, out: Path, dtype: str, base_model=None, overwrite: bool = False):
+def export_checks(source: Path, out: Path, dtype: str, base_model=None, overwrite: bool = False,
+                  trust_remote_code: bool = False):
     "Refuse, before anything runs, an export that would fail or do harm later (see above)."
     from ilab_nb.models import model_files_problem
     if why := model_files_problem(source, base_model): raise ValueError(why.replace("load_model(", "export("))
     # an unsupported family: refused here
-    if (base := _base_of(source, base_model)).is_dir(): model_config(base)
+    if (base := _base_of(source, base_model)).is_dir(): model_config(base, trust_remote_code)
     if out.exists() and not overwrite and not _is_gguf(out):
         raise FileExistsError(f"export: {out} exists and is not a GGUF file; it is not replaced unless you pass "
                               f"overwrite=True (ilab-nb export --overwrite), or choose another path")
@@ -781,19 +820,21 @@ def held(source: Path, folder: Path):
 
 # %% ../nbs/52_export.ipynb #dd657b36
 def export_run(session, format: str = "gguf", dtype: str = "q8_0", checkpoint=None, path=None, modelfile: bool = True,
-               progress: bool | None = None, base_model=None, overwrite: bool = False) -> GGUFFile:
+               progress: bool | None = None, base_model=None, overwrite: bool = False,
+               trust_owner: bool = False) -> GGUFFile:
     "`FineTuneSession.export`: the run's `final/` or `checkpoint` as a GGUF file (and its Modelfile); see `run_export`."
     if format not in FORMATS: raise ValueError(f"export: format {format!r} is not one of {', '.join(FORMATS)}")
     if dtype not in DTYPES: raise ValueError(f"export: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    # a step, as fork takes it
-    if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)
-    source = session.model_path(checkpoint)
+    # the model folder as every loader takes it: gated, its own code refused or named (61_session)
+    source = session._model_to_load(checkpoint, base_model, trust_owner, "export it",
+                                    "in this process and in the export process")
+    trc = bool(session.config and session.config.trust_remote_code)
     out = export_target(session.run_dir, session.run_id, source, dtype, path)
-    export_checks(source, out, dtype, base_model, overwrite)
+    export_checks(source, out, dtype, base_model, overwrite, trc)
     alive = lambda: Path(session.run_dir).is_dir()
     try:
         with held(source, Path(session.run_dir) / "export") as src:
-            return run_export(src, out, dtype, modelfile, progress, base_model, alive)
+            return run_export(src, out, dtype, modelfile, progress, base_model, alive, trc)
     except FileNotFoundError as e:           # the checkpoint went before it was held
         raise FileNotFoundError(f"{source} was removed before it was exported: run {session.run_id} saved a newer "
                                 f"checkpoint; export checkpoint='latest' or a step it still has ({e})") from None

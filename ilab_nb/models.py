@@ -17,7 +17,7 @@ from . import lora as L
 # %% auto #0
 __all__ = ['model_config', 'causal_lm_class', 'attention_for', 'build_empty_model', 'tied_duplicates', 'base_weights',
            'WeightPlan', 'weight_plan', 'plan_summary', 'missing_weights_error', 'wrong_shapes_error', 'read_fused',
-           'safetensors_problem', 'model_files_problem']
+           'safetensors_problem', 'model_files_problem', 'own_code_problem']
 
 # %% ../nbs/26_models.ipynb #e3932ef7
 def model_config(cfg: TrainConfig):
@@ -244,3 +244,17 @@ def model_files_problem(d, base_model: str | None = None) -> str | None:
         return (f"{d} holds LoRA adapters of the base model {base}, which is no longer there (moved or deleted?); put "
                 f"it back, or load them onto it where it is now: load_model(..., base_model=PATH)")
     return None
+
+# %% ../nbs/26_models.ipynb #6e9eb3b9
+def own_code_problem(model_dir, trust_remote_code: bool = False) -> str | None:
+    """Why the model folder `model_dir` loads only by running its own Python code, which `trust_remote_code` False
+    forbids; None if it loads without (or may run it)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if trust_remote_code: return None
+    try: cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError): return None
+    amap = cfg.get("auto_map") if isinstance(cfg, dict) else None
+    if not isinstance(amap, dict) or cfg.get("model_type") in CONFIG_MAPPING: return None
+    refs = sorted({r for v in amap.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)})
+    return (f"{model_dir} needs its own Python code to load (its model_type {cfg.get('model_type')!r} is not one "
+            f"transformers knows; its config.json's auto_map names {', '.join(refs)}) and trust_remote_code is False")

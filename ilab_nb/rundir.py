@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_rundir.ipynb #bb0e1430
 from __future__ import annotations
-import errno, json, os, re
+import errno, json, os, re, warnings
 import textwrap
 from dataclasses import dataclass
 from enum import StrEnum, auto
@@ -13,12 +13,13 @@ from pathlib import Path
 from .core import patch
 
 # %% auto #0
-__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'SWEEPS_DIR', 'OWN_LINKS', 'APPENDED',
-           'ENTRY_POINTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State', 'status_of',
-           'Event', 'RankState', 'RunPaths', 'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links', 'OwnerError',
-           'owner_problem', 'refuse_foreign', 'Action', 'hard_links_in', 'RunGoneError', 'gate', 'gated', 'write_file',
-           'open_append', 'read_json', 'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records',
-           'schema_problems', 'record_problem', 'schema_markdown']
+__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'USER_CODE', 'SWEEPS_DIR', 'OWN_LINKS',
+           'APPENDED', 'ENTRY_POINTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State',
+           'status_of', 'Event', 'RankState', 'RunPaths', 'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links',
+           'OwnerError', 'owner_problem', 'refuse_foreign', 'RemoteCodeWarning', 'remote_code_files', 'say_remote_code',
+           'Action', 'hard_links_in', 'RunGoneError', 'gate', 'gated', 'write_file', 'open_append', 'read_json',
+           'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
+           'record_problem', 'schema_markdown']
 
 # %% ../nbs/11_rundir.ipynb #a3a6030c
 class Name(StrEnum):
@@ -131,6 +132,19 @@ class RunPaths:
                                                           "directory of its own.")
     exports = property(lambda self: self.root / "export", doc="The run's exported files (GGUF, with their Ollama "
                                                               "Modelfiles).")
+
+# %% ../nbs/11_rundir.ipynb #7371bd1f
+USER_CODE = ("rewards",)   # a run's folders of its user's code, run when it is resumed or forked
+
+@patch
+def user_code(self:RunPaths) -> list:
+    "Every folder and file under the run's user-code folders (`USER_CODE`) that exist, without following a link."
+    out = []
+    for top in (self.root / n for n in USER_CODE if os.path.lexists(self.root / n)):
+        out.append(top)
+        if not os.path.islink(top):
+            out += [Path(d, n) for d, dirs, files in os.walk(top) for n in dirs + files]
+    return sorted(out)
 
 # %% ../nbs/11_rundir.ipynb #a8aa6c03
 SWEEPS_DIR = ".sweeps"
@@ -296,7 +310,30 @@ def refuse_foreign(paths, doing: str, trust_owner: bool = False):
         if os.path.lexists(p) and (why := owner_problem(p)):
             raise OwnerError(f"{p} {why}; ilab_nb will not {doing} unless you trust its owner (trust_owner=True; "
                              "ilab-nb: --trust-owner): that would run, with your rights, what its files name (a model "
-                             "and its code, pickled state)")
+                             "and its code, pickled state, reward functions)")
+
+# %% ../nbs/11_rundir.ipynb #60f40d86
+class RemoteCodeWarning(UserWarning):
+    "A model's own Python code is about to run (`trust_remote_code=True`): its files and their owners."
+
+warnings.filterwarnings("always", category=RemoteCodeWarning, append=True)   # every time; a user's own filter first
+
+def remote_code_files(model_dir) -> list:
+    "A local model folder's own Python files as `relative path (owner)`: what `trust_remote_code=True` lets it import."
+    d = Path(model_dir).expanduser()
+    return [f"{f.relative_to(d)} ({_user(f.stat().st_uid)})" for f in sorted(d.rglob("*.py"))] if d.is_dir() else []
+
+def say_remote_code(model, where: str) -> list:
+    "Warn that `model`'s own code will run `where`, naming its files and owners (a hub id: the repository); them."
+    d = Path(model).expanduser()
+    if not d.is_dir():
+        warnings.warn(f"trust_remote_code=True: the Python code of the hub repository {model} will run {where}",
+                      RemoteCodeWarning, stacklevel=2)
+        return [str(model)]
+    if files := remote_code_files(d):
+        warnings.warn(f"trust_remote_code=True: the model's own code will run {where}: {', '.join(files)} in {d}",
+                      RemoteCodeWarning, stacklevel=2)
+    return files
 
 # %% ../nbs/11_rundir.ipynb #c2590a6d
 class Action(Name):
@@ -333,7 +370,8 @@ def gate(run_dir, action: Action, doing: str, trust_owner: bool = False, also=()
         raise RunGoneError(f"{p.root}: run directory removed (or never created); there is nothing to {doing}")
     if os.path.islink(p.root):
         raise RunDirLinkError(f"{p.root} is a symbolic link; ilab_nb will not {doing} through it")
-    refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *extra], doing, trust_owner)
+    code = p.user_code() if Action(action) == Action.code else []        # what resume and fork run of its user's
+    refuse_foreign([p.root, p.config, *sorted(p.root.glob("config-attempt-*.json")), *code, *extra], doing, trust_owner)
     refuse_links(p.root, doing)
     if hard := hard_links_in(p.root):
         raise RunDirLinkError(f"{hard[0]} has {os.lstat(hard[0]).st_nlink} names (a hard link, {len(hard)} in all); a "
@@ -369,10 +407,12 @@ def _parent_ok(path: Path):
         raise RunDirLinkError(f"{path.parent} is a symbolic link (to {os.readlink(path.parent)}); ilab_nb does not "
                               f"write through links: remove it")
 
-def write_file(path, data, mode: int = 0o644) -> Path:
-    "Replace `path` with `data` (str or bytes) atomically, never through a link at `path` or as its parent."
+def write_file(path, data, mode: int = 0o644, in_run: bool = True) -> Path:
+    """Replace `path` with `data` (str or bytes) atomically, never through a link at `path`; `in_run`: nor below a
+    linked folder, else (a user's own destination) in the folder a link there leads to. The path written."""
     path = Path(path)
-    _parent_ok(path)
+    if in_run: _parent_ok(path)
+    else: path = Path(os.path.realpath(path.parent)) / path.name
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
@@ -386,6 +426,7 @@ def write_file(path, data, mode: int = 0o644) -> Path:
         raise
     return path
 
+# %% ../nbs/11_rundir.ipynb #42b783c6
 def open_append(path, mode: str = "a", **kw):
     "`open(path, mode)` to append to (or create) a file of a run: not through a symbolic link, not into a hard link."
     path = Path(path)

@@ -548,6 +548,7 @@ def fork(self:FineTuneSession, step=None, *, run_id=None, name=None, queue=True,
 def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     "The directory `load_model(checkpoint)` would load."
     from ilab_nb.lora import adapter_folder
+    if isinstance(checkpoint, str) and checkpoint.strip().isdigit(): checkpoint = int(checkpoint)   # a step, as fork's
     if checkpoint is None:
         p = self.paths.final
         if not (p / "config.json").exists() and adapter_folder(p) is None:
@@ -569,6 +570,23 @@ def model_path(self:FineTuneSession, checkpoint=None) -> Path:
     if not (p / "config.json").exists() and adapter_folder(p) is None:
         raise FileNotFoundError(f"{p} is not a model directory (no config.json) nor an adapter folder (no "
                                 f"adapter_config.json).")
+    return p
+
+# %% ../nbs/61_session.ipynb #f28f8c5e
+@patch
+def _model_to_load(self:FineTuneSession, checkpoint=None, base_model=None, trust_owner: bool = False,
+                   doing: str = "load its model", where: str = "in this process") -> Path:
+    "The model folder that `doing` loads (`checkpoint`: a step, 'latest' or a folder), after the rule above."
+    from ilab_nb.models import own_code_problem
+    from ilab_nb.rundir import say_remote_code
+    p = self.model_path(checkpoint)
+    gate(self.run_dir, Action.code, doing, trust_owner, also=[p, base_model])
+    trc = bool(self.config and self.config.trust_remote_code)
+    models = [p, *([Path(base_model)] if base_model and Path(base_model).is_dir() else [])]
+    if why := next((w for m in models if (w := own_code_problem(m, trc))), None):
+        raise ValueError(f"{why}: ilab_nb runs a model's own code only when the run's config says "
+                         f"trust_remote_code=True, so it will not {doing}")
+    for m in models if trc else []: say_remote_code(m, where)
     return p
 
 # %% ../nbs/61_session.ipynb #4a2b8ffd
@@ -593,9 +611,8 @@ def load_model(self:FineTuneSession, checkpoint=None, *, trust_owner: bool = Fal
     """`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path; `base_model=`:
     adapters' moved base)."""
     for tries_left in (2, 1, 0):
-        p = self.model_path(checkpoint)   # a complete checkpoint of this run, when chosen
+        p = self._model_to_load(checkpoint, kwargs.get("base_model"), trust_owner)   # a complete one, when chosen
         listed = self._listed(p)
-        gate(self.run_dir, Action.code, "load its model", trust_owner, also=[p, kwargs.get("base_model")])
         try: return self._load(p, **kwargs)
         except Exception:
             if not listed or self._listed(p): raise                    # not rotated away: the load's own error stands
@@ -666,7 +683,7 @@ def evaluate(self:FineTuneSession, tasks, checkpoint=None, base: bool = True, li
     "Queue an evaluation of this run (lm-eval task names, or 'heldout' / 'heldout_preference'); returns it, started."
     from ilab_nb.evaluation import start_evaluation
     return start_evaluation(self, tasks, checkpoint, base, limit, num_processes, batch_size, queue=self.queue,
-                            base_model=base_model)
+                            base_model=base_model, trust_owner=trust_owner)
 
 @patch(as_prop=True)
 @gated(Action.read, doing="list its evaluations")
@@ -685,7 +702,7 @@ def export(self:FineTuneSession, format: str = "gguf", dtype: str = "q8_0", chec
     path."""
     from ilab_nb.export import export_run
     return export_run(self, format, dtype, checkpoint, path, modelfile, progress, base_model=base_model,
-                      overwrite=overwrite)
+                      overwrite=overwrite, trust_owner=trust_owner)
 
 # %% ../nbs/61_session.ipynb #29362335
 @patch(cls_method=True)

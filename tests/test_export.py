@@ -254,6 +254,20 @@ def test_command_line_refuses_with_a_sentence(demo, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_export_into_the_users_folder_through_a_link_writes_there(demo, tmp_path, capsys):
+    """`export(path=...)` into the user's own folder reached through a symbolic link to it (not a run directory): the GGUF
+    file and its Modelfile are written in the folder the link leads to, and the export says where (the rule against links
+    is a run directory's: it wrote the file, then failed on the Modelfile saying to remove the link). In this process:
+    `main` is what the export process runs."""
+    from ilab_nb.export import main
+    real = tmp_path / "real"; real.mkdir(); (tmp_path / "mine").symlink_to(real, target_is_directory=True)
+    assert main([str(demo.model_dir), str(tmp_path / "mine" / "m.gguf"), "--dtype", "f32", "--modelfile"]) == 0
+    said, there = json.loads(capsys.readouterr().out.splitlines()[-1]), Path(os.path.realpath(real))
+    assert (said["path"], said["modelfile"]) == (str(there / "m.gguf"), str(there / "m.Modelfile"))
+    assert (tmp_path / "mine" / "m.gguf").read_bytes()[:4] == b"GGUF" and (tmp_path / "mine").is_symlink()
+    assert (tmp_path / "mine" / "m.Modelfile").read_text().startswith("FROM ./m.gguf\n")
+
+
 # --- the demo run's model --------------------------------------------------------------------------------------------
 
 DEMO_LIMIT = 40          # conversations: the demo_run's --eval-limit (tests/conftest.py)

@@ -3,7 +3,7 @@ every rule (links, another user's files, values that would be markup, a bad metr
 a run directory that disappears), from one registry of entry points; then the failures that led to the gate, one
 test each. A method added to FineTuneSession or a verb added to `ilab-nb` fails
 `test_every_entry_point_is_gated_and_swept` until it is gated (ilab_nb.rundir.gated) and listed here."""
-import json, os, shutil
+import inspect, json, os, pickle, re, shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ from ilab_nb import FineTuneSession
 from ilab_nb.cli import COMMANDS
 from ilab_nb.config import TrainConfig
 from ilab_nb.evaluations import Evaluation
-from ilab_nb.rundir import ENTRY_POINTS, Action, OwnerError, RunDirLinkError, RunGoneError, RunPaths, State
+from ilab_nb.rundir import ENTRY_POINTS, Action, OwnerError, RemoteCodeWarning, RunDirLinkError, RunGoneError, RunPaths, State
 from ilab_nb.runstore import RunStore, write_json_atomic
 
 from conftest import ilab
@@ -62,6 +62,22 @@ def _adapters(base: Path, out: Path):
     pm.save_pretrained(out / "adapter"); AutoTokenizer.from_pretrained(base).save_pretrained(out)
 
 
+class _Opens:
+    "Unpickled, it creates the file it names: a reward function's pickle that shows whether it was loaded."
+    def __init__(self, path): self.path = str(path)
+    def __reduce__(self): return (open, (self.path, "w"))
+
+
+def grpo_shaped(d: Path, unpickled: Path) -> Path:
+    """The run in `d` made a GRPO run whose config names its reward function `rewards/0-f.pkl` (and its source `.py`), a
+    pickle that leaves `unpickled` when it is loaded; the .pkl."""
+    p = RunPaths(d); p.rewards.mkdir(); pkl = p.rewards / "0-f.pkl"
+    pkl.write_bytes(pickle.dumps(_Opens(unpickled))); (p.rewards / "0-f.py").write_text("def f(prompts, completions, **kw): ...\n")
+    cfg = TrainConfig.read_json(p.config)
+    TrainConfig(model=cfg.model, data=cfg.data, num_processes=1, device="cpu", method="grpo", reward_funcs=[str(pkl)]).to_json(p.config)
+    return pkl
+
+
 def chown_all(d: Path, uid=NOBODY):
     for q in [d, *d.rglob("*")]: os.chown(q, uid, uid, follow_symlinks=False)
 
@@ -95,7 +111,10 @@ CLI_KIND = {"status": "status", "logs": "logs", "watch": "wait", "stop": "stop",
             "report": "report", "eval": "evaluate", "export": "export"}
 NOT_ON_A_RUN = {"start", "attach", "list_runs", "compare", "sweep"}       # make a run, find one, or read many (list_runs: below)
 HTML = ("record", "snapshot", "dashboard", "evaluations", "report")
-LOADS_MODEL = ("load_model", "chat", "evaluate", "export")
+FROM_FOLDER = {   # each entry point that loads a model, given a model folder as its checkpoint
+    "load_model": lambda s, m: s.load_model(m), "chat": lambda s, m: s.chat(m),
+    "evaluate": lambda s, m: s.evaluate(["heldout"], checkpoint=m), "export": lambda s, m: s.export(checkpoint=m, dtype="f32", progress=False)}
+LOADS_MODEL = tuple(FROM_FOLDER)
 
 
 def kinds(name) -> tuple: return ENTRY_POINTS[f"FineTuneSession.{name}"]
@@ -112,6 +131,9 @@ def test_every_entry_point_is_gated_and_swept():
     gated = {k.split(".", 1)[1] for k in ENTRY_POINTS if k.startswith("FineTuneSession.")}
     assert public - gated == set(), "not gated (ilab_nb.rundir.gated)"
     assert public - set(API) == set(), "gated, not in this sweep"
+    takes_a_model = {n for n in public if callable(f := getattr(FineTuneSession, n)) and acts(n)
+                     and "checkpoint" in inspect.signature(f).parameters}
+    assert takes_a_model == set(FROM_FOLDER), "loads a model from a folder: add it to FROM_FOLDER"
     assert set(COMMANDS) - {"run", "ls", "demo"} - set(CLI) == set(), "a command on a run that the sweep does not run"
     assert ENTRY_POINTS["Evaluation.stop"] == (Action.write,)
     assert rules_applied_outside_the_gate() == [], "applies the gate's rules itself: call ilab_nb.rundir.gate"
@@ -135,16 +157,20 @@ def rules_applied_outside_the_gate() -> list:
 
 # --- the sweep: every entry point x every rule -----------------------------------------------------------------------
 
-RULES = ("link", "owner", "markup", "bad record", "moved base", "removed")
+RULES = ("link", "owner", "markup", "bad record", "moved base", "removed", "their reward code", "writable reward code",
+         "their model folder", "writable model folder")
+USER_CODE_RULES = RULES[6:8]     # a file of the run's user code (rewards/*.pkl) another user's, or anyone's to write
+FOLDER_RULES = RULES[8:]         # the model folder given as `checkpoint` another user's, or anyone's to write
 
 
 def _cases():
     for name in API:
         for rule in RULES:
-            if rule == "owner" and not ROOT: continue
+            if rule in ("owner", "their reward code", "their model folder") and not ROOT: continue
+            if rule == "writable reward code" and Action.code not in kinds(name): continue   # reading: once is enough
             if rule == "markup" and name not in HTML: continue                  # no page: nothing to escape
             if rule == "bad record" and acts(name) and name not in ("report", "stop"): continue   # reads no metrics
-            if rule == "moved base" and name not in LOADS_MODEL: continue      # loads no model
+            if rule in ("moved base", *FOLDER_RULES) and name not in LOADS_MODEL: continue      # loads no model
             yield pytest.param(name, rule, id=f"{name}-{rule}")
 
 
@@ -161,6 +187,7 @@ def hostile(demo, tmp_path):
         p = RunPaths(d)
         if rule == "moved base": base.rename(tmp_path / "moved")
         if rule == "link": p.rank_log(1).symlink_to(out / "secret.txt")
+        if rule in USER_CODE_RULES: pkl = grpo_shaped(d, out / "unpickled")     # in elsewhere/: would show as a new file
         if rule == "bad record":
             with open(p.metrics, "a") as f: f.write(_record("train", **{**TRAIN, "step": "7"}) + "[1]\n")
         if rule == "markup":
@@ -174,6 +201,11 @@ def hostile(demo, tmp_path):
             (RunPaths(e).metrics).write_text(_record("task", model=SCRIPT, task=IMG, status="done", scores={SCRIPT: [1.0, None]}))
         s = FineTuneSession.attach(d.name, runs_root=root)
         if rule == "owner": chown_all(d)
+        if rule == "their reward code": os.chown(pkl, NOBODY, NOBODY)
+        if rule in FOLDER_RULES:                                              # beside the runs root, as any folder
+            shutil.copytree(demo.model_dir, theirs := tmp_path / "their-model")
+            chown_all(theirs) if rule == "their model folder" else os.chmod(theirs, 0o777)
+        if rule == "writable reward code": os.chmod(pkl, 0o666)
         if rule == "removed": shutil.rmtree(d)
         return s, out
     return make
@@ -190,6 +222,16 @@ def test_every_entry_point_holds_every_rule(name, rule, hostile):
     elif rule == "owner" and name == "stop":
         with pytest.raises(OwnerError, match="will not stop it"): call(s)
         assert not RunPaths(s.run_dir).stop.exists()
+    elif rule in USER_CODE_RULES and Action.code in kinds(name):     # runs the run's code: the reward function's too
+        why = "is owned by nobody .uid 65534." if rule == "their reward code" else "is writable by every user"
+        with pytest.raises(OwnerError, match=f"rewards/0-f.pkl {why}.*; ilab_nb will not .* unless you trust its owner"):
+            call(s)
+    elif rule in FOLDER_RULES:                                         # the checkpoint a loader is given: the same rule
+        m = s.run_dir.parent.parent / "their-model"
+        why = "is owned by nobody .uid 65534." if rule == "their model folder" else "is writable by every user"
+        with pytest.raises(OwnerError, match=f"{re.escape(str(m))} {why}.*; ilab_nb will not .* unless you trust its owner"):
+            FROM_FOLDER[name](s, m)
+        assert not RunPaths(s.run_dir).exports.exists() and not RunPaths(s.run_dir).evals.exists()
     elif rule == "moved base":
         with pytest.raises(ValueError, match="which is no longer there .moved or deleted..; put it back.*base_model=PATH"):
             call(s)
@@ -226,10 +268,10 @@ def test_the_command_line_asks_the_same_gate(demo, tmp_path):
 
 @needs_root
 @pytest.mark.processes
-def test_another_users_model_code_is_not_run_by_chat_load_model_or_evaluate(demo, tmp_path):
+def test_another_users_model_code_is_not_run_by_chat_load_model_or_evaluate(demo, tmp_path, monkeypatch):
     """A run owned by nobody whose model names code of its own (trust_remote_code): `ilab-nb chat`, load_model() and
     evaluate() refuse it as resume() does, and its code does not run; with trust_owner=True it does (the check is what
-    stopped it)."""
+    stopped it), and load_model, chat, export and evaluate name its files and their owner first, saying where it runs."""
     root = tmp_path / "runs"; d = built_run(root, demo); p = RunPaths(d)
     ran = tmp_path / "the-code-ran"
     (p.final / "configuration_theirs.py").write_text(f"open({str(ran)!r}, 'w').write('x')\n")
@@ -244,8 +286,16 @@ def test_another_users_model_code_is_not_run_by_chat_load_model_or_evaluate(demo
             call()
     r = ilab("chat", "r", "--runs-root", root, check=2, input="hi\n")
     assert "is owned by nobody (uid 65534)" in r.stderr and not ran.exists()
-    with pytest.raises(Exception): s.load_model(trust_owner=True)     # their code ran (and defines no TheirConfig)
-    assert ran.exists()
+    named = ("trust_remote_code=True: the model's own code will run {}: configuration_theirs.py \\(nobody \\(uid 65534\\)\\) in "
+             + re.escape(str(p.final)))
+    def no_process(*a, **k): raise RuntimeError("no evaluation process here")
+    monkeypatch.setattr("ilab_nb.launcher.spawn_supervisor", no_process)
+    for call, where in ((lambda: s.load_model(trust_owner=True), "in this process"), (lambda: s.chat(trust_owner=True), "in this process"),
+                        (lambda: s.export(dtype="f32", progress=False, trust_owner=True), "in this process and in the export process"),
+                        (lambda: s.evaluate(["heldout"], trust_owner=True), "in the evaluation process")):
+        with pytest.warns(RemoteCodeWarning, match=named.format(where)), pytest.raises(Exception):
+            call()                         # named first; then their code ran (it defines no TheirConfig), or the run has no held-out data
+    assert ran.exists()                                              # (imported once: transformers keeps the module)
 
 
 @needs_root

@@ -204,6 +204,43 @@ def test_adapters_whose_base_moved_say_so_and_load_onto_it_where_it_is(demo, tmp
     assert hasattr(model, "peft_config") and tok.pad_token_id is not None
 
 
+# --- a model's own code --------------------------------------------------------------------------------------------
+
+def test_a_model_that_needs_its_own_code_is_refused_without_trust_remote_code_and_nothing_asks(demo, tmp_path, monkeypatch, capsys):
+    """A model folder whose model_type transformers does not know, built by its own code (auto_map), on a run without
+    trust_remote_code: load_model, chat, evaluate and export refuse it naming the field, and so do the export process
+    (started with no terminal: it waited at transformers' "Do you wish to run the custom code? [y/N]") and the
+    evaluation process's loader; its code never runs. The processes' own code is run here (no process is started)."""
+    import re, subprocess
+    from ilab_nb.evaluation import load_for_eval
+    from ilab_nb.export import main, run_export
+    ran = tmp_path / "the-code-ran"
+    model = tmp_path / "theirs"; shutil.copytree(demo.model_dir, model)
+    (model / "configuration_theirs.py").write_text(f"open({str(ran)!r}, 'w').write('x')\n")        # what importing it does
+    mc = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**mc, "model_type": "theirs", "auto_map": {"AutoConfig": "configuration_theirs.TheirConfig"}}))
+    ended_run(tmp_path / "runs", "r")
+    s = FineTuneSession.attach("r", runs_root=tmp_path / "runs")
+    said = (f"{re.escape(str(model))} needs its own Python code to load \\(its model_type 'theirs' is not one transformers "
+            "knows; its config.json's auto_map names configuration_theirs.TheirConfig\\) and trust_remote_code is False: ")
+    for call, doing in ((lambda: s.load_model(model), "load its model"), (lambda: s.chat(model), "load its model"),
+                        (lambda: s.evaluate(["heldout"], checkpoint=model), "evaluate it"),
+                        (lambda: s.export(checkpoint=model, dtype="f32", progress=False), "export it")):
+        with pytest.raises(ValueError, match=said + "ilab_nb runs a model's own code only when the run's config says "
+                                             f"trust_remote_code=True, so it will not {doing}$"):
+            call()
+    assert main([str(model), str(tmp_path / "out" / "m.gguf")]) == 2          # what the export process runs, here
+    assert re.search(said + "pass --trust-remote-code to run it", capsys.readouterr().err)
+    started = []
+    def popen(*a, **k): started.append(k.get("stdin")); raise OSError("not started here")
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="not started here"): run_export(demo.model_dir, tmp_path / "out" / "m.gguf", "f32", progress=False)
+    assert started == [subprocess.DEVNULL]                   # nothing in the export process can ask on a terminal
+    with pytest.raises(ValueError, match=said + "the evaluation runs a model's own code only when"):
+        load_for_eval(str(model), {"trust_remote_code": False})
+    assert not ran.exists() and not list((tmp_path / "out").glob("*.gguf"))
+
+
 # --- tolerant readers: one bad file of one run is said where the run is shown, never raised into a reader --------------
 # (run directories built by hand: no process starts; the command line is called in-process)
 
