@@ -16,7 +16,7 @@ from .config import TrainConfig
 from .core import patch, patch_to
 from .usercode import UserCode, UserCodeError, callable_name, pickled
 from .methods import Method
-from .rundir import RunPaths
+from .rundir import RunPaths, write_file
 from .collectives import all_reduce_sum, reshard
 from .placement import unwrap
 from . import batching as B
@@ -62,9 +62,10 @@ def save_reward(fn, i: int, paths: RunPaths, tag: str = "") -> str:
     paths.rewards.mkdir(exist_ok=True)
     safe = re.sub(r"[^\w.-]", "_", reward_name(fn))
     stem = paths.rewards / f"{i}-{safe}{tag}"
-    Path(f"{stem}.pkl").write_bytes(blob)
-    try: Path(f"{stem}.py").write_text(inspect.getsource(fn))
-    except (OSError, TypeError): pass                 # a builtin, or a function whose file is gone: no source to keep
+    write_file(f"{stem}.pkl", blob)                   # 0o644 whatever the umask: the gate refuses code anyone may write
+    try: source = inspect.getsource(fn)
+    except (OSError, TypeError): source = None        # a builtin, or a function whose file is gone: no source to keep
+    if source is not None: write_file(f"{stem}.py", source)
     return f"{stem}.pkl"
 
 def save_rewards(cfg: TrainConfig, paths: RunPaths, tag: str = "") -> TrainConfig:

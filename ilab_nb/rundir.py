@@ -136,15 +136,23 @@ class RunPaths:
 # %% ../nbs/11_rundir.ipynb #7371bd1f
 USER_CODE = ("rewards",)   # a run's folders of its user's code, run when it is resumed or forked
 
+def _named_code(config: Path) -> list:
+    "The `.py` and `.pkl` files that a run's config file names as its reward functions, wherever they are."
+    try: refs = [] if os.path.islink(config) else json.loads(config.read_text()).get("reward_funcs") or []
+    except (OSError, ValueError, AttributeError): return []
+    files = [r if r.endswith((".py", ".pkl")) else r.rpartition(":")[0] for r in refs if isinstance(r, str)]
+    return [Path(f) for f in files if f.endswith((".py", ".pkl"))]
+
 @patch
 def user_code(self:RunPaths) -> list:
-    "Every folder and file under the run's user-code folders (`USER_CODE`) that exist, without following a link."
-    out = []
+    """Every folder and file under the run's user-code folders (`USER_CODE`) that exist, without following a link, and
+    the files its configs name as code."""
+    out = [f for c in (self.config, *self.root.glob("config-attempt-*.json")) for f in _named_code(c)]
     for top in (self.root / n for n in USER_CODE if os.path.lexists(self.root / n)):
         out.append(top)
         if not os.path.islink(top):
             out += [Path(d, n) for d, dirs, files in os.walk(top) for n in dirs + files]
-    return sorted(out)
+    return sorted(set(out))
 
 # %% ../nbs/11_rundir.ipynb #a8aa6c03
 SWEEPS_DIR = ".sweeps"
@@ -250,8 +258,9 @@ class RunDirLinkError(PermissionError):
     "A symbolic link inside a run directory: ilab_nb neither reads nor writes through it."
 
 def no_follow(path, flags):
-    "An `opener` for `open()`: the file itself, never a symbolic link in its place (`O_NOFOLLOW`)."
-    try: return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    """An `opener` for `open()`: the file itself, never a symbolic link in its place (`O_NOFOLLOW`), and never a wait
+    (`O_NONBLOCK`: a named pipe put in a file's place reads as empty, or refuses a writer, instead of blocking)."""
+    try: return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
         if e.errno != errno.ELOOP: raise
         raise RunDirLinkError(f"{path} is a symbolic link (to {os.readlink(path)}); ilab_nb does not follow "
