@@ -72,6 +72,8 @@ def _plot_run(ax, m, label: str, col: str, smooth: float, shown=()) -> dict:
     m.poll()
     c = run_curves(m.records)
     fork = read_json(RunPaths(m.run_dir).fork, None)
+    if not (isinstance(fork, dict) and isinstance(fork.get("run_dir"), str) and isinstance(fork.get("step"), int)):
+        fork = None                                    # none, or a lineage without its parent and step: no parent drawn
     if fork and Path(fork["run_dir"]).resolve() not in {Path(d).resolve()
                                                         for d in shown} and Path(fork["run_dir"]).is_dir():
         p = RunMonitor(fork["run_dir"])

@@ -295,13 +295,17 @@ def append_event(self:RunStore, run_id, event, **fields) -> dict:
     return rec
 
 # %% ../nbs/13_runstore.ipynb #0ea73d8c
+def _lines(path) -> list:
+    "The lines of a run's file, read as ilab_nb reads them (no link followed, no wait); [] when it cannot be read."
+    try:
+        with open(path, "rb", opener=no_follow) as f: return f.read().decode("utf-8", "replace").splitlines()
+    except OSError: return []
+
 @patch
 def events(self:RunStore, run_id) -> list:
     "Every lifecycle event of the run."
-    p = RunPaths(self.run_dir(run_id)).events
-    if not p.exists(): return []
     out = []
-    for line in p.read_text().splitlines():
+    for line in _lines(RunPaths(self.run_dir(run_id)).events):
         try: out.append(json.loads(line))
         except ValueError: pass
     return out
@@ -322,10 +326,8 @@ _EVENT_STATUS = {Event.created: State.queued, Event.resumed: State.queued, Event
 # %% ../nbs/13_runstore.ipynb #7e70ea92
 def _status_events(path) -> list:
     "The lifecycle events in `path` that move a status, with a time; each without its fields of the wrong type."
-    try: lines = path.read_text().splitlines()
-    except OSError: return []
     out = []
-    for line in lines:
+    for line in _lines(path):
         try: e = json.loads(line)
         except ValueError: continue
         e = typed_fields(e, "lifecycle")[0] if isinstance(e, dict) else {}

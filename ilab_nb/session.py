@@ -91,8 +91,13 @@ def attach(cls:FineTuneSession, run_id, runs_root=None) -> FineTuneSession:
 
 # %% ../nbs/61_session.ipynb #c309d898
 def _lineage(fork: dict | None) -> str | None:
-    "A fork's parent, as `run@step`."
-    return f"{fork['run_id']}@{fork['step']}" if fork else None
+    "A fork's parent, as `run@step` (None for none, or for a lineage written by hand without a parent)."
+    return f"{fork['run_id']}@{fork.get('step', '?')}" if isinstance(fork, dict) and fork.get("run_id") else None
+
+def _changed_fields(changes) -> dict:
+    "`{attempt: [changed fields]}` of a state's `changes` (an entry that is not one, written by hand, left out)."
+    if not isinstance(changes, dict): return {}
+    return {int(a): sorted(ch) for a, ch in changes.items() if str(a).isdigit() and isinstance(ch, dict)}
 
 # %% ../nbs/61_session.ipynb #b2bd139d
 @patch(cls_method=True)
@@ -111,7 +116,7 @@ def list_runs(cls:FineTuneSession, runs_root=None) -> list:
                     "step": pr["step"],
                     "total_steps": pr["total_steps"], "loss": pr["loss"], "created_at": st.get("created_at"),
                     "reason": st.get("reason"), "forked_from": _lineage(st.get("forked_from")),
-                    "changed": {int(a): sorted(ch) for a, ch in (st.get("changes") or {}).items()}, "note": m.note})
+                    "changed": _changed_fields(st.get("changes")), "note": m.note})
     return out
 
 # %% ../nbs/61_session.ipynb #fbc34ad5
@@ -598,7 +603,7 @@ def _load(self:FineTuneSession, p: Path, **kwargs):
     # not safetensors' own words
     if (why := model_files_problem(p, kwargs.get("base_model"))) is not None: raise ValueError(why)
     trc = bool(self.config and self.config.trust_remote_code)
-    with no_hf_progress_bars():        # no tqdm widget in the output a saved notebook keeps (10_core)
+    with no_hf_progress_bars():        # no tqdm widget in the output a saved notebook keeps (08_core)
         return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
 
 # %% ../nbs/61_session.ipynb #aa844196

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import TrainConfig, SlurmOptions
 from .runstore import RunStore, StateError, TERMINAL, RUN_ENV, read_json, SPAWN_GRACE_S
-from .rundir import CKPT_MARKER, Event, RankState, RunDirLinkError, RunPaths, State, Action, gate
+from .rundir import CKPT_MARKER, Event, RankState, RunDirLinkError, RunPaths, State, Action, gate, no_follow
 from .monitor import tail_lines
 from .launcher import accelerate_command, write_accelerate_config, STOP_GRACE_S
 from .diagnosis import cause_of, describe_exit, torchrun_failures, rank_records, unfinished
@@ -347,7 +347,7 @@ def classify_job(job, info, events, header_seen, stop_requested, forced=False, t
 def _attempt_records(run_dir, attempt) -> tuple:
     "(header of this attempt seen?, this attempt's event records) from metrics.jsonl."
     head, events = False, []
-    try: f = open(RunPaths(run_dir).metrics)
+    try: f = open(RunPaths(run_dir).metrics, opener=no_follow)
     except OSError: return head, events
     with f:
         for line in f:
