@@ -139,25 +139,15 @@ def check_model(cfg):
 
 # %% ../nbs/60_preflight.ipynb #15c86295
 def check_remote_code(cfg, trust_owner: bool = False) -> list | None:
-    """With `trust_remote_code`: the model's own code files and their owners (warned); another user's refused. None
-    without it."""
-    import warnings
-    from ilab_nb.rundir import Action, OwnerError, _user, gate
+    """With `trust_remote_code`: the model's own code files and their owners (warned, as every entry point that loads a
+    model names them: 11_rundir); another user's refused. None without it."""
+    from ilab_nb.rundir import Action, OwnerError, gate, say_remote_code
     if not cfg.trust_remote_code: return None
     mp = Path(cfg.model).expanduser()
-    if not mp.is_dir():
-        warnings.warn(f"trust_remote_code=True: the Python code of the hub repository {cfg.model} will run in this "
-                      f"process and in every rank of the run")
-        return [cfg.model]
-    files = sorted(mp.rglob("*.py"))
     try:   # the folder's every file: its config names the code too
-        gate(None, Action.code, "run its code", trust_owner, also=[mp])
+        if mp.is_dir(): gate(None, Action.code, "run its code", trust_owner, also=[mp])
     except OwnerError as e: raise PreflightError(f"trust_remote_code: {e}", "trust_remote_code") from None
-    code = [f"{f.relative_to(mp)} ({_user(f.stat().st_uid)})" for f in files]
-    warnings.warn(f"trust_remote_code=True: the model's own code will run in this process and in every rank of the "
-                  f"run: "
-                  + (", ".join(code) if code else "no .py file") + f" in {mp}")
-    return [str(f) for f in files]
+    return say_remote_code(cfg.model, "in this process and in every rank of the run")
 
 # %% ../nbs/60_preflight.ipynb #16c5e3cb
 def check_model_dir(cfg) -> Path:

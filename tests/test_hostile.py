@@ -388,3 +388,22 @@ def test_a_count_or_amount_out_of_range_is_argparses_error_naming_the_option(arg
     if args[:2] == ["logs", "r"]:                 # -n 0 with -f follows from now on (a run that ended: its last line)
         assert main(["logs", "r", "-n", "0", "-f", "--runs-root", str(root)]) == 0
         assert capsys.readouterr().out == "--- run r failed (attempt 1)\n"
+
+
+def test_a_grpo_run_that_cannot_learn_is_said_so_by_every_reader(tmp_path, capsys):
+    """GRPO train records whose rewards were all None (NaN), and others whose groups all scored alike three batches in a
+    row, or whose reward function failed and was left out (reward_errors='skip'): every reader says it, beside the run."""
+    root = tmp_path / "runs"
+    grpo = lambda step, **f: _line("train", step=step, **{**TRAIN, "reward": 0.5, "frac_reward_zero_std": 0.0, **f})
+    cases = {"none": ([grpo(1), grpo(2, reward=float("nan"))],
+                      "no reward function scored any completion at step 2 (every reward None): the run cannot learn"),
+             "flat": ([grpo(s, frac_reward_zero_std=1.0) for s in (1, 2, 3)],
+                      "every group's rewards were equal in the last 3 generation batches (steps 1-3): every advantage was "
+                      "0, so the run learned nothing"),
+             "skipped": ([grpo(1, **{"rewards/judge/failure_frequency": 0.5})],
+                         "reward function 'judge' failed in 50% of its calls at step 1; their rewards were left out")}
+    for run_id, (lines, _) in cases.items(): RunPaths(ended_run(root, run_id)).metrics.write_text("".join(lines))
+    for run_id, (_, said) in cases.items():
+        got = every_reader(root, run_id, capsys)
+        assert said in got["row"]["note"] and f"{run_id}: {said}" in got["ls"] and said in got["status"], run_id
+        for where in ("record", "dashboard", "report"): assert str(escape(said)) in got[where], (run_id, where)
