@@ -13,7 +13,7 @@ import cloudpickle
 from .core import patch
 
 # %% auto #0
-__all__ = ['UserCodeError', 'callable_name', 'pickled', 'load_callable', 'serve', 'UserCode']
+__all__ = ['LOAD_TIMEOUT', 'UserCodeError', 'callable_name', 'pickled', 'load_callable', 'serve', 'UserCode']
 
 # %% ../nbs/09_usercode.ipynb #0530c4fb
 class UserCodeError(RuntimeError):
@@ -130,6 +130,8 @@ def _ended(code: int | None) -> str:
         except ValueError: return f"was killed by signal {-code}"
     return f"exited with code {code}" + (", as os._exit(0) does" if code == 0 else "")
 
+LOAD_TIMEOUT = 120.0   # seconds a child may take to start and load the functions, at least
+
 class UserCode:
     "User functions (`refs`: what `load_callable` takes) called in a child process, each answer awaited `timeout` s."
     def __init__(self, refs, timeout: float, what: str = "function"):
@@ -150,7 +152,7 @@ def start(self:UserCode) -> list:
                                  pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0)
     theirs.close()
     self.conn = ours
-    try: got = self._ask(("load", refs, sys.path), "loading them")
+    try: got = self._ask(("load", refs, sys.path), "loading them", wait=max(self.timeout, LOAD_TIMEOUT))
     except UserCodeError as e: raise UserCodeError(f"{self.what}s could not be loaded: they {e}", "load") from None
     if got[0] == "unloadable":
         self.close()
@@ -171,13 +173,15 @@ def _kill(self:UserCode) -> int | None:
     return code
 
 @patch
-def _ask(self:UserCode, msg: tuple, doing: str, name: str | None = None) -> tuple:
-    "Send `msg` and await its answer; `UserCodeError` when it does not come in time or the child ends first."
+def _ask(self:UserCode, msg: tuple, doing: str, name: str | None = None, wait: float | None = None) -> tuple:
+    """Send `msg` and await its answer (`wait` s, else `timeout`); `UserCodeError` when it does not come in time or the
+    child ends first."""
+    wait = self.timeout if wait is None else wait
     try:
         self.conn.send_bytes(pickle.dumps(msg))
-        if not self.conn.poll(self.timeout):
+        if not self.conn.poll(wait):
             self._kill()
-            raise UserCodeError(f"did not return within {self.timeout:g} s (it was stopped)", "timeout", name)
+            raise UserCodeError(f"did not return within {wait:g} s (it was stopped)", "timeout", name)
         return pickle.loads(self.conn.recv_bytes())
     except (EOFError, OSError):                      # the child is gone: say how it ended
         code = self.proc.wait() if self.proc is not None else None
