@@ -554,7 +554,7 @@ def misbehaving_on(counts: Path):
 
 UNRULY = dict(method="grpo", num_processes=2, strategy="ddp", device="cpu", max_steps=4, logging_steps=1, save_steps=None,
               learning_rate=1e-3, num_generations=2, per_device_train_batch_size=2, max_completion_length=4, max_seq_len=256,
-              num_iterations=1, beta=0.0, num_completions_to_print=0, seed=1, reward_timeout=3)
+              num_iterations=1, beta=0.0, num_completions_to_print=0, seed=1, reward_timeout=2)
 
 
 @pytest.mark.processes
@@ -578,7 +578,7 @@ def test_reward_functions_that_exit_crash_hang_or_raise_on_two_ranks_are_skipped
     assert said(0, "ended its process while it ran (it exited with code 0, as os._exit(0) does)", 1)
     assert said(0, "ended its process while it ran (it was killed by SIGSEGV)", 2)
     assert said(0, "'misbehaving' raised", 3) and "ZeroDivisionError" in logs[0]
-    assert said(1, "did not return within 3 s (it was stopped)", 2)
+    assert said(1, "did not return within 2 s (it was stopped)", 2)
     assert said(1, "'misbehaving' raised", 3) and "SystemExit: 1" in logs[1]
     assert len(logs[1]) > 5_000_000 and logs[0].count("left out (reward_errors='skip')") == 3
     assert (RunPaths(s.run_dir).final / "config.json").exists()
@@ -598,5 +598,5 @@ def test_a_reward_function_that_hangs_on_one_of_two_ranks_fails_the_run_naming_i
                         **{**UNRULY, "max_steps": 2}).start()
     assert s.wait(timeout=600) == "failed"
     assert s.reason.startswith(f"Run {s.run_id} failed: rank 1 ") and "RewardError: reward function 'misbehaving' did " \
-           "not return within 3 s (it was stopped) at step 1; give it more time with reward_timeout" in s.reason, s.reason
+           "not return within 2 s (it was stopped) at step 1; give it more time with reward_timeout" in s.reason, s.reason
     assert not RunPaths(s.run_dir).final.exists()
