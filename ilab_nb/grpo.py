@@ -31,7 +31,12 @@ __all__ = ['RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names',
 
 # %% ../nbs/31_grpo.ipynb #6c880cf5
 class RewardError(RuntimeError):
-    "A reward function could not be loaded, or failed, or returned something that is not a reward."
+    """A reward function could not be loaded, or failed, or returned something that is not a reward: one line, which a
+    failed run's reason quotes; `detail`, the function's own traceback, goes to the rank's log (and the preflight's
+    message)."""
+    def __init__(self, msg: str, detail: str = ""):
+        super().__init__(msg)
+        self.detail = detail
 
 class OtherRankRewardError(RewardError):
     "Another rank's reward function failed, and this rank stops with it (its account says so: 19_rankfiles)."
@@ -85,10 +90,10 @@ def _as_list(out, n: int) -> tuple:
     return None, f"returned {type(out).__name__}, not a list of {n} rewards"
 
 def _raises(code: UserCode, j: int, kw: dict):
-    "The index and traceback of the first single completion function `j` raises on, or None."
+    "The index of the first single completion function `j` raises on, and what it raised; or None."
     for i in range(len(kw["completions"])):
         try: code.call(j, **{k: v[i:i + 1] for k, v in kw.items()})
-        except UserCodeError as e: return (i, e.detail) if e.kind == "raised" else None
+        except UserCodeError as e: return (i, e) if e.kind == "raised" else None
     return None
 
 # %% ../nbs/31_grpo.ipynb #2d656ac4
@@ -102,13 +107,12 @@ def call_reward(code: UserCode, j: int, name: str, kw: dict, step: int) -> list:
     completion_ids, columns), checked."""
     n = len(kw["completions"])
     def fail(i, what, tb=""):
-        raise RewardError(f"reward function {name!r} {what} at step {step}, on prompt {kw['prompts'][i]!r}"
-                          + (f"\n{tb.rstrip()}" if tb else ""))
+        raise RewardError(f"reward function {name!r} {what} at step {step}, on prompt {kw['prompts'][i]!r}", tb)
     try: out = code.call(j, **kw)
     except UserCodeError as e:
         if e.kind != "raised": raise _failed(e, name, step) from None
-        i, tb = _raises(code, j, kw) or (0, e.detail)
-        fail(i, "raised", tb)
+        i, e = _raises(code, j, kw) or (0, e)
+        fail(i, str(e), e.detail)                     # "raised ValueError: ...", and its traceback beside
     out, why = _as_list(out, n)
     if why: fail(0, why)
     if len(out) != n: fail(0, f"returned {len(out)} rewards for {n} completions (one each)")
@@ -469,6 +473,22 @@ def close(self:GRPO):
 
 # %% ../nbs/31_grpo.ipynb #b8985f46
 @patch
+def score_mine(self:GRPO, kw: dict, n: int, env) -> tuple:
+    """`(rewards [n, functions] (NaN for None), failed calls by function, this rank's error or None)` of this rank's
+    `n` completions; each failure said in the rank's log with the function's traceback."""
+    out, failed = torch.full((n, len(self.names)), float("nan")), [0.0] * len(self.names)
+    for j, name in enumerate(self.names):
+        try: out[:, j] = torch.tensor([float("nan") if v is None else v
+                                       for v in call_reward(self.rewards, j, name, kw, self.step)])
+        except RewardError as e:
+            skip = self.cfg.reward_errors == "skip"
+            print(f"[ilab_nb.grpo] rank {env.rank}: {e}" + (f"\n{e.detail.rstrip()}" if e.detail else "")
+                  + ("\n  its rewards here are left out (reward_errors='skip')" if skip else ""), flush=True)
+            if not skip: return out, failed, f"{e} (rank {env.rank})"
+            failed[j] = 1.0
+    return out, failed, None
+
+@patch
 def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list, columns: list, env,
               share=None) -> tuple:
     """`(this rank's rewards, every rank's (rewards, share))`: `[completions, functions]` rewards (NaN for None) and
@@ -476,17 +496,7 @@ def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list,
     keys = sorted({k for c in columns for k in c})
     kw = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
               **{k: [c.get(k) for c in columns] for k in keys})
-    out, failed, err = torch.full((len(completions), len(self.names)), float("nan")), [0.0] * len(self.names), None
-    for j, name in enumerate(self.names):
-        try: out[:, j] = torch.tensor([float("nan") if v is None else v
-                                       for v in call_reward(self.rewards, j, name, kw, self.step)])
-        except RewardError as e:
-            if self.cfg.reward_errors != "skip":
-                err = f"{e} (rank {env.rank})"
-                break
-            failed[j] = 1.0
-            print(f"[ilab_nb.grpo] rank {env.rank}: {e}\n  its rewards here are left out (reward_errors='skip')",
-                  flush=True)
+    out, failed, err = self.score_mine(kw, len(completions), env)
     every = _all_objects((err, out, failed, share), env)
     if errs := [(r, e) for r, (e, *_) in enumerate(every) if e]:
         raise (RewardError if errs[0][0] == env.rank else OtherRankRewardError)(errs[0][1])
@@ -692,5 +702,6 @@ def check_rewards(cfg: TrainConfig, records: list, held: list = ()) -> tuple:
             for j, name in enumerate(names):
                 try: call_reward(code, j, name, _trial(r), 0)
                 except RewardError as e:
-                    out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})")
+                    out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})"
+                               + (f"\n{e.detail.rstrip()}" if e.detail else ""))
     return names, out

@@ -96,7 +96,9 @@ def _answer(fns: list, msg: tuple) -> tuple:
             except UserCodeError as e: return ("unloadable", i, str(e))
         return ("ok", [callable_name(f) for f in fns])
     try: return ("ok", fns[msg[1]](*msg[2], **msg[3]))
-    except BaseException as e: return ("raised", f"{type(e).__name__}: {e}", traceback.format_exc())
+    except BaseException as e:                       # its traceback from the user's frame on: none of this one
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        return ("raised", f"{type(e).__name__}: {e}", tb)
 
 # %% ../nbs/09_usercode.ipynb #5a318396
 def _die_with(parent: int):

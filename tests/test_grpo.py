@@ -380,7 +380,7 @@ def _in_process_run(demo, rd, data, **kw):
 
 
 @pytest.mark.processes          # the reward functions' own process
-def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path):
+def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path, capsys):
     """beta > 0 with LoRA: the reference is the base with the adapters off (kl 0 at step 1, above 0 once the adapters
     moved, no starting shards kept). A reward function that raises fails the step, naming itself, the prompt and the
     traceback."""
@@ -394,10 +394,13 @@ def test_lora_against_its_base_and_a_reward_that_raises(demo, tmp_path):
     with pytest.raises(G.RewardError) as e:
         _in_process_run(demo, tmp_path / "c", data, reward_funcs=[picky], max_steps=1)
     msg = str(e.value)
-    assert msg.startswith("reward function 'picky' raised at step 1, on prompt [{'role': 'system'") and \
-        "ValueError: cannot score this" in msg
+    assert msg.startswith("reward function 'picky' raised ValueError: cannot score this at step 1, on prompt "
+                          "[{'role': 'system'") and "\n" not in msg
+    out = capsys.readouterr().out                                                   # its traceback: in the rank's log
+    assert ", in picky\nValueError: cannot score this" in out, out[-2000:]
     failed = _records(tmp_path / "c", "event")[-1]
-    assert failed["event"] == "failed" and "RewardError: reward function 'picky' raised at step 1" in failed["error"]
+    assert failed["event"] == "failed" and "RewardError: reward function 'picky' raised ValueError: cannot score this at " \
+        "step 1" in failed["error"]
 
 
 @pytest.mark.processes
