@@ -20,11 +20,12 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
 from pydantic_core import PydanticCustomError
 
 from .core import patch
+from .rundir import reward_file
 
 # %% auto #0
 __all__ = ['DataSources', 'GRPO_DEFAULTS', 'DPO_LOSSES', 'GRPO_LOSSES', 'ConfigError', 'config_line', 'InMemoryData',
-           'data_sources', 'SlurmOptions', 'RayOptions', 'reward_file', 'config_problems', 'TrainConfig',
-           'fields_table', 'load_config']
+           'data_sources', 'SlurmOptions', 'RayOptions', 'config_problems', 'TrainConfig', 'fields_table',
+           'load_config']
 
 # %% ../nbs/12_config.ipynb #b7a81727
 def _unknown_field_msg(key: str, valid: list[str]) -> str:
@@ -646,11 +647,6 @@ def _lora_fields(v):
 
 # %% ../nbs/12_config.ipynb #f8eecd2f
 _MODULE_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-
-def reward_file(f: str) -> str | None:
-    "The file a reward reference names (`file.py`, `file.py:name`, `file.pkl`), or None for 'module:function'."
-    path = f.rsplit(":", 1)[0] if ":" in f and Path(f).suffix not in (".py", ".pkl") else f
-    return path if Path(path).suffix in (".py", ".pkl") else None
 
 def _reward_refs(v):
     "Each reward function: a callable, 'module:function', or an existing .py (':name' optional) or .pkl file."

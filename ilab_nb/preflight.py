@@ -675,8 +675,7 @@ def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool =
     owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with dummy
     completions."""
     from ilab_nb.grpo import check_rewards
-    from ilab_nb.config import reward_file
-    from ilab_nb.rundir import Action, OwnerError, gate
+    from ilab_nb.rundir import Action, OwnerError, gate, reward_file
     files = [f for r in cfg.reward_funcs if isinstance(r, str) and (f := reward_file(r))]
     try: gate(None, Action.code, "run its reward functions", trust_owner, also=files)
     except OwnerError as e: raise PreflightError(f"reward_funcs: {e}", "reward_funcs") from None

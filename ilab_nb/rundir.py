@@ -15,10 +15,10 @@ from .core import patch
 # %% auto #0
 __all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'USER_CODE', 'SWEEPS_DIR', 'OWN_LINKS',
            'APPENDED', 'ENTRY_POINTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State',
-           'status_of', 'Event', 'RankState', 'RunPaths', 'RunDirLinkError', 'no_follow', 'links_in', 'refuse_links',
-           'OwnerError', 'owner_problem', 'refuse_foreign', 'RemoteCodeWarning', 'remote_code_files', 'say_remote_code',
-           'Action', 'hard_links_in', 'RunGoneError', 'gate', 'gated', 'write_file', 'open_append', 'read_json',
-           'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
+           'status_of', 'Event', 'RankState', 'RunPaths', 'reward_file', 'RunDirLinkError', 'no_follow', 'links_in',
+           'refuse_links', 'OwnerError', 'owner_problem', 'refuse_foreign', 'RemoteCodeWarning', 'remote_code_files',
+           'say_remote_code', 'Action', 'hard_links_in', 'RunGoneError', 'gate', 'gated', 'write_file', 'open_append',
+           'read_json', 'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
            'record_problem', 'schema_markdown']
 
 # %% ../nbs/11_rundir.ipynb #a3a6030c
@@ -136,12 +136,16 @@ class RunPaths:
 # %% ../nbs/11_rundir.ipynb #7371bd1f
 USER_CODE = ("rewards",)   # a run's folders of its user's code, run when it is resumed or forked
 
+def reward_file(f: str) -> str | None:
+    "The file a reward reference names (`file.py`, `file.py:name`, `file.pkl`), or None for 'module:function'."
+    path = f.rsplit(":", 1)[0] if ":" in f and Path(f).suffix not in (".py", ".pkl") else f
+    return path if Path(path).suffix in (".py", ".pkl") else None
+
 def _named_code(config: Path) -> list:
     "The `.py` and `.pkl` files that a run's config file names as its reward functions, wherever they are."
     try: refs = [] if os.path.islink(config) else json.loads(config.read_text()).get("reward_funcs") or []
     except (OSError, ValueError, AttributeError): return []
-    files = [r if r.endswith((".py", ".pkl")) else r.rpartition(":")[0] for r in refs if isinstance(r, str)]
-    return [Path(f) for f in files if f.endswith((".py", ".pkl"))]
+    return [Path(f) for r in refs if isinstance(r, str) and (f := reward_file(r))]
 
 @patch
 def user_code(self:RunPaths) -> list:
