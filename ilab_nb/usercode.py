@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_usercode.ipynb #72779f00
 from __future__ import annotations
-import importlib, importlib.util, inspect, os, pickle, re, signal, subprocess, sys, sysconfig, traceback
+import asyncio, importlib, importlib.util, inspect, os, pickle, re, signal, subprocess, sys, sysconfig, traceback
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 
@@ -87,17 +87,46 @@ def _reply(conn, msg):
                                        f"{type(e).__name__}: {e}", ""))
     conn.send_bytes(data)
 
+_OBJECTS: dict = {}                                  # the child's objects (environments), by the caller's key
+_LOOP = None                                         # the child's one event loop, for async functions
+
+def _awaited(x):
+    "`x`, or what it resolves to when it is awaitable (an async function's result), on the child's one loop."
+    global _LOOP
+    if not inspect.isawaitable(x): return x
+    if _LOOP is None: _LOOP = asyncio.new_event_loop()
+    return _LOOP.run_until_complete(x)
+
+def _run(fns: list, msg: tuple):
+    "What one message asks for: a call of function `i`, a new object, an object's method, or a helper on either."
+    op = msg[0]
+    if op == "call":
+        i, args, kw, objs = msg[1:]
+        kw = {**kw, **{k: [_OBJECTS[key] for key in keys] for k, keys in objs.items()}}
+        return _awaited(fns[i](*args, **kw))
+    if op == "new":
+        _OBJECTS[msg[2]] = obj = fns[msg[1]]()
+        return type(obj).__name__
+    if op == "method": return _awaited(getattr(_OBJECTS[msg[1]], msg[2])(*msg[3], **msg[4]))
+    if op == "apply": return load_callable(msg[1])(fns[msg[2]])
+    raise ValueError(f"unknown message {op!r}")
+
 def _answer(fns: list, msg: tuple) -> tuple:
-    "The reply to one message: `('load', refs, path)` or `('call', i, args, kwargs)`."
+    """The reply to one message: `('load', refs, path)`, `('call', i, args, kwargs, objects)` (`objects`: keyword
+    arguments that are lists of the child's objects, by key), `('new', i, key)` (the object function `i` makes, kept
+    as `key`), `('method', key, name, args, kwargs)` or `('apply', helper, i)` (the helper `'module:function'` on
+    function `i`)."""
     if msg[0] == "load":
         sys.path[:] = msg[2]
         for i, ref in enumerate(msg[1]):
             try: fns.append(load_callable(ref))
             except UserCodeError as e: return ("unloadable", i, str(e))
         return ("ok", [callable_name(f) for f in fns])
-    try: return ("ok", fns[msg[1]](*msg[2], **msg[3]))
-    except BaseException as e:                       # its traceback from the user's frame on: none of this one
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+    try: return ("ok", _run(fns, msg))
+    except BaseException as e:                       # its traceback from the user's frames on: none of this module's
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == _run.__code__.co_filename: tb = tb.tb_next
+        tb = "".join(traceback.format_exception(type(e), e, tb))
         return ("raised", f"{type(e).__name__}: {e}", tb)
 
 # %% ../nbs/09_usercode.ipynb #5a318396
@@ -135,10 +164,16 @@ def _ended(code: int | None) -> str:
 LOAD_TIMEOUT = 120.0   # seconds a child may take to start and load the functions, at least
 
 class UserCode:
-    "User functions (`refs`: what `load_callable` takes) called in a child process, each answer awaited `timeout` s."
-    def __init__(self, refs, timeout: float, what: str = "function"):
-        self.refs, self.timeout, self.what = list(refs), float(timeout), what
+    """User functions (`refs`: what `load_callable` takes) called in a child process, each answer awaited `timeout` s
+    (or the function's own of `timeouts`); `what` names them in messages (one word for all, or one each)."""
+    def __init__(self, refs, timeout: float, what: str = "function", timeouts: list | None = None):
+        self.refs, self.timeout = list(refs), float(timeout)
+        self.whats = list(what) if isinstance(what, (list, tuple)) else [what] * len(self.refs)   # each one's kind
+        self.what = self.whats[0] if len(set(self.whats)) == 1 else "user function"
+        self.timeouts = list(timeouts or [None] * len(self.refs))   # a function's own, where not None
+        self.owner = {}                              # an object's key -> the function that made it
         self.proc = self.conn = self.names = None
+        self.starts = 0                              # children started: objects kept in an earlier one are gone
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
@@ -147,8 +182,10 @@ class UserCode:
 @patch
 def start(self:UserCode) -> list:
     "Start the child and load the functions in it; their names."
-    try: refs = [pickled(r) if callable(r) else r for r in self.refs]
-    except UserCodeError as e: raise UserCodeError(f"{self.what} {e}", "load", e.name) from None
+    refs = []
+    for r, what in zip(self.refs, self.whats):
+        try: refs.append(pickled(r) if callable(r) else r)
+        except UserCodeError as e: raise UserCodeError(f"{what} {e}", "load", e.name) from None
     ours, theirs = Pipe()
     self.proc = subprocess.Popen([sys.executable, "-m", "ilab_nb.usercode", str(theirs.fileno()), str(os.getpid())],
                                  pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0)
@@ -158,8 +195,8 @@ def start(self:UserCode) -> list:
     except UserCodeError as e: raise UserCodeError(f"{self.what}s could not be loaded: they {e}", "load") from None
     if got[0] == "unloadable":
         self.close()
-        raise UserCodeError(f"{self.what} {got[2]}", "load", None)
-    self.names = got[1]
+        raise UserCodeError(f"{self.whats[got[1]]} {got[2]}", "load", None)
+    self.names, self.starts = got[1], self.starts + 1
     return self.names
 
 # %% ../nbs/09_usercode.ipynb #42761b24
@@ -195,13 +232,38 @@ def _ask(self:UserCode, msg: tuple, doing: str, name: str | None = None, wait: f
 
 # %% ../nbs/09_usercode.ipynb #25205c17
 @patch
-def call(self:UserCode, i: int, *args, **kwargs):
-    "What function `i` returns for `args`/`kwargs`, called in the child; `UserCodeError` when it fails there."
+def _do(self:UserCode, msg: tuple, name: str, doing: str = "it ran", i: int | None = None):
+    """The result of `msg` in the child (started if it is not), awaited function `i`'s timeout; its failure a
+    `UserCodeError` about `name`."""
     if self.proc is None: self.start()
-    name = self.names[i]
-    got = self._ask(("call", i, args, kwargs), "it ran", name)
+    got = self._ask(msg, doing, name, None if i is None else self.timeouts[i])
     if got[0] == "raised": raise UserCodeError(f"raised {got[1]}", "raised", name, got[2])
     return got[1]
+
+@patch
+def call(self:UserCode, i: int, *args, objects: dict | None = None, **kwargs):
+    """What function `i` returns for `args`/`kwargs`, called in the child; `UserCodeError` when it fails there.
+    `objects`: keyword arguments that are lists of the child's objects, by key (`{"environments": [key, ...]}`)."""
+    if self.proc is None: self.start()
+    return self._do(("call", i, args, kwargs, objects or {}), self.names[i], i=i)
+
+@patch
+def new(self:UserCode, i: int, key) -> str:
+    "Keep the object function `i` makes (an environment) as `key` in the child; its class's name."
+    if self.proc is None: self.start()
+    self.owner[key] = i
+    return self._do(("new", i, key), self.names[i], i=i)
+
+@patch
+def method(self:UserCode, key, name: str, *args, **kwargs):
+    "What method `name` of the child's object `key` returns (awaited when it is async)."
+    return self._do(("method", key, name, args, kwargs), name, i=self.owner.get(key))
+
+@patch
+def apply(self:UserCode, helper: str, i: int):
+    "What the function `helper` (`'module:function'`, importable in the child) returns for function `i`."
+    if self.proc is None: self.start()
+    return self._do(("apply", helper, i), self.names[i], "describing it", i)
 
 @patch
 def close(self:UserCode):
