@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator
+from pydantic import BeforeValidator
 
 # %% auto #0
 __all__ = ['DataSources', 'InMemoryData', 'data_sources']
