@@ -12,7 +12,7 @@ from .usercode import UserCode, UserCodeError, callable_name
 # %% auto #0
 __all__ = ['ToolError', 'tool_schema', 'describe_tool', 'env_methods', 'describe_environment', 'tool_chat', 'tool_suffix_ids',
            'RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names', 'call_reward', 'Toolbox',
-           'environments', 'run_episodes']
+           'environments', 'run_episodes', 'user_code', 'toolbox_of', 'check_tools', 'trial_objects']
 
 # %% ../nbs/10_agents.ipynb #51e5ec36
 class ToolError(ValueError):
@@ -305,3 +305,54 @@ def run_episodes(prompt_ids: list, completion_ids: list, completions: list, tool
         active = [i for i, new in zip((i for i, _ in joined), sampled) if new and completions[i][-1].get("tool_calls")]
         rounds += 1
     return dict(completion_ids=completion_ids, tool_mask=tool_mask, completions=completions, rounds=rounds)
+
+# %% ../nbs/10_agents.ipynb #39a890a6
+def user_code(cfg) -> UserCode:
+    "The run's user code in one child: reward functions, tools and environment factories (`cfg`'s)."
+    tools, envs = list(getattr(cfg, "tools", None) or []), environments(getattr(cfg, "environment_factory", None))
+    n, k = len(cfg.reward_funcs), len(tools) + len(envs)
+    return UserCode([*cfg.reward_funcs, *tools, *envs.values()], cfg.reward_timeout,
+                    ["reward function"] * n + ["tool"] * len(tools) + ["environment"] * len(envs),
+                    [None] * n + [getattr(cfg, "tool_timeout", cfg.reward_timeout)] * k)
+
+def toolbox_of(cfg, code: UserCode) -> Toolbox:
+    "The `Toolbox` of `user_code(cfg)`'s child."
+    n, t, envs = len(cfg.reward_funcs), len(cfg.tools or []), environments(cfg.environment_factory)
+    return Toolbox(code, range(n, n + t), {e: n + t + k for k, e in enumerate(envs)}, cfg.tool_timeout)
+
+def check_tools(cfg, code: UserCode, tokenizer, records: list) -> tuple:
+    "`(toolbox, [problem])` of the run's tools and environments in `code`'s started child."
+    box = toolbox_of(cfg, code)
+    try: problems = box.describe()
+    except UserCodeError as e: return box, [f"{e.name!r} could not be described: {e}"]
+    if not cfg.reward_funcs and not any(i["reward"] for i in box.env_info.values()):
+        problems.append("environment_factory: no reward source: give reward_funcs, or environments with get_reward()")
+    multi = isinstance(cfg.environment_factory, dict)
+    for r in records:
+        where = f" ({r.get('source')})" if r.get("source") else ""
+        if isinstance(r["prompt"], str):
+            problems.append(f"tools need chat prompts (messages), as TRL's; this prompt is text{where}")
+            break
+        if multi and r.get("columns", {}).get("environment") not in box.envs:
+            problems.append(f"row's environment {r.get('columns', {}).get('environment')!r} is not one of "
+                            f"environment_factory's {', '.join(map(repr, box.envs))}{where}")
+            break
+    if tokenizer is not None and not problems:
+        try:
+            template = tool_chat(tokenizer, cfg.response_template)
+            env = records[0].get("columns", {}).get("environment") if multi else None
+            tokenizer.apply_chat_template(records[0]["prompt"], tools=box.tools_for(env) or None,
+                                          chat_template=template, add_generation_prompt=True, tokenize=False)
+        except ToolError as e: problems.append(str(e))
+        except Exception as e: problems.append(f"the chat template cannot render the first prompt with its tools: "
+                                               f"{type(e).__name__}: {e}")
+    return box, problems
+
+def trial_objects(box, cfg, r: dict, n: int) -> dict | None:
+    "The `environments` a preflight's reward call gets: `n` instances reset with record `r`'s row (None: none)."
+    if box is None or not box.envs: return None
+    multi, cols = isinstance(cfg.environment_factory, dict), r.get("columns", {})
+    name = cols.get("environment") if multi else None
+    row = {"prompt": r["prompt"], **{k: v for k, v in cols.items() if not (multi and k == "environment")}}
+    box.reset([name] * n, [row] * n)
+    return {"environments": box.present()}

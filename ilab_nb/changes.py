@@ -23,7 +23,8 @@ RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_sched
                      # GRPO: how completions are sampled, scored and clipped from the next step on
                      "max_completion_length", "temperature", "top_p", "top_k", "repetition_penalty", "epsilon",
                      "epsilon_high", "scale_rewards", "mask_truncated_completions", "reward_funcs", "reward_weights",
-                     "reward_timeout", "reward_errors",
+                     "reward_timeout", "reward_errors", "tools", "environment_factory",
+                     "max_tool_calling_iterations", "tool_timeout", "response_template",
                      "num_completions_to_print")
 
 _MEANS = {   # why a field may not change on a resume: what the checkpoint holds

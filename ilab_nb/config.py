@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError, field_validator, model_validato
 from pydantic_core import PydanticCustomError
 
 from .core import patch
-from .rundir import reward_file
+from .rundir import CODE_FIELDS, code_refs, reward_file
 from .config_file import ConfigError, _read_config_file, _show, _unknown_field_msg, config_line
 from .config_data import DataSources, InMemoryData, data_sources
 from .config_fields import (
@@ -92,6 +92,25 @@ def _ref_resolved(ref, base: Path):
     if not isinstance(ref, str) or (f := reward_file(ref)) is None or Path(f).expanduser().is_absolute(): return ref
     return str((base / f).resolve()) + ref[len(f):] if (base / f).exists() else ref
 
+def _env_refs(v):
+    "An environment factory (a class, 'module:Class', a file) or `{name: factory}`: each checked as a reference."
+    if v is None: return v
+    if isinstance(v, dict):
+        _reward_refs(list(v.values()))
+        return v
+    _reward_refs([v])
+    return v
+
+def _refs_resolved(d: dict, base: Path) -> dict:
+    "`d`'s code references (reward functions, tools, environments) with relative files under `base` made absolute."
+    out = {}
+    for k in ("reward_funcs", "tools"):
+        if isinstance(d.get(k), list): out[k] = [_ref_resolved(r, base) for r in d[k]]
+    env = d.get("environment_factory")
+    if isinstance(env, dict): out["environment_factory"] = {n: _ref_resolved(r, base) for n, r in env.items()}
+    elif env is not None: out["environment_factory"] = _ref_resolved(env, base)
+    return {**d, **out}
+
 # %% ../nbs/12_config.ipynb #562ac8e2
 def _existing_file(v):
     if v is not None and not Path(v).expanduser().is_file():
@@ -138,7 +157,8 @@ class TrainConfig(_Fields):
     _gpus = field_validator("devices")(_distinct_gpus)
     _accelerate = field_validator("accelerate_config")(_existing_file)
     _lora = field_validator("lora", mode="before")(_lora_fields)
-    _rewards = field_validator("reward_funcs")(_reward_refs)
+    _rewards = field_validator("reward_funcs", "tools")(_reward_refs)
+    _envs = field_validator("environment_factory")(_env_refs)
 
     @model_validator(mode="after")
     def _check_combinations(self):
@@ -221,9 +241,7 @@ def from_file(cls:TrainConfig, path: str | os.PathLike, **overrides: Any) -> Tra
     d, lines = _read_config_file(path)
     # an override's error is not the file's
     lines = {k: n for k, n in lines.items() if k.split(".")[0] not in overrides}
-    if isinstance(d, dict) and isinstance(d.get("reward_funcs"), list):        # its reward files: beside it
-        here = Path(path).expanduser().absolute().parent
-        d = {**d, "reward_funcs": [_ref_resolved(r, here) for r in d["reward_funcs"]]}
+    if isinstance(d, dict): d = _refs_resolved(d, Path(path).expanduser().absolute().parent)   # its code: beside it
     try: return cls.from_dict({**d, **overrides})
     except ConfigError as e: raise ConfigError(e.errors, str(path), lines) from None
 
@@ -243,10 +261,11 @@ def to_json(self:TrainConfig, path: str | os.PathLike) -> Path:
     mem = [d for d in self.data + (self.eval_data or []) if isinstance(d, InMemoryData)]
     if mem: raise ValueError(f"{mem[0].name} is held in memory and cannot be written to a config file; write it to a "
                              "file first (FineTuneSession.start() writes it into the run directory)")
-    if fn := next((f for f in self.reward_funcs if not isinstance(f, str)), None):
-        raise ValueError(f"the reward function {getattr(fn, '__qualname__', fn)} is held in memory and cannot be "
-                         "written to a config file; name it as 'module:function' or a .py file "
-                         "(FineTuneSession.start() saves it by value)")
+    for k, what in zip(CODE_FIELDS, ("reward function", "tool", "environment")):
+        if fn := next((f for f in code_refs({k: getattr(self, k)}) if not isinstance(f, str)), None):
+            raise ValueError(f"the {what} {getattr(fn, '__qualname__', fn)} is held in memory and cannot be written to a "
+                             "config file; name it as 'module:function' or a .py file (FineTuneSession.start() saves it "
+                             "by value)")
     p.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8")
     return p
 
@@ -263,7 +282,7 @@ def resolved(self:TrainConfig, base_dir: str | os.PathLike) -> TrainConfig:
     upd = dict(model=res(self.model), data=[res(p) for p in self.data])
     if self.eval_data is not None: upd["eval_data"] = [res(p) for p in self.eval_data]
     if self.accelerate_config is not None: upd["accelerate_config"] = res(self.accelerate_config)
-    upd["reward_funcs"] = [_ref_resolved(r, base) for r in self.reward_funcs]
+    upd.update(_refs_resolved({k: getattr(self, k) for k in CODE_FIELDS}, base))
     return self.model_copy(update=upd)
 
 # %% ../nbs/12_config.ipynb #1c7ae6c0

@@ -151,10 +151,27 @@ class _GRPOFields(_FieldGroup):
     num_completions_to_print: int = Field(4, ge=0, description=(
         "GRPO: completions per optimizer step kept with their rewards in metrics.jsonl (`completions` records) for the "
         "dashboard and the record (TRL's name; 0 = none)."))
+    tools: list[Any] = Field([], description=(
+        "GRPO: tools the model may call (TRL's): type-hinted functions with a Google-style docstring, sync or async; "
+        "functions (saved by value at start()), 'module:function' or a .py file. Run beside the reward functions."))
+    environment_factory: Any = Field(None, description=(
+        "GRPO: an environment class, or {name: class} routing rows by their `environment` column (TRL's): "
+        "reset(**row) per rollout, its public methods tools, optional get_reward() a reward of weight 1."))
+    max_tool_calling_iterations: int | None = Field(None, ge=1, description=(
+        "GRPO: rounds of tool calls in an episode at most (TRL's); None = until the model stops calling tools or "
+        "max_completion_length is spent."))
+    tool_timeout: float = Field(60.0, gt=0, description=(
+        "GRPO: seconds one tool call (or environment method) may take; past it the call is stopped, its result is "
+        "an error and it counts as a failure. Below ddp_timeout."))
+    response_template: dict | None = Field(None, description=(
+        "GRPO with tools: how tool calls are parsed (transformers' response_template) for a chat template trl does "
+        "not know; None = the tokenizer's own, or trl's for its template."))
 
-    @field_serializer("reward_funcs", when_used="json")
+    @field_serializer("reward_funcs", "tools", "environment_factory", when_used="json")
     def _reward_names(self, v):
-        return [f if isinstance(f, str) else f"<in memory: {getattr(f, '__qualname__', f)}>" for f in v]
+        def say(f): return f if isinstance(f, str) or f is None else f"<in memory: {getattr(f, '__qualname__', f)}>"
+        return {k: say(f) for k, f in v.items()} if isinstance(v, dict) else [say(f) for f in v] \
+            if isinstance(v, list) else say(v)
 
 # %% ../nbs/06_config_methods.ipynb #d2345a2e
 DPO_LOSSES, GRPO_LOSSES = ("sigmoid", "ipo", "hinge"), ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -176,7 +193,9 @@ def _grpo_problems(c) -> list:
                 if getattr(c, k) != f.default]
     p = [] if c.loss_type in GRPO_LOSSES else [("loss_type", f"{c.loss_type!r} is DPO's; GRPO's are "
                                                              f"{', '.join(map(repr, GRPO_LOSSES))}")]
-    if not c.reward_funcs: p.append(("reward_funcs", "GRPO needs at least one reward function: reward_funcs=[fn, ...]"))
+    if not c.reward_funcs and c.environment_factory is None:
+        p.append(("reward_funcs", "GRPO needs at least one reward function: reward_funcs=[fn, ...] (or an "
+                                  "environment_factory whose environments score with get_reward)"))
     if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
         p.append(("reward_weights", f"{len(c.reward_weights)} weights for {len(c.reward_funcs)} reward functions; "
                                     "give one each"))
@@ -189,6 +208,13 @@ def _grpo_problems(c) -> list:
         p.append(("reward_timeout", f"reward_timeout ({c.reward_timeout:g} s) must be below ddp_timeout "
                   f"({c.ddp_timeout} s): the other processes wait for a rank's rewards in a collective that gives "
                   "up then"))
+    if c.tool_timeout >= c.ddp_timeout:
+        p.append(("tool_timeout", f"tool_timeout ({c.tool_timeout:g} s) must be below ddp_timeout ({c.ddp_timeout} s): "
+                                  "the other processes wait for a rank's tools in a collective that gives up then"))
+    if c.response_template is not None and not (c.tools or c.environment_factory is not None):
+        p.append(("response_template", "parses tool calls; give tools or environment_factory, or drop it"))
+    if isinstance(c.environment_factory, dict) and not c.environment_factory:
+        p.append(("environment_factory", "an empty dict; give {name: class, ...} or one class"))
     return p
 
 # %% ../nbs/06_config_methods.ipynb #890a587a

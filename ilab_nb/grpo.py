@@ -28,8 +28,8 @@ from .agents import RewardError, OtherRankRewardError, reward_name, unique_names
 # %% auto #0
 __all__ = ['reward_blob', 'save_reward', 'save_rewards', 'prompt_text', 'build_prompts', 'GRPO', 'sampler_seed',
            'completion_mask', 'whole_fits', 'whole_weights', 'completion_logps', 'model_forward', 'nanstd',
-           'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss', 'clip_metrics', 'user_code',
-           'completion_stats', 'tool_metrics', 'eval_metrics', 'check_rewards']
+           'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss', 'clip_metrics', 'completion_stats',
+           'tool_metrics', 'eval_metrics', 'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #c1f13de8
 def reward_blob(fn) -> bytes:
@@ -37,12 +37,14 @@ def reward_blob(fn) -> bytes:
     try: return pickled(fn)
     except UserCodeError as e: raise RewardError(f"reward function {e}") from None
 
-def save_reward(fn, i: int, paths: RunPaths, tag: str = "") -> str:
-    "Write reward function `fn` (item `i`) by value to `rewards/<i>-<name><tag>.pkl`, its source to `.py`; the .pkl."
+def save_reward(fn, i: int, paths: RunPaths, tag: str = "", folder: Path | None = None) -> str:
+    """Write reward function `fn` (item `i`) by value to `rewards/<i>-<name><tag>.pkl` (or `folder`), its source to
+    `.py`; the .pkl."""
     blob = reward_blob(fn)
-    paths.rewards.mkdir(exist_ok=True)
+    folder = paths.rewards if folder is None else folder
+    folder.mkdir(exist_ok=True)
     safe = re.sub(r"[^\w.-]", "_", reward_name(fn))
-    stem = paths.rewards / f"{i}-{safe}{tag}"
+    stem = folder / f"{i}-{safe}{tag}"
     write_file(f"{stem}.pkl", blob)                   # 0o644 whatever the umask: the gate refuses code anyone may write
     try: source = inspect.getsource(fn)
     except (OSError, TypeError): source = None        # a builtin, or a function whose file is gone: no source to keep
@@ -50,10 +52,15 @@ def save_reward(fn, i: int, paths: RunPaths, tag: str = "") -> str:
     return f"{stem}.pkl"
 
 def save_rewards(cfg: TrainConfig, paths: RunPaths, tag: str = "") -> TrainConfig:
-    "`cfg` with its reward functions held in memory saved into the run and named there by path (`tag`: a resume's)."
-    if not any(callable(f) for f in cfg.reward_funcs): return cfg
-    refs = [save_reward(f, i, paths, tag) if callable(f) else f for i, f in enumerate(cfg.reward_funcs)]
-    return cfg.model_copy(update=dict(reward_funcs=refs))
+    """`cfg` with its reward functions, tools and environment factories held in memory saved into the run (`rewards/`,
+    `tools/`) and named there by path (`tag`: a resume's)."""
+    def saved(f, i, folder): return save_reward(f, i, paths, tag, folder) if callable(f) else f
+    upd = dict(reward_funcs=[saved(f, i, paths.rewards) for i, f in enumerate(cfg.reward_funcs)],
+               tools=[saved(f, i, paths.tools) for i, f in enumerate(cfg.tools or [])])
+    env, n = cfg.environment_factory, len(upd["tools"])
+    upd["environment_factory"] = ({k: saved(f, n + i, paths.tools) for i, (k, f) in enumerate(env.items())}
+                                  if isinstance(env, dict) else saved(env, n, paths.tools) if env is not None else None)
+    return cfg if upd == {k: getattr(cfg, k) for k in upd} else cfg.model_copy(update=upd)
 
 # %% ../nbs/31_grpo.ipynb #933477e0
 def prompt_text(prompt, tokenizer) -> str:
@@ -454,7 +461,7 @@ def prepare(self:GRPO, attempt, forward):
     st = getattr(attempt, "method_state", None)               # resumed inside a generation batch: that batch
     if st and (st["step"], st["world_size"]) == (attempt.start, attempt.env.world_size) and \
             st["fields"] == self.batch_fields(): self.buffer = st["buffer"]
-    self.rewards = user_code(c)                                # in a process of their own, with the tools
+    self.rewards = A.user_code(c)                              # in a process of their own, with the tools
     try: names = self.rewards.start()
     except UserCodeError as e: raise RewardError(str(e)) from None
     self.n_funcs = len(c.reward_funcs)
@@ -470,15 +477,6 @@ def prepare(self:GRPO, attempt, forward):
     for m in _sharded(attempt.model)[1:] if self.fits else []:   # a block keeps its weights from its forward to its
         m.set_reshard_after_forward(False, recurse=False)       # backward, which shards them: gathered once, not twice
     return None
-
-def user_code(cfg: TrainConfig) -> UserCode:
-    """The run's user code in one child: its reward functions, tools and environment factories (the reward functions
-    get the rollouts' environments, so they share a process); calls of the last two given `tool_timeout`."""
-    tools, envs = list(cfg.tools or []), A.environments(cfg.environment_factory)
-    n, k = len(cfg.reward_funcs), len(tools) + len(envs)
-    return UserCode([*cfg.reward_funcs, *tools, *envs.values()], cfg.reward_timeout,
-                    ["reward function"] * n + ["tool"] * len(tools) + ["environment"] * len(envs),
-                    [None] * n + [cfg.tool_timeout] * k)
 
 @patch
 def prepare_tools(self:GRPO, attempt):
@@ -758,16 +756,20 @@ def _trial(r: dict) -> dict:
     return dict(prompts=[r["prompt"]] * 2, completions=completions, completion_ids=[[], [0]],
                 **{k: [v] * 2 for k, v in r.get("columns", {}).items()})
 
-def check_rewards(cfg: TrainConfig, records: list, held: list = ()) -> tuple:
-    """Each reward function called on the first prompt (and held-out prompt) with dummy completions: `(their names,
-    [problem])`."""
+def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=None) -> tuple:
+    """Each reward function called on the first prompt (and held-out prompt) with dummy completions, after the tools
+    and environments are checked (`agents.check_tools`): `(their names, [problem])`."""
     out = []
-    with UserCode(cfg.reward_funcs, cfg.reward_timeout, "reward function") as code:
-        try: names = unique_names(code.start())
+    with A.user_code(cfg) as code:
+        try: names = unique_names(code.start()[:len(cfg.reward_funcs)])
         except UserCodeError as e: return [], [str(e)]
+        box, problems = A.check_tools(cfg, code, tokenizer, records) if len(code.names) > len(names) else (None, [])
+        if problems: return names, problems
         for r in [records[0], *held[:1]]:
+            try: objects = A.trial_objects(box, cfg, r, 2)
+            except UserCodeError as e: return names, [f"environment {e.name!r} {e} in the preflight ({r.get('source')})"]
             for j, name in enumerate(names):
-                try: call_reward(code, j, name, _trial(r), 0)
+                try: call_reward(code, j, name, _trial(r), 0, objects)
                 except RewardError as e:
                     out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})"
                                + (f"\n{e.detail.rstrip()}" if e.detail else ""))

@@ -670,18 +670,20 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
 
 # %% ../nbs/60_preflight.ipynb #9559a493
-def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False) -> dict:
-    """The reward functions' names and how they are called; a `PreflightError` for a file of theirs that another user
-    owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with dummy
-    completions."""
+def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False, tokenizer=None) -> dict:
+    """The reward functions' names and how they are called (and the tools'); a `PreflightError` for a file of theirs
+    that another user owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with
+    dummy completions, and each tool or environment that cannot be used (`agents.check_tools`)."""
     from ilab_nb.grpo import check_rewards
-    from ilab_nb.rundir import Action, OwnerError, gate, reward_file
-    files = [f for r in cfg.reward_funcs if isinstance(r, str) and (f := reward_file(r))]
-    try: gate(None, Action.code, "run its reward functions", trust_owner, also=files)
+    from ilab_nb.rundir import Action, OwnerError, code_refs, gate, reward_file
+    files = [f for r in code_refs(vars(cfg)) if isinstance(r, str) and (f := reward_file(r))]
+    try: gate(None, Action.code, "run its reward functions and tools", trust_owner, also=files)
     except OwnerError as e: raise PreflightError(f"reward_funcs: {e}", "reward_funcs") from None
-    names, problems = check_rewards(cfg, records, evals)
-    if problems: raise PreflightError("; ".join(problems), "reward_funcs")
-    return dict(names=names, reward_timeout=cfg.reward_timeout, reward_errors=cfg.reward_errors)
+    names, problems = check_rewards(cfg, records, evals, tokenizer)
+    tools = bool(cfg.tools or cfg.environment_factory is not None)
+    if problems: raise PreflightError("; ".join(problems), "tools" if tools else "reward_funcs")
+    return dict(names=names, reward_timeout=cfg.reward_timeout, reward_errors=cfg.reward_errors,
+                **(dict(tool_timeout=cfg.tool_timeout) if tools else {}))
 
 def grpo_generation_tokens(cfg) -> int:
     "Tokens of key/value cache a GRPO process holds while sampling (its step's completions at their longest), else 0."
@@ -747,7 +749,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
-    rewards = check_reward_funcs(cfg, records, evals, trust_owner) if cfg.method == "grpo" else None
+    rewards = check_reward_funcs(cfg, records, evals, trust_owner, tok) if cfg.method == "grpo" else None
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's

@@ -13,13 +13,13 @@ from pathlib import Path
 from .core import patch
 
 # %% auto #0
-__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'USER_CODE', 'SWEEPS_DIR', 'OWN_LINKS',
-           'APPENDED', 'ENTRY_POINTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name', 'State',
-           'status_of', 'Event', 'RankState', 'RunPaths', 'reward_file', 'RunDirLinkError', 'no_follow', 'links_in',
-           'refuse_links', 'OwnerError', 'owner_problem', 'refuse_foreign', 'RemoteCodeWarning', 'remote_code_files',
-           'say_remote_code', 'Action', 'hard_links_in', 'RunGoneError', 'gate', 'gated', 'write_file', 'open_append',
-           'read_json', 'tail_lines', 'checkpoint_step', 'complete_checkpoints', 'standing_records', 'schema_problems',
-           'record_problem', 'schema_markdown']
+__all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS', 'USER_CODE', 'CODE_FIELDS', 'SWEEPS_DIR',
+           'OWN_LINKS', 'APPENDED', 'ENTRY_POINTS', 'CKPT_MARKER', 'TRAINER_STATE', 'SCHEMA_VERSION', 'SCHEMA', 'Name',
+           'State', 'status_of', 'Event', 'RankState', 'RunPaths', 'reward_file', 'code_refs', 'RunDirLinkError',
+           'no_follow', 'links_in', 'refuse_links', 'OwnerError', 'owner_problem', 'refuse_foreign',
+           'RemoteCodeWarning', 'remote_code_files', 'say_remote_code', 'Action', 'hard_links_in', 'RunGoneError',
+           'gate', 'gated', 'write_file', 'open_append', 'read_json', 'tail_lines', 'checkpoint_step',
+           'complete_checkpoints', 'standing_records', 'schema_problems', 'record_problem', 'schema_markdown']
 
 # %% ../nbs/11_rundir.ipynb #a3a6030c
 class Name(StrEnum):
@@ -117,6 +117,8 @@ class RunPaths:
                                                                                             "log-probabilities.")
     rewards = property(lambda self: self.root / "rewards", doc="A GRPO run's reward functions saved by value "
                                                                "(`.pkl`) and their source (`.py`).")
+    tools = property(lambda self: self.root / "tools", doc="A GRPO run's tools and environment factories saved by value "
+                                                           "(`.pkl`) and their source (`.py`).")
     reference = property(lambda self: self.root / "reference", doc="A GRPO run's starting weights (beta > 0, full "
                                                                    "fine-tuning), `rank-N.pt` per rank.")
     accelerate_config = property(lambda self: self.root / "accelerate.yaml", doc="The run's own `accelerate launch` "
@@ -134,16 +136,25 @@ class RunPaths:
                                                               "Modelfiles).")
 
 # %% ../nbs/11_rundir.ipynb #7371bd1f
-USER_CODE = ("rewards",)   # a run's folders of its user's code, run when it is resumed or forked
+USER_CODE = ("rewards", "tools")   # a run's folders of its user's code, run when it is resumed or forked
+CODE_FIELDS = ("reward_funcs", "tools", "environment_factory")   # the config fields that name user code
 
 def reward_file(f: str) -> str | None:
     "The file a reward reference names (`file.py`, `file.py:name`, `file.pkl`), or None for 'module:function'."
     path = f.rsplit(":", 1)[0] if ":" in f and Path(f).suffix not in (".py", ".pkl") else f
     return path if Path(path).suffix in (".py", ".pkl") else None
 
+def code_refs(d: dict) -> list:
+    "Every reference to user code of config dict `d` (its `CODE_FIELDS`: lists, a dict of them, or one)."
+    out = []
+    for k in CODE_FIELDS:
+        v = d.get(k)
+        out += list(v.values()) if isinstance(v, dict) else v if isinstance(v, list) else [] if v is None else [v]
+    return out
+
 def _named_code(config: Path) -> list:
-    "The `.py` and `.pkl` files that a run's config file names as its reward functions, wherever they are."
-    try: refs = [] if os.path.islink(config) else json.loads(config.read_text()).get("reward_funcs") or []
+    "The `.py` and `.pkl` files that a run's config file names as its reward functions, tools and environments."
+    try: refs = [] if os.path.islink(config) else code_refs(json.loads(config.read_text()))
     except (OSError, ValueError, AttributeError): return []
     return [Path(f) for r in refs if isinstance(r, str) and (f := reward_file(r))]
 
@@ -536,7 +547,8 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                                 efficiency="float", elapsed_s="float", peak_mem_mb="float?"),
                   optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}, "prompts": "int",
                             **{k: "float" for k in _GRPO_METRICS}},
-                  patterns={r"rewards/.+/(mean|std|failure_frequency)": "float"}),
+                  patterns={r"rewards/.+/(mean|std|failure_frequency)": "float",
+                            r"tools/(call|failure)_frequency": "float"}),
     "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step; "
                                            "`eval_loss` and `eval_tokens` in every one but a GRPO run's, whose "
                                            "evaluation scores greedy answers (`eval_prompts`, `eval_reward`, ...)",
@@ -545,14 +557,16 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                            **{f"eval_{k}": "float" for k in _DPO_METRICS}, "eval_prompts": "int",
                            **{f"eval_{k}": "float" for k in _GRPO_METRICS if k in ("reward", "reward_std")
                               or k.startswith("completions/")}},
-                 patterns={r"eval_rewards/.+/(mean|std)": "float"}),
+                 patterns={r"eval_rewards/.+/(mean|std)": "float",
+                           r"eval_tools/(call|failure)_frequency": "float"}),
     "samples": dict(file="metrics.jsonl",
                     doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds "
                         "they took",
                     required=dict(step="int", epoch="float", seconds="float", max_new_tokens="int", samples="list")),
     "completions": dict(file="metrics.jsonl", doc="GRPO, every step: its first `num_completions_to_print` completions "
                                                   "`[{prompt, completion, reward, advantage, rewards: {function: "
-                                                  "reward}}]`",
+                                                  "reward}}]`; with tools each also has its `episode`, the "
+                                                  "messages (assistant turns with their tool_calls, tool results)",
                         required=dict(step="int", completions="list")),
     "task": dict(file="metrics.jsonl", doc="an evaluation's (eval/<eval_id>/metrics.jsonl): each model x task as it "
                                            "starts and ends",
