@@ -232,11 +232,11 @@ def _ask(self:UserCode, msg: tuple, doing: str, name: str | None = None, wait: f
 
 # %% ../nbs/09_usercode.ipynb #25205c17
 @patch
-def _do(self:UserCode, msg: tuple, name: str, doing: str = "it ran", i: int | None = None):
-    """The result of `msg` in the child (started if it is not), awaited function `i`'s timeout; its failure a
-    `UserCodeError` about `name`."""
+def _do(self:UserCode, msg: tuple, name: str, doing: str = "it ran", i: int | None = None, wait: float | None = None):
+    """The result of `msg` in the child (started if it is not), awaited `wait` s, or function `i`'s timeout; its
+    failure a `UserCodeError` about `name`."""
     if self.proc is None: self.start()
-    got = self._ask(msg, doing, name, None if i is None else self.timeouts[i])
+    got = self._ask(msg, doing, name, wait if wait is not None else None if i is None else self.timeouts[i])
     if got[0] == "raised": raise UserCodeError(f"raised {got[1]}", "raised", name, got[2])
     return got[1]
 
@@ -261,9 +261,10 @@ def method(self:UserCode, key, name: str, *args, **kwargs):
 
 @patch
 def apply(self:UserCode, helper: str, i: int):
-    "What the function `helper` (`'module:function'`, importable in the child) returns for function `i`."
+    """What the function `helper` (`'module:function'`, importable in the child) returns for function `i`, awaited
+    as long as loading is (the helper's imports are the child's first)."""
     if self.proc is None: self.start()
-    return self._do(("apply", helper, i), self.names[i], "describing it", i)
+    return self._do(("apply", helper, i), self.names[i], "describing it", wait=max(self.timeout, LOAD_TIMEOUT))
 
 @patch
 def close(self:UserCode):
