@@ -19,7 +19,7 @@ class ToolError(ValueError):
     "A tool, an environment or the chat template cannot be used for tool calling: one line saying which and why."
 
 def tool_schema(fn) -> dict:
-    "`fn`'s JSON schema as the chat template renders it (transformers' `get_json_schema`); `ToolError` when it has none."
+    "`fn`'s JSON schema as the chat template renders it (transformers' `get_json_schema`); `ToolError` if it has none."
     from transformers.utils import get_json_schema
     try: return get_json_schema(fn)
     except Exception as e: raise ToolError(f"tool {getattr(fn, '__name__', fn)!r}: {e}") from None
@@ -30,7 +30,7 @@ def describe_tool(fn) -> dict:
     except ToolError as e: return dict(name=getattr(fn, "__name__", str(fn)), error=str(e))
 
 def env_methods(obj) -> list:
-    "The public methods of environment `obj` that are tools (every one but `reset` and `get_reward`), as TRL finds them."
+    "The public methods of environment `obj` that are tools (all but `reset` and `get_reward`), as TRL finds them."
     return [n for n, _ in inspect.getmembers(type(obj), predicate=inspect.isfunction)
             if n not in ("reset", "get_reward") and not n.startswith("_")]
 
@@ -75,7 +75,7 @@ def tool_chat(tokenizer, response_template: dict | None = None) -> str | None:
 
 # %% ../nbs/10_agents.ipynb #b955b111
 def tool_suffix_ids(tokenizer, tool_messages: list, chat_template: str | None = None) -> list:
-    "The token ids that follow a sampled assistant turn when `tool_messages` are appended, up to the next assistant turn."
+    "The token ids that follow a sampled assistant turn when `tool_messages` are appended, to the next assistant turn."
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     kw = dict(tokenize=True, chat_template=chat_template, return_dict=False)
@@ -158,7 +158,7 @@ def call_reward(code: UserCode, j: int, name: str, kw: dict, step: int, objects:
 
 # %% ../nbs/10_agents.ipynb #cd12159e
 class Toolbox:
-    "A run's tools and environments, called in `code`'s child: `tools` and `envs` (`{name: index}`) index its functions."
+    "A run's tools and environments, called in `code`'s child: `tools` and `envs` (`{name: index}`) index its code."
     def __init__(self, code: UserCode, tools: list, envs: dict, timeout: float):
         self.code, self.tools, self.envs, self.timeout = code, list(tools), dict(envs), float(timeout)
         self.schemas, self.env_info, self.keys, self.rows, self.made = [], {}, [], [], {}
@@ -253,7 +253,7 @@ def call(self:Toolbox, j: int, tool_call: dict) -> tuple:
 
 @patch
 def env_rewards(self:Toolbox) -> dict:
-    "`{class name: [reward or None per rollout]}` of the environments with `get_reward` (None: another class's rollout)."
+    "`{class name: [reward or None per rollout]}` of the environments with `get_reward` (None: another class's)."
     out = {}
     for name, info in self.env_info.items():
         if not info["reward"]: continue

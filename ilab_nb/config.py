@@ -263,9 +263,9 @@ def to_json(self:TrainConfig, path: str | os.PathLike) -> Path:
                              "file first (FineTuneSession.start() writes it into the run directory)")
     for k, what in zip(CODE_FIELDS, ("reward function", "tool", "environment")):
         if fn := next((f for f in code_refs({k: getattr(self, k)}) if not isinstance(f, str)), None):
-            raise ValueError(f"the {what} {getattr(fn, '__qualname__', fn)} is held in memory and cannot be written to a "
-                             "config file; name it as 'module:function' or a .py file (FineTuneSession.start() saves it "
-                             "by value)")
+            raise ValueError(f"the {what} {getattr(fn, '__qualname__', fn)} is held in memory and cannot be written "
+                             "to a config file; name it as 'module:function' or a .py file (FineTuneSession.start() "
+                             "saves it by value)")
     p.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8")
     return p
 

@@ -767,7 +767,8 @@ def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=No
         if problems: return names, problems
         for r in [records[0], *held[:1]]:
             try: objects = A.trial_objects(box, cfg, r, 2)
-            except UserCodeError as e: return names, [f"environment {e.name!r} {e} in the preflight ({r.get('source')})"]
+            except UserCodeError as e:
+                return names, [f"environment {e.name!r} {e} in the preflight ({r.get('source')})"]
             for j, name in enumerate(names):
                 try: call_reward(code, j, name, _trial(r), 0, objects)
                 except RewardError as e:

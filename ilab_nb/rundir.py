@@ -117,8 +117,8 @@ class RunPaths:
                                                                                             "log-probabilities.")
     rewards = property(lambda self: self.root / "rewards", doc="A GRPO run's reward functions saved by value "
                                                                "(`.pkl`) and their source (`.py`).")
-    tools = property(lambda self: self.root / "tools", doc="A GRPO run's tools and environment factories saved by value "
-                                                           "(`.pkl`) and their source (`.py`).")
+    tools = property(lambda self: self.root / "tools", doc="A GRPO run's tools and environment factories saved by "
+                                                           "value (`.pkl`) and their source (`.py`).")
     reference = property(lambda self: self.root / "reference", doc="A GRPO run's starting weights (beta > 0, full "
                                                                    "fine-tuning), `rank-N.pt` per rank.")
     accelerate_config = property(lambda self: self.root / "accelerate.yaml", doc="The run's own `accelerate launch` "
