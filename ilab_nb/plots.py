@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['run_curves', 'smooth_ema', 'LRFormatter', 'nice_ceiling', 'LossPlot', 'round_limits', 'format_number',
-           'reward_curves', 'reward_png']
+           'reward_curves', 'tool_curves', 'reward_png']
 
 # %% ../nbs/36_plots.ipynb #c09734af
 import io
@@ -266,7 +266,7 @@ def format_number(v, spec: str, none: str = "—") -> str:
     "`format(v, spec)` for a finite number, else `none` (a dash): for tables and progress lines."
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else none
 
-# %% ../nbs/36_plots.ipynb #bf39cd4c
+# %% ../nbs/36_plots.ipynb #9777bd32
 def reward_curves(records) -> dict:
     """`{series: (steps, values)}`: `reward` and each `rewards/<function>/mean` of the train records, and the eval
     records' as `held-out reward` and `held-out <function>` (the latest record of a step wins)."""
@@ -279,11 +279,39 @@ def reward_curves(records) -> dict:
                 out.setdefault(said + name, {})[r["step"]] = v
     return {k: (sorted(d), [d[s] for s in sorted(d)]) for k, d in out.items()}
 
+_TOOL_SERIES = {"tools/call_frequency": "calls per rollout", "tools/failure_frequency": "failed per call"}
+
+def tool_curves(records) -> dict:
+    """`{series: (steps, values)}` of a GRPO run with tools: `tools/call_frequency` as `calls per rollout`,
+    `tools/failure_frequency` as `failed per call`, the eval records' as `held-out ...` ({} without tools)."""
+    out = {}
+    for r in standing_records(records, ("train", "eval")):
+        pre, said = ("eval_", "held-out ") if r["kind"] == "eval" else ("", "")
+        for k, name in _TOOL_SERIES.items():
+            if isinstance(v := r.get(pre + k), (int, float)): out.setdefault(said + name, {})[r["step"]] = v
+    return {k: (sorted(d), [d[s] for s in sorted(d)]) for k, d in out.items()}
+
+def _tools_panel(ax, curves: dict):
+    for name, (steps, vals) in curves.items():
+        ax.plot(steps, vals, "o--" if name.startswith("held-out") else "-", ms=4, lw=1.5, label=name,
+                color="#d93025" if name.endswith("failed per call") else "#1a73e8")
+    ax.set_title("Tool calls", loc="left", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
+
 def reward_png(records, fig: Figure | None = None) -> bytes:
-    "The reward curves as PNG bytes, drawn into `fig` (a `matplotlib.figure.Figure`, reused) or a new one."
+    """The reward curves as PNG bytes, drawn into `fig` (a `matplotlib.figure.Figure`, reused) or a new one; with
+    tools, the tool calls' frequencies in a panel beside them."""
     fig = fig or Figure(figsize=(9.0, 2.4), dpi=100)
     fig.clear()
-    ax = fig.add_subplot(1, 1, 1)
+    tools = tool_curves(records)
+    if tools:
+        gs = fig.add_gridspec(1, 2, width_ratios=(2.2, 1))
+        ax = fig.add_subplot(gs[0])
+        _tools_panel(fig.add_subplot(gs[1]), tools)
+    else: ax = fig.add_subplot(1, 1, 1)
     for name, (steps, vals) in reward_curves(records).items():
         ax.plot(steps, vals, "o--" if name.startswith("held-out") else "-", lw=2 if name.endswith("reward") else 1,
                 ms=5, label=name)

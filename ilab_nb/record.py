@@ -18,7 +18,7 @@ from .evaluations import evaluations_of
 __all__ = ['summary_rows', 'loss_png', 'evaluations_html', 'reward_sources', 'rewards_html', 'record_html', 'record_text',
            'record_bundle', 'Record', 'report_page', 'write_report', 'Report']
 
-# %% ../nbs/41_record.ipynb #571605db
+# %% ../nbs/41_record.ipynb #ffae4b48
 def summary_rows(monitor) -> list[tuple]:
     "`[(what, step, value)]` of the run's final and best figures, as text."
     tr, ev = monitor.train_records, monitor.eval_records
@@ -42,6 +42,9 @@ def summary_rows(monitor) -> list[tuple]:
                  ("last mean reward", rw[-1]["step"], f(rw[-1]["reward"], ".3f"))]  # logs none)
         rows += [(f"reward {k[8:-5]}", rw[-1]["step"], f(v, ".3f")) for k, v in rw[-1].items()
                  if k.startswith("rewards/") and k.endswith("/mean")]
+        if "tools/call_frequency" in rw[-1]:                # with tools: how often it called them, how often in vain
+            rows += [("tool calls per rollout", rw[-1]["step"], f(rw[-1]["tools/call_frequency"], ".2f")),
+                     ("failed tool calls", rw[-1]["step"], f(rw[-1].get("tools/failure_frequency"), ".0%"))]
     if held := [r for r in ev if "eval_reward" in r]:               # GRPO: the greedy answers' held-out reward
         rows += [("first held-out reward", held[0]["step"], f(held[0]["eval_reward"], ".3f")),
                  ("last held-out reward", held[-1]["step"], f(held[-1]["eval_reward"], ".3f"))]

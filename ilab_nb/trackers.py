@@ -18,7 +18,8 @@ __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTra
 _DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected")
 _GRPO_KEYS = ("reward", "reward_std", "kl", "entropy", "frac_reward_zero_std")   # GRPO's (eval: of greedy answers)
-_GRPO_PREFIXES = ("rewards/", "completions/", "clip_ratio/")   # each reward function's, the lengths, the clipping
+# each reward function's, the completions' lengths, the clipping, the tool calls' frequencies (a run with tools)
+_GRPO_PREFIXES = ("rewards/", "completions/", "clip_ratio/", "tools/")
 _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch") + _DPO_KEYS + _GRPO_KEYS
 _EVAL_KEYS = ("loss", "perplexity") + _DPO_KEYS + _GRPO_KEYS
 

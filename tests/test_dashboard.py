@@ -282,6 +282,61 @@ def test_text_fallback(run):
     d.close()
 
 
+EPISODE = [  # a GRPO run with tools: a call that works, one that times out, then the answer
+    {"role": "assistant", "content": "Let me check <the> weather.",
+     "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo", "days": 2}}}]},
+    {"role": "tool", "name": "weather", "content": "{'sky': '<script>alert(1)</script>', 'temp': 21}"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function", "function": {"name": "forecast", "arguments": {}}}]},
+    {"role": "tool", "name": "forecast", "content": "{'error': 'timed out after 2 s'}"},
+    {"role": "assistant", "content": "Sunny & 21 degrees in Oslo."}]
+
+
+def test_a_run_with_tools_shows_its_episodes_and_tool_calls(run):
+    """Issue 52: a GRPO run with tools, from its metrics.jsonl alone: the dashboard's completions show each episode
+    turn by turn (the call and its arguments, its result, the failed call marked, the answer, the reward per function),
+    its rewards panel the tool calls' frequencies; the record, report.html and record_text the same."""
+    from ilab_nb.record import record_html, record_text, write_report
+    for s in (1, 2):
+        run.records({"kind": "train", "step": s, "total_steps": run.total, "epoch": s / 20, "loss": 0.1,
+                     "learning_rate": 1e-3, "grad_norm": 1.0, "tokens": 400, "tokens_per_s": 2000.0,
+                     "efficiency": 0.97, "elapsed_s": 0.5 * s, "peak_mem_mb": 90.0, "reward": 0.5,
+                     "rewards/weather_used/mean": 1.0, "rewards/right/mean": 0.0,
+                     "tools/call_frequency": 2.0, "tools/failure_frequency": 0.5})
+    run.records({"kind": "completions", "step": 2, "completions": [
+        {"prompt": "Weather in Oslo?", "completion": EPISODE[-1]["content"], "reward": 0.5, "advantage": 0.125,
+         "rewards": {"weather_used": 1.0, "right": 0.0}, "episode": EPISODE}]})
+    run.records({"kind": "eval", "step": 2, "epoch": 0.1, "eval_prompts": 2, "eval_reward": 0.25,
+                 "eval_tools/call_frequency": 1.0, "eval_tools/failure_frequency": 0.0})
+    d = Dashboard(RunMonitor(run.dir), autostart=False)
+    shown = d.completions_view.value
+    assert "Completions at step 2" in shown and ">episode</th>" in shown
+    assert ">weather_used</th>" in shown and ">right</th>" in shown and ">0.125<" in shown   # reward per function
+    turns = ["assistant:</span> Let me check &lt;the&gt; weather.",
+             "→ weather(city=&#34;Oslo&#34;, days=2)",
+             "← weather:</span> {&#39;sky&#39;: &#39;&lt;script&gt;alert(1)&lt;/script&gt;&#39;, &#39;temp&#39;: 21}",
+             "→ forecast()",
+             "✗ forecast failed:</span> timed out after 2 s",
+             "answer:</span> Sunny &amp; 21 degrees in Oslo."]
+    assert all(t in shown for t in turns), shown
+    assert [shown.index(t) for t in turns] == sorted(shown.index(t) for t in turns)          # in the episode's order
+    assert "<script>" not in shown and "no final answer" not in shown
+    failed = shown[:shown.index("✗ forecast failed")].rsplit("<div", 1)[1]
+    assert "#d93025" in failed and "#fce8e6" in failed                                     # the failure in red
+    assert d.reward_view.value[:4] == b"\x89PNG"
+    assert [a.get_title(loc="left") for a in d._reward_fig.axes] == ["Mean reward", "Tool calls"]
+    assert {l.get_label() for l in d._reward_fig.axes[1].lines} == {
+        "calls per rollout", "failed per call", "held-out calls per rollout", "held-out failed per call"}
+    d.close()
+    m = RunMonitor(run.dir)
+    record = record_html(m)
+    assert all(t in record for t in turns) and "<script>" not in record and record.count("data:image/png") == 2
+    report = write_report(run.dir).read_text()
+    assert all(t in report for t in turns) and "<script>" not in report
+    text = record_text(m)
+    assert "tool calls per rollout: 2.00 (step 2)" in text and "failed tool calls: 50% (step 2)" in text
+
+
 def test_compare_two_runs(tmp_path):
     a, b = RunFiles(tmp_path, "lr-small"), RunFiles(tmp_path, "lr-large")
     for r, rate, n in ((a, 0.99, 30), (b, 0.9, 40)):
