@@ -178,3 +178,156 @@ def test_a_generation_batch_of_episodes(tmp_path):
         assert torch.allclose(loss, want * b["scale"])
     finally:
         g.close()
+
+
+# --- real runs: 2 ranks, a kernel that exits, unequal rounds, failing tools, a fork on the same episodes, learning ---
+
+KERNEL = '''
+import json, os, sys, time, ctypes
+from pathlib import Path
+from ilab_nb import FineTuneSession
+
+class RankVault:
+    """The agent demo's vault, told to knock three times on rank 0 and to wait on rank 1: one rank's rollouts run
+    three rounds of tool calls, the other's none. With ILAB_TEST_FAULTS set, a knock hangs, one ends its process with
+    os._exit(0), one segfaults and one calls sys.exit, each once in the run."""
+    def reset(self, vault=None, **row):
+        self.opened, self.knocks = False, 0
+        return " Knock." if os.environ.get("RANK") == "0" else " Wait."
+
+    def knock(self) -> str:
+        """Knock on the vault's door."""
+        self.knocks += 1
+        if os.environ.get("ILAB_TEST_FAULTS") and self.knocks == 2:
+            for fault in ("hang", "leave", "crash", "quit"):
+                done = Path(os.environ["ILAB_NB_RUN_DIR"]) / f"fault-{fault}"
+                if not done.exists():
+                    done.touch()
+                    if fault == "hang": time.sleep(60)
+                    if fault == "leave": os._exit(0)
+                    if fault == "crash": ctypes.string_at(0)
+                    sys.exit(5)
+        return "The door is open." if self.knocks >= 3 else "Knock again."
+
+    def open_vault(self) -> str:
+        """Open the vault the user names."""
+        self.opened = True
+        return "The vault is open."
+
+def knocked(completions, environments, **kw):
+    "1.0 for an episode that knocked three times and got in (defined in this kernel: saved by value)."
+    return [float(sum(m["role"] == "tool" and m["content"] == "The door is open." for m in c) == 1)
+            for c in completions]
+
+os.environ["ILAB_TEST_FAULTS"] = "1"          # the run's processes inherit it; a fork started elsewhere does not
+s = FineTuneSession(model=sys.argv[1], data=sys.argv[2], reward_funcs=[knocked], environment_factory=RankVault,
+                    **json.loads(sys.argv[3]))
+s.start()
+print(s.run_id)
+'''
+
+AGENT_RUN = dict(method="grpo", num_processes=2, strategy="fsdp", device="cpu", max_steps=3, save_steps=1,
+                 logging_steps=1, learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4,
+                 max_completion_length=48, max_seq_len=128, max_tokens_per_batch=1024, seed=1,
+                 max_tool_calling_iterations=4, tool_timeout=2, num_completions_to_print=4)
+
+
+def _records(rd, kind):
+    from ilab_nb.rundir import RunPaths
+    return [r for r in map(json.loads, RunPaths(rd).metrics.read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def agent():
+    from ilab_nb.agent_demo import agent_assets
+    return agent_assets()          # built once per machine (~/.cache/ilab_nb/agent), as the demo's assets are
+
+
+@pytest.fixture(scope="module")
+def agent_run(agent, tmp_path_factory):
+    """A 2-rank FSDP GRPO run with an environment of the kernel's `__main__` (the kernel exits at once), rank 0's
+    rollouts knocking three rounds and rank 1's none, a hang, an os._exit, a segfault and a sys.exit among rank 0's
+    calls; then its fork at step 1 from this process, without the faults."""
+    import subprocess, sys
+    from ilab_nb import FineTuneSession
+    from conftest import cli_env, kill_processes_under, runs_env
+    root = tmp_path_factory.mktemp("agents")
+    env = cli_env(**runs_env(root))
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in runs_env(root).items(): mp.setenv(k, v)
+        try:
+            (root / "kernel.py").write_text(KERNEL)
+            k = subprocess.run([sys.executable, str(root / "kernel.py"), str(agent.model_dir), str(agent.train_file),
+                                json.dumps(AGENT_RUN)], capture_output=True, text=True, timeout=300, env=env)
+            assert k.returncode == 0, k.stderr[-3000:]
+            s = FineTuneSession.attach(k.stdout.split()[-1])
+            assert s.wait(timeout=600) == "completed", s.reason
+            f = s.fork(1)
+            assert f.wait(timeout=600) == "completed", f.reason
+            yield s, f
+        finally: kill_processes_under(root / "runs")
+
+
+def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
+    """Rank 0's rollouts call the tool three rounds, rank 1's none, and neither waits for the other (the run ends);
+    the hang (past tool_timeout), the os._exit, the segfault and the sys.exit were failed calls, counted and shown to
+    the model as errors; the episodes are in the completions records; the environment and reward are saved by value."""
+    s, _ = agent_run
+    faults = sorted(p.name for p in Path(s.run_dir).glob("fault-*"))
+    assert faults == ["fault-crash", "fault-hang", "fault-leave", "fault-quit"]          # each happened, once
+    train = _records(s.run_dir, "train")
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert train[0]["tools/failure_frequency"] > 0 and all(r["tools/failure_frequency"] == 0 for r in train[1:])
+    # rank 0: 4 rollouts x 3 knocks (more where a failed call left the door shut); rank 1: none; per rollout of 8
+    assert all(1.5 <= r["tools/call_frequency"] for r in train), [r["tools/call_frequency"] for r in train]
+    episodes = [c["episode"] for r in _records(s.run_dir, "completions") for c in r["completions"]]
+    said = [m["content"] for e in episodes for m in e if m["role"] == "tool"]
+    assert "{'error': 'timed out after 2 s'}" in said
+    assert any("exited with code 0" in t for t in said) and any("SIGSEGV" in t for t in said)
+    assert "{'error': '5'}" in said                                                   # sys.exit(5), as TRL's str(e)
+    assert any(sum(m.get("tool_calls") is not None for m in e) == 3 and e[-1]["content"] == "Done." for e in episodes)
+    from ilab_nb.rundir import RunPaths
+    p = RunPaths(s.run_dir)
+    assert sorted(q.name for q in p.tools.iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
+    log = (Path(s.run_dir) / "logs" / "rank-0.log").read_text() if (Path(s.run_dir) / "logs").is_dir() else ""
+    assert not log or "tool_timeout" in log
+
+
+def test_a_fork_samples_the_same_episodes(agent_run):
+    "The fork from step 1 (another process, no faults) samples steps 2 and 3 as the run did: episodes and rewards."
+    s, f = agent_run
+    comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
+    again = {r["step"]: r["completions"] for r in _records(f.run_dir, "completions")}
+    assert sorted(again) == [2, 3] and again[2] == comp[2] and again[3] == comp[3]
+    train, fork_train = _records(s.run_dir, "train"), {r["step"]: r for r in _records(f.run_dir, "train")}
+    for r in train[1:]:
+        for k in ("loss", "reward", "tools/call_frequency", "tools/failure_frequency"):
+            assert fork_train[r["step"]][k] == pytest.approx(r[k], rel=1e-5, abs=1e-7), (r["step"], k)
+
+
+def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
+    """`ilab-nb run` of a YAML config naming the environment as 'module:Class' (its get_reward the only reward): the
+    held-out greedy episodes start without the tool (reward 0) and end calling it (the vault opened), and the sampled
+    call frequency rises."""
+    import yaml
+    from ilab_nb import FineTuneSession
+    from conftest import cli_env, ilab, kill_processes_under, runs_env
+    cfg = {**AGENT_RUN, "model": str(agent.model_dir), "data": str(agent.train_file), "eval_data": str(agent.eval_file),
+           "environment_factory": "ilab_nb.agent_demo:AgentVault", "num_generations": 8,
+           "per_device_train_batch_size": 8, "max_steps": 8, "eval_steps": 4, "save_steps": None, "seed": 0,
+           "max_completion_length": 32, "tool_timeout": 10}
+    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    env = cli_env(**runs_env(tmp_path))
+    try:
+        r = ilab("run", tmp_path / "agent.yaml", "--runs-root", tmp_path / "runs", check=0, env=env, timeout=300)
+        run_id = r.stdout.split()[-1] if r.stdout.split() else None
+        s = FineTuneSession.attach(next(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()), tmp_path / "runs")
+        assert s.wait(timeout=600) == "completed", s.reason
+    finally: kill_processes_under(tmp_path / "runs")
+    ev = {r["step"]: r for r in _records(s.run_dir, "eval")}
+    assert sorted(ev) == [0, 4, 8]
+    assert ev[0]["eval_rewards/AgentVault/mean"] == 0 and ev[0]["eval_tools/call_frequency"] == 0
+    assert ev[8]["eval_rewards/AgentVault/mean"] >= 0.75 and ev[8]["eval_tools/call_frequency"] >= 0.75, ev[8]
+    calls = [r["tools/call_frequency"] for r in _records(s.run_dir, "train")]
+    assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3, calls
+    assert run_id is not None
