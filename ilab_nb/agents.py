@@ -241,10 +241,10 @@ def call(self:Toolbox, j: int, tool_call: dict) -> tuple:
     theirs = {t["function"]["name"] for t in self.env_info.get(env, {}).get("tools", [])}
     try:
         if not isinstance(args, dict): raise TypeError(f"arguments of {name} are not an object: {args!r}")
-        if name in own: return name, self.code.call(own[name], **args), False
-        if name in theirs:
+        if name in theirs:                                # an environment's method before a tool of its name (TRL)
             self._ensure(j)
             return name, self.code.method(self.keys[j], name, **args), False
+        if name in own: return name, self.code.call(own[name], **args), False
         result = {"error": f"Tool {name} not found."}
     except UserCodeError as e: result = {"error": _error(e, self.timeout)}
     except TypeError as e: result = {"error": str(e)}

@@ -487,7 +487,8 @@ def prepare_tools(self:GRPO, attempt):
                                    c.tool_timeout)
     if problems := box.describe(): raise A.ToolError("; ".join(problems))
     self.chat_template = A.tool_chat(self.tokenizer, c.response_template)
-    self.names += unique_names([i["name"] for i in box.env_info.values() if i["reward"]])
+    # one reward column per environment class with get_reward, however many names it has (TRL's)
+    self.names += list(dict.fromkeys(i["name"] for i in box.env_info.values() if i["reward"]))
     said = [s["function"]["name"] for s in box.schemas] + [f"{i['name']} ({len(i['tools'])} tools)"
                                                            for i in box.env_info.values()]
     print(f"[ilab_nb.grpo] rank {attempt.env.rank}: tools and environments {', '.join(said)} in the same process, each "
