@@ -53,7 +53,8 @@ def agent_episode(vault: str, kind: str) -> list:
     "A whole conversation: `kind` 'call' (opens it), 'answer' (does not), 'knock' (three knocks) or 'wait'."
     tail = {"knock": " Knock.", "wait": " Wait."}.get(kind, "")
     m = agent_prompt(vault, tail)
-    if kind == "call": m += [_call("open_vault"), {"role": "tool", "name": "open_vault", "content": "The vault is open."}]
+    if kind == "call":
+        m += [_call("open_vault"), {"role": "tool", "name": "open_vault", "content": "The vault is open."}]
     if kind == "knock":
         for said in ("Knock again.", "Knock again.", "The door is open."):
             m += [_call("knock"), {"role": "tool", "name": "knock", "content": said}]
@@ -87,7 +88,8 @@ def agent_tokenizer():
     texts = [wrap(bare).apply_chat_template(blank(agent_episode("", k)), tools=agent_tools(), tokenize=False)
              for k in ("call", "answer", "knock", "wait")]                                   # in small pieces
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), decoders.ByteLevel()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in special])
     tok.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>", "<tool_response>",
                                                            "</tool_response>")])
@@ -116,7 +118,7 @@ def episode_ids(tok, tools: list, m: list) -> tuple:
     return ids, labels
 
 def _sft_batch(tok, tools, g, train: tuple, call_share: float, n: int) -> tuple:
-    "`(ids, labels)` of `n` episodes drawn with generator `g`: plain prompts (a `call_share` of them calling), knocks, waits."
+    "`(ids, labels)` of `n` episodes drawn with `g`: plain prompts (a `call_share` of them calling), knocks, waits."
     rows = []
     for _ in range(n):
         v, r = train[int(torch.randint(len(train), (1,), generator=g))], float(torch.rand(1, generator=g))
