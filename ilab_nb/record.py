@@ -82,10 +82,11 @@ def evaluations_html(run_dir) -> str:
                      for ev in evaluations_of(run_dir))
 
 # %% ../nbs/41_record.ipynb #159f85b0
-def reward_sources(paths: RunPaths) -> dict:
-    "`{file name: source text}` of the reward functions a GRPO run saved by value (links skipped)."
-    out = {}
-    for p in sorted(paths.rewards.glob("*.py")) if paths.rewards.is_dir() else []:
+def reward_sources(paths: RunPaths, folder: Path | None = None) -> dict:
+    """`{file name: source text}` of the reward functions a GRPO run saved by value (`folder`: its tools' and
+    environments', `paths.tools`), links skipped."""
+    out, folder = {}, paths.rewards if folder is None else folder
+    for p in sorted(folder.glob("*.py")) if folder.is_dir() else []:
         try:
             with open(p, encoding="utf-8", opener=no_follow) as f: out[p.name] = f.read()
         except (OSError, ValueError): continue
@@ -97,9 +98,11 @@ def rewards_html(monitor) -> str:
     if rec is None and not any("reward" in r for r in monitor.train_records): return ""
     parts = [_img(D.reward_png(monitor.records), f"rewards of run {monitor.run_id}")]
     if rec is not None: parts.append(D.completions_html(rec))
-    parts += [html_of('<div style="font-size:12.5px;margin-top:6px"><b>Reward function</b> <code>{}</code><pre '
-                      'style="font-size:11.5px;margin:2px 0;white-space:pre-wrap">{}</pre></div>', name, text)
-              for name, text in reward_sources(RunPaths(monitor.run_dir)).items()]
+    paths = RunPaths(monitor.run_dir)
+    parts += [html_of('<div style="font-size:12.5px;margin-top:6px"><b>{}</b> <code>{}</code><pre '
+                      'style="font-size:11.5px;margin:2px 0;white-space:pre-wrap">{}</pre></div>', what, name, text)
+              for what, folder in (("Reward function", paths.rewards), ("Tool or environment", paths.tools))
+              for name, text in reward_sources(paths, folder).items()]
     return html_join(parts)
 
 # %% ../nbs/41_record.ipynb #138618bd

@@ -199,6 +199,7 @@ class RankVault:
     def knock(self) -> str:
         """Knock on the vault's door."""
         self.knocks += 1
+        print(f"knock {self.knocks} on rank {os.environ['RANK']}", flush=True)      # into the rank's log
         with open(Path(os.environ["ILAB_NB_RUN_DIR"]) / f"calls-rank{os.environ['RANK']}", "a") as f: f.write("k")
         if os.environ.get("ILAB_TEST_FAULTS") and self.knocks == 2:
             for fault in ("hang", "leave", "crash"):
@@ -265,7 +266,9 @@ def agent_run(agent, tmp_path_factory):
             assert s.wait(timeout=600) == "completed", s.reason
             f = s.fork(1)
             assert f.wait(timeout=600) == "completed", f.reason
-            yield s, f
+            g = s.fork(2, max_tool_calling_iterations=1, tool_timeout=5)        # other tools' settings
+            assert g.wait(timeout=600) == "completed", g.reason
+            yield s, f, g
         finally: kill_processes_under(root / "runs")
 
 
@@ -274,7 +277,7 @@ def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
     the hang (past tool_timeout), the os._exit and the segfault were failed calls, counted and shown to the model as
     errors; the episodes are in the completions records; the environment and reward are saved by value."""
     from ilab_nb.rundir import RunPaths
-    s, _ = agent_run
+    s, *_ = agent_run
     d = Path(s.run_dir)
     assert sorted(p.name for p in d.glob("fault-*")) == ["fault-crash", "fault-hang", "fault-leave"]   # once each
     assert not (d / "calls-rank1").exists() and len((d / "calls-rank0").read_text()) >= 2 * 4 * 3 + 4   # rank 1: none
@@ -289,12 +292,25 @@ def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
     three = [e for e in episodes[3] if sum(m.get("tool_calls") is not None for m in e) == 3]
     assert three and all(e[-1]["content"] == "Done." and e[-2]["content"] == "The door is open." for e in three)
     assert sorted(q.name for q in RunPaths(s.run_dir).tools.iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
-    assert "tool_timeout" in (d / "logs" / "rank-0.log").read_text()
+    log = (d / "logs" / "rank-0.log").read_text()
+    assert "tool_timeout" in log and "knock 3 on rank 0" in log              # the tools' prints: the rank's log
+    s.report()
+    report = RunPaths(s.run_dir).report.read_text()
+    assert "Tool or environment" in report and "class RankVault" in report          # its source, as a reward's
+
+
+def test_a_fork_with_other_tools_settings(agent_run):
+    "The fork at step 2 with max_tool_calling_iterations=1 runs one round of calls: at most one result an episode."
+    *_, g = agent_run
+    assert json.loads((Path(g.run_dir) / "config.json").read_text())["max_tool_calling_iterations"] == 1
+    episodes = [c["episode"] for r in _records(g.run_dir, "completions") for c in r["completions"]]
+    assert episodes and all(sum(m["role"] == "tool" for m in e) <= 1 for e in episodes)
+    assert any(sum(m["role"] == "tool" for m in e) == 1 for e in episodes)
 
 
 def test_a_fork_samples_the_same_episodes(agent_run):
     "The fork from step 1 (another process, no faults) samples steps 2 and 3 as the run did: episodes and rewards."
-    s, f = agent_run
+    s, f, _ = agent_run
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
     again = {r["step"]: r["completions"] for r in _records(f.run_dir, "completions")}
     assert sorted(again) == [2, 3] and again[2] == comp[2] and again[3] == comp[3]
@@ -328,3 +344,56 @@ def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
     assert ev[0]["eval_rewards/AgentVault/mean"] == 0 and ev[0]["eval_tools/call_frequency"] == 0
     assert ev[6]["eval_rewards/AgentVault/mean"] >= 0.75 and ev[6]["eval_tools/call_frequency"] >= 0.75, ev[6]
     assert all(math.isfinite(r["tools/call_frequency"]) for r in _records(s.run_dir, "train"))
+
+
+def test_the_preflight_refuses_unusable_tools_before_launch(agent, demo, tmp_path):
+    """A tool without a docstring, an undocumented argument, text prompts, a row routed to no environment, no reward
+    source, and a model whose chat template trl cannot parse tool calls from: each refused before launch, named; a
+    tool_timeout at or above ddp_timeout refused by the config itself."""
+    from ilab_nb.config import ConfigError, TrainConfig
+    from ilab_nb.data import load_tokenizer
+    from ilab_nb.preflight import PreflightError, check_reward_funcs
+    tok = load_tokenizer(str(agent.model_dir))
+    chat = [{"kind": "prompt", "prompt": [{"role": "user", "content": "Open the amber vault."}],
+             "columns": {"vault": "amber"}, "source": "p.jsonl:1"}]
+    base = dict(model=str(agent.model_dir), data=["p.jsonl"], method="grpo", num_generations=2,
+                per_device_train_batch_size=2, num_processes=1, max_seq_len=256, max_completion_length=32)
+
+    def refused(records=chat, tokenizer=tok, **kw):
+        with pytest.raises(PreflightError) as e: check_reward_funcs(TrainConfig(**{**base, **kw}), records, [], False, tokenizer)
+        return str(e.value)
+
+    def answer(completions, **kw): return [0.0] * len(completions)
+    assert "tool 'nodoc': Cannot generate JSON schema for nodoc because it has no docstring!" in refused(
+        reward_funcs=[answer], tools=[nodoc])
+    assert "no description for the argument 'b'" in refused(reward_funcs=[answer], tools=[half_documented])
+    text = [{**chat[0], "prompt": "Open the amber vault."}]
+    assert "tools need chat prompts" in refused(text, reward_funcs=[answer], tools=[open_vault])
+    assert "'lock' is not one of environment_factory's 'vault'" in refused(
+        [{**chat[0], "columns": {"environment": "lock"}}], environment_factory={"vault": Vault},
+        reward_funcs=[answer])
+    assert "no reward source" in refused(environment_factory=Vault2)
+    assert "give its response_template" in refused(tokenizer=load_tokenizer(str(demo.model_dir)),
+                                                   reward_funcs=[answer], tools=[open_vault])
+    ok = check_reward_funcs(TrainConfig(**base, environment_factory=Vault), chat, [], False, tok)
+    assert ok["names"] == [] and ok["tool_timeout"] == 60.0
+    with pytest.raises(ConfigError, match="tool_timeout.*must be below ddp_timeout"):
+        TrainConfig(**base, reward_funcs=[answer], tools=[open_vault], tool_timeout=1800)
+
+
+def half_documented(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first
+    """
+    return a + b
+
+
+class Vault2:
+    "An environment without get_reward."
+    def reset(self, **row): return None
+
+    def open_vault(self) -> str:
+        """Open the vault the user names."""
+        return "The vault is open."
