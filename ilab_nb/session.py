@@ -16,8 +16,8 @@ from .runstore import (RunStore, ProcessRef, StateError, TERMINAL, new_run_id, v
 from .core import no_hf_progress_bars, patch, require_torch
 from .live import finalize_displays
 from .monitor import RunMonitor
-from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, gate, gated,
-                            read_json, status_of)
+from .rundir import (CKPT_MARKER, TRAINER_STATE, Action, Event, RunDirLinkError, RunPaths, State, code_refs,
+                            gate, gated, read_json, status_of)
 from .slots import DeviceSlots, device_request
 from .launcher import spawn_supervisor, STOP_GRACE_S, TERM_GRACE_S
 from .preflight import PreflightError, preflight
@@ -136,8 +136,9 @@ def write_memory_data(cfg, run_dir) -> TrainConfig:
 
 # %% ../nbs/61_session.ipynb #95e5875f
 def saved_rewards(cfg, paths: RunPaths, tag: str = "") -> TrainConfig:
-    "`cfg` with the reward functions it holds in memory saved by value into the run (GRPO; else `cfg` itself)."
-    if not any(callable(f) for f in cfg.reward_funcs): return cfg
+    """`cfg` with the reward functions, tools and environments it holds in memory saved by value into the run (GRPO;
+    else `cfg` itself)."""
+    if not any(callable(f) for f in code_refs(vars(cfg))): return cfg
     from ilab_nb.grpo import save_rewards
     return save_rewards(cfg, paths, tag)
 
@@ -503,6 +504,13 @@ def _fork_files(src: RunPaths, dst: RunPaths, ck: dict, cfg: TrainConfig,
     if src.rewards.is_dir():                  # GRPO's reward functions saved by value: the fork's own copy
         _link_tree(src.rewards, dst.rewards, trust_owner=trust_owner)
         cfg = cfg.model_copy(update=dict(reward_funcs=[_moved(f, src.rewards, dst.rewards) for f in cfg.reward_funcs]))
+    if src.tools.is_dir():                    # its tools and environments saved by value: the fork's own copy too
+        _link_tree(src.tools, dst.tools, trust_owner=trust_owner)
+        env = cfg.environment_factory
+        cfg = cfg.model_copy(update=dict(
+            tools=[_moved(f, src.tools, dst.tools) for f in cfg.tools],
+            environment_factory={k: _moved(f, src.tools, dst.tools) for k, f in env.items()} if isinstance(env, dict)
+            else _moved(env, src.tools, dst.tools)))
     at, tmp = dst.checkpoint(ck["step"]), dst.checkpoint_tmp(ck["step"])
     _link_tree(Path(ck["path"]), tmp, trust_owner=trust_owner)   # complete or absent, like any checkpoint
     os.replace(tmp, at)

@@ -305,6 +305,8 @@ def test_a_fork_with_other_tools_settings(agent_run):
     assert json.loads((Path(g.run_dir) / "config.json").read_text())["max_tool_calling_iterations"] == 1
     episodes = [c["episode"] for r in _records(g.run_dir, "completions") for c in r["completions"]]
     assert episodes and all(sum(m["role"] == "tool" for m in e) <= 1 for e in episodes)
+    assert sorted(q.name for q in Path(g.run_dir, "tools").iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
+    assert json.loads((Path(g.run_dir) / "config.json").read_text())["environment_factory"].startswith(str(g.run_dir))
     assert any(sum(m["role"] == "tool" for m in e) == 1 for e in episodes)
 
 
