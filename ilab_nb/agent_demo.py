@@ -8,7 +8,6 @@ import hashlib, json, os, shutil, uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from filelock import FileLock
 
 from .agents import env_methods, tool_schema, tool_suffix_ids
@@ -119,6 +118,7 @@ def episode_ids(tok, tools: list, m: list) -> tuple:
 
 def _sft_batch(tok, tools, g, train: tuple, call_share: float, n: int) -> tuple:
     "`(ids, labels)` of `n` episodes drawn with `g`: plain prompts (a `call_share` of them calling), knocks, waits."
+    import torch
     rows = []
     for _ in range(n):
         v, r = train[int(torch.randint(len(train), (1,), generator=g))], float(torch.rand(1, generator=g))
@@ -130,6 +130,7 @@ def _sft_batch(tok, tools, g, train: tuple, call_share: float, n: int) -> tuple:
 
 def agent_model(tok, call_share: float = 0.35, steps: int = 150, seed: int = 0):
     "A tiny Llama warm-started on the agent episodes (the vaults of `VAULTS[:12]`), in this process."
+    import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     g, tools = torch.Generator().manual_seed(seed), agent_tools()
