@@ -75,7 +75,7 @@ sys.addaudithook(_audit)      # observes only: every process still starts as it 
 # module.
 SHARED_BY = {"demo_run": "demo_run", "lab": "demo_run", "tracked_run": "tracked_run", "cluster": "slurm",
              "lora_run": "lora_run", "dpo_run": "dpo_run", "tied_llama": "tied_llama", "families": "families",
-             "grpo_run": "grpo_run", "ray_cluster": "ray"}
+             "grpo_run": "grpo_run", "ray_cluster": "ray", "agent_run": "agent_run"}
 
 
 # --- the collector in a pytest worker: what collection imported is frozen --------------------------------------------
