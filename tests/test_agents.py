@@ -349,9 +349,9 @@ def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
 
 
 def test_the_preflight_refuses_unusable_tools_before_launch(agent, demo, tmp_path):
-    """A tool without a docstring, an undocumented argument, text prompts, a row routed to no environment, no reward
-    source, and a model whose chat template trl cannot parse tool calls from: each refused before launch, named; a
-    tool_timeout at or above ddp_timeout refused by the config itself."""
+    """A tool without a docstring, an undocumented argument, text prompts, a row routed to no environment and no reward
+    source, all said at once; a model whose chat template trl cannot parse tool calls from; each refused before
+    launch, named. A tool_timeout at or above ddp_timeout is refused by the config itself."""
     from ilab_nb.config import ConfigError, TrainConfig
     from ilab_nb.data import load_tokenizer
     from ilab_nb.preflight import PreflightError, check_reward_funcs
@@ -361,21 +361,22 @@ def test_the_preflight_refuses_unusable_tools_before_launch(agent, demo, tmp_pat
     base = dict(model=str(agent.model_dir), data=["p.jsonl"], method="grpo", num_generations=2,
                 per_device_train_batch_size=2, num_processes=1, max_seq_len=256, max_completion_length=32)
 
-    def refused(records=chat, tokenizer=tok, **kw):
-        with pytest.raises(PreflightError) as e: check_reward_funcs(TrainConfig(**{**base, **kw}), records, [], False, tokenizer)
+    def refused(records, tokenizer=tok, **kw):
+        with pytest.raises(PreflightError) as e:
+            check_reward_funcs(TrainConfig(**{**base, **kw}), records, [], False, tokenizer)
         return str(e.value)
 
     def answer(completions, **kw): return [0.0] * len(completions)
-    assert "tool 'nodoc': Cannot generate JSON schema for nodoc because it has no docstring!" in refused(
-        reward_funcs=[answer], tools=[nodoc])
-    assert "no description for the argument 'b'" in refused(reward_funcs=[answer], tools=[half_documented])
-    text = [{**chat[0], "prompt": "Open the amber vault."}]
-    assert "tools need chat prompts" in refused(text, reward_funcs=[answer], tools=[open_vault])
-    assert "'lock' is not one of environment_factory's 'vault'" in refused(
-        [{**chat[0], "columns": {"environment": "lock"}}], environment_factory={"vault": Vault},
-        reward_funcs=[answer])
-    assert "no reward source" in refused(environment_factory=Vault2)
-    assert "give its response_template" in refused(tokenizer=load_tokenizer(str(demo.model_dir)),
+    said = refused([{**chat[0], "prompt": "Open the amber vault."}], tools=[nodoc, half_documented],
+                   environment_factory={"vault": Vault2})
+    for problem in ("tool 'nodoc': Cannot generate JSON schema for nodoc because it has no docstring!",
+                    "tool 'half_documented': Cannot generate JSON schema for half_documented because the docstring "
+                    "has no description for the argument 'b'", "no reward source", "tools need chat prompts"):
+        assert problem in said, (problem, said)
+    said = refused([{**chat[0], "columns": {"environment": "lock"}}], tokenizer=load_tokenizer(str(demo.model_dir)),
+                   reward_funcs=[answer], environment_factory={"vault": Vault})
+    assert "'lock' is not one of environment_factory's 'vault'" in said
+    assert "give its response_template" in refused(chat, tokenizer=load_tokenizer(str(demo.model_dir)),
                                                    reward_funcs=[answer], tools=[open_vault])
     ok = check_reward_funcs(TrainConfig(**base, environment_factory=Vault), chat, [], False, tok)
     assert ok["names"] == [] and ok["tool_timeout"] == 60.0
