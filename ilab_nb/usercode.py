@@ -150,7 +150,11 @@ def serve(fd: int, parent: int):
 
 # %% ../nbs/09_usercode.ipynb #ba4e0566
 #| eval: false
-if __name__ == "__main__": serve(int(sys.argv[1]), int(sys.argv[2]))
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)            # now: a thread the user's code left running does not keep the child alive
 
 # %% ../nbs/09_usercode.ipynb #5104d5ab
 def _ended(code: int | None) -> str:
