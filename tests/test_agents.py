@@ -228,7 +228,7 @@ s.start()
 print(s.run_id)
 '''
 
-AGENT_RUN = dict(method="grpo", num_processes=2, strategy="fsdp", device="cpu", max_steps=3, save_steps=1,
+AGENT_RUN = dict(method="grpo", num_processes=2, strategy="fsdp", device="cpu", max_steps=2, save_steps=1,
                  logging_steps=1, learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4,
                  max_completion_length=128, max_seq_len=256, max_tokens_per_batch=2048, seed=1,
                  max_tool_calling_iterations=4, tool_timeout=2, num_completions_to_print=4)
@@ -264,11 +264,9 @@ def agent_run(agent, tmp_path_factory):
             assert k.returncode == 0, k.stderr[-3000:]
             s = FineTuneSession.attach(k.stdout.split()[-1])
             assert s.wait(timeout=600) == "completed", s.reason
-            f = s.fork(1)
+            f = s.fork(1, tool_timeout=5)            # another tools' setting, which step 2 (no call fails) never uses
             assert f.wait(timeout=600) == "completed", f.reason
-            g = s.fork(2, max_tool_calling_iterations=1, tool_timeout=5)        # other tools' settings
-            assert g.wait(timeout=600) == "completed", g.reason
-            yield s, f, g
+            yield s, f
         finally: kill_processes_under(root / "runs")
 
 
@@ -277,19 +275,19 @@ def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
     the hang (past tool_timeout), the os._exit and the segfault were failed calls, counted and shown to the model as
     errors; the episodes are in the completions records; the environment and reward are saved by value."""
     from ilab_nb.rundir import RunPaths
-    s, *_ = agent_run
+    s, _ = agent_run
     d = Path(s.run_dir)
     assert sorted(p.name for p in d.glob("fault-*")) == ["fault-crash", "fault-hang", "fault-leave"]   # once each
-    assert not (d / "calls-rank1").exists() and len((d / "calls-rank0").read_text()) >= 2 * 4 * 3 + 4   # rank 1: none
+    assert not (d / "calls-rank1").exists() and len((d / "calls-rank0").read_text()) >= 4 * 3 + 4   # rank 1: none
     train = _records(s.run_dir, "train")
-    assert [r["step"] for r in train] == [1, 2, 3]
-    assert train[0]["tools/failure_frequency"] > 0 and [r["tools/failure_frequency"] for r in train[1:]] == [0, 0]
+    assert [r["step"] for r in train] == [1, 2]
+    assert train[0]["tools/failure_frequency"] > 0 and train[1]["tools/failure_frequency"] == 0
     assert all(r["tools/call_frequency"] >= 1.0 for r in train), [r["tools/call_frequency"] for r in train]
     episodes = {r["step"]: [c["episode"] for c in r["completions"]] for r in _records(s.run_dir, "completions")}
     said = [m["content"] for e in episodes[1] for m in e if m["role"] == "tool"]
     assert "{'error': 'timed out after 2 s'}" in said, said
     assert any("exited with code 0" in t for t in said) and any("SIGSEGV" in t for t in said), said
-    three = [e for e in episodes[3] if sum(m.get("tool_calls") is not None for m in e) == 3]
+    three = [e for e in episodes[2] if sum(m.get("tool_calls") is not None for m in e) == 3]
     assert three and all(e[-1]["content"] == "Done." and e[-2]["content"] == "The door is open." for e in three)
     assert sorted(q.name for q in RunPaths(s.run_dir).tools.iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
     log = (d / "logs" / "rank-0.log").read_text()
@@ -299,27 +297,20 @@ def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
     assert "Tool or environment" in report and "class RankVault" in report          # its source, as a reward's
 
 
-def test_a_fork_with_other_tools_settings(agent_run):
-    "The fork at step 2 with max_tool_calling_iterations=1 runs one round of calls: at most one result an episode."
-    *_, g = agent_run
-    assert json.loads((Path(g.run_dir) / "config.json").read_text())["max_tool_calling_iterations"] == 1
-    episodes = [c["episode"] for r in _records(g.run_dir, "completions") for c in r["completions"]]
-    assert episodes and all(sum(m["role"] == "tool" for m in e) <= 1 for e in episodes)
-    assert sorted(q.name for q in Path(g.run_dir, "tools").iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
-    assert json.loads((Path(g.run_dir) / "config.json").read_text())["environment_factory"].startswith(str(g.run_dir))
-    assert any(sum(m["role"] == "tool" for m in e) == 1 for e in episodes)
-
-
-def test_a_fork_samples_the_same_episodes(agent_run):
-    "The fork from step 1 (another process, no faults) samples steps 2 and 3 as the run did: episodes and rewards."
-    s, f, _ = agent_run
+def test_a_fork_with_another_tool_timeout_samples_the_same_episodes(agent_run):
+    """The fork from step 1 (another process, no faults, tool_timeout 5 s) samples step 2 as the run did: episodes,
+    loss, rewards and tool frequencies; it has its own copy of the environment, and its config points there."""
+    s, f = agent_run
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
     again = {r["step"]: r["completions"] for r in _records(f.run_dir, "completions")}
-    assert sorted(again) == [2, 3] and again[2] == comp[2] and again[3] == comp[3]
+    assert sorted(again) == [2] and again[2] == comp[2]
     train, fork_train = _records(s.run_dir, "train"), {r["step"]: r for r in _records(f.run_dir, "train")}
     for r in train[1:]:
         for k in ("loss", "reward", "tools/call_frequency", "tools/failure_frequency"):
             assert fork_train[r["step"]][k] == pytest.approx(r[k], rel=1e-5, abs=1e-7), (r["step"], k)
+    cfg = json.loads((Path(f.run_dir) / "config.json").read_text())
+    assert cfg["tool_timeout"] == 5 and cfg["environment_factory"].startswith(str(f.run_dir))
+    assert sorted(q.name for q in Path(f.run_dir, "tools").iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
 
 
 def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
@@ -330,7 +321,7 @@ def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
     from conftest import cli_env, ilab, kill_processes_under, runs_env
     cfg = {**AGENT_RUN, "model": str(agent.model_dir), "data": str(agent.train_file), "eval_data": str(agent.eval_file),
            "environment_factory": "ilab_nb.agent_demo:AgentVault", "num_generations": 8,
-           "per_device_train_batch_size": 8, "max_steps": 6, "eval_steps": 3, "save_steps": None, "seed": 0,
+           "per_device_train_batch_size": 8, "max_steps": 3, "eval_steps": 3, "save_steps": None, "seed": 0,
            "max_completion_length": 32, "tool_timeout": 10}
     (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
     env = cli_env(**runs_env(tmp_path))
@@ -342,9 +333,9 @@ def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
         assert s.wait(timeout=600) == "completed", s.reason
     finally: kill_processes_under(tmp_path / "runs")
     ev = {r["step"]: r for r in _records(s.run_dir, "eval")}
-    assert sorted(ev) == [0, 3, 6]
+    assert sorted(ev) == [0, 3]
     assert ev[0]["eval_rewards/AgentVault/mean"] == 0 and ev[0]["eval_tools/call_frequency"] == 0
-    assert ev[6]["eval_rewards/AgentVault/mean"] >= 0.75 and ev[6]["eval_tools/call_frequency"] >= 0.75, ev[6]
+    assert ev[3]["eval_rewards/AgentVault/mean"] >= 0.75 and ev[3]["eval_tools/call_frequency"] >= 0.75, ev[3]
     assert all(math.isfinite(r["tools/call_frequency"]) for r in _records(s.run_dir, "train"))
 
 
