@@ -190,10 +190,15 @@ def _env_key(name, k: int) -> str:
     return f"env:{name}:{k}"
 
 @patch
+def _alive(self:Toolbox, key) -> bool:
+    "Whether the instance `key` was made in the child running now (a child started since has lost it)."
+    return self.made.get(key) == self.code.starts and self.code.proc is not None
+
+@patch
 def _ensure(self:Toolbox, j: int):
     "Rollout `j`'s instance, made and reset from its row in this child if it is not there (a fresh child lost it)."
     key, (name, row) = self.keys[j], self.rows[j]
-    if self.made.get(key) == self.code.starts and self.code.proc is not None: return None
+    if self._alive(key): return None
     self.code.new(self.envs[name], key)
     self.made[key] = self.code.starts
     return self.code.method(key, "reset", **row)
@@ -207,12 +212,8 @@ def reset(self:Toolbox, envs: list, rows: list) -> list:
         k = counts.get(name, 0)
         counts[name] = k + 1
         self.keys.append(_env_key(name, k))
-    out = []
-    for j, (name, row) in enumerate(self.rows):
-        if self.made.get(self.keys[j]) == self.code.starts and self.code.proc is not None:
-            out.append(self.code.method(self.keys[j], "reset", **row))
-        else: out.append(self._ensure(j))
-    return out
+    return [self.code.method(key, "reset", **row) if self._alive(key) else self._ensure(j)
+            for j, (key, (_, row)) in enumerate(zip(self.keys, self.rows))]
 
 @patch
 def present(self:Toolbox) -> list:

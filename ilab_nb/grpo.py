@@ -481,10 +481,8 @@ def prepare(self:GRPO, attempt, forward):
 @patch
 def prepare_tools(self:GRPO, attempt):
     "The run's tools and environments, described in the child, and the chat template episodes are rendered with."
-    c, n, t = self.cfg, self.n_funcs, len(self.cfg.tools or [])
-    envs = A.environments(c.environment_factory)
-    self.toolbox = box = A.Toolbox(self.rewards, range(n, n + t), {e: n + t + k for k, e in enumerate(envs)},
-                                   c.tool_timeout)
+    c = self.cfg
+    self.toolbox = box = A.toolbox_of(c, self.rewards)
     if problems := box.describe(): raise A.ToolError("; ".join(problems))
     self.chat_template = A.tool_chat(self.tokenizer, c.response_template)
     # one reward column per environment class with get_reward, however many names it has (TRL's)
