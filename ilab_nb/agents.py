@@ -12,7 +12,7 @@ from .usercode import UserCode, UserCodeError, callable_name
 # %% auto #0
 __all__ = ['ToolError', 'tool_schema', 'describe_tool', 'env_methods', 'describe_environment', 'tool_chat', 'tool_suffix_ids',
            'RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names', 'call_reward', 'Toolbox',
-           'environments', 'run_episodes', 'user_code', 'toolbox_of', 'check_tools', 'trial_objects']
+           'environments', 'run_episodes', 'user_code', 'toolbox_of', 'launched', 'check_tools', 'trial_objects']
 
 # %% ../nbs/10_agents.ipynb #51e5ec36
 class ToolError(ValueError):
@@ -156,7 +156,7 @@ def call_reward(code: UserCode, j: int, name: str, kw: dict, step: int, objects:
                 "None")
     return [None if v is None else float(v) for v in out]
 
-# %% ../nbs/10_agents.ipynb #cd12159e
+# %% ../nbs/10_agents.ipynb #8c3c0be3
 class Toolbox:
     "A run's tools and environments, called in `code`'s child: `tools` and `envs` (`{name: index}`) index its code."
     def __init__(self, code: UserCode, tools: list, envs: dict, timeout: float):
@@ -164,15 +164,19 @@ class Toolbox:
         self.schemas, self.env_info, self.keys, self.rows, self.made = [], {}, [], [], {}
         self.calls = self.failures = 0
 
+    def asks(self) -> list:
+        "The child's messages that describe the tools and environments, in `describe`'s order (to send ahead)."
+        return [("apply", "ilab_nb.agents:describe_tool", i) for i in self.tools] + \
+               [("apply", "ilab_nb.agents:describe_environment", i) for i in self.envs.values()]
+
     def describe(self) -> list:
         "Describe every tool and environment in the child; the problems (none: the run can use them)."
-        problems = []
-        for i in self.tools:
-            d = self.code.apply("ilab_nb.agents:describe_tool", i)
+        problems, got = [], [self.code.apply(helper, i) for _, helper, i in self.asks()]
+        for d in got[:len(self.tools)]:
             if "error" in d: problems.append(d["error"])
             else: self.schemas.append(d["schema"])
-        for name, i in self.envs.items():
-            self.env_info[name] = d = self.code.apply("ilab_nb.agents:describe_environment", i)
+        for name, d in zip(self.envs, got[len(self.tools):]):
+            self.env_info[name] = d
             problems += d["errors"]
         return problems
 
@@ -307,7 +311,7 @@ def run_episodes(prompt_ids: list, completion_ids: list, completions: list, tool
         rounds += 1
     return dict(completion_ids=completion_ids, tool_mask=tool_mask, completions=completions, rounds=rounds)
 
-# %% ../nbs/10_agents.ipynb #39a890a6
+# %% ../nbs/10_agents.ipynb #ff2381e2
 def user_code(cfg) -> UserCode:
     "The run's user code in one child: reward functions, tools and environment factories (`cfg`'s)."
     tools, envs = list(getattr(cfg, "tools", None) or []), environments(getattr(cfg, "environment_factory", None))
@@ -320,6 +324,13 @@ def toolbox_of(cfg, code: UserCode) -> Toolbox:
     "The `Toolbox` of `user_code(cfg)`'s child."
     n, t, envs = len(cfg.reward_funcs), len(cfg.tools or []), environments(cfg.environment_factory)
     return Toolbox(code, range(n, n + t), {e: n + t + k for k, e in enumerate(envs)}, cfg.tool_timeout)
+
+def launched(cfg) -> UserCode:
+    """`user_code(cfg)`, its child launched: loading the functions and describing the tools and environments while
+    the caller does its own work (a rank loads its model, the preflight its data), answered when asked for."""
+    code = user_code(cfg)
+    code.launch(*toolbox_of(cfg, code).asks())
+    return code
 
 def check_tools(cfg, code: UserCode, tokenizer, records: list) -> tuple:
     "`(toolbox, [problem])` of the run's tools and environments in `code`'s started child."

@@ -453,16 +453,22 @@ def load_reference(self:GRPO, attempt) -> list:
     return saved
 
 @patch
+def launch(self:GRPO):
+    "Start the user code's process (reward functions, tools, environments), to load them while the model loads."
+    self.close()
+    self.rewards = A.launched(self.cfg)
+
+@patch
 def prepare(self:GRPO, attempt, forward):
     "The reward functions (their process started), their weights and the reference; the step the attempt starts from."
     c = self.cfg
-    self.close()                                               # a process of an earlier prepare, if any
+    if getattr(self, "rewards", None) is None or self.rewards.names is not None:   # not launched, or an earlier
+        self.launch()                                                              # prepare's: launched now
     self.attempt, self.tokenizer, self.step, self.buffer = attempt, attempt.tokenizer, attempt.start, None
     st = getattr(attempt, "method_state", None)               # resumed inside a generation batch: that batch
     if st and (st["step"], st["world_size"]) == (attempt.start, attempt.env.world_size) and \
             st["fields"] == self.batch_fields(): self.buffer = st["buffer"]
-    self.rewards = A.user_code(c)                              # in a process of their own, with the tools
-    try: names = self.rewards.start()
+    try: names = self.rewards.start()                         # in a process of their own, with the tools
     except UserCodeError as e: raise RewardError(str(e)) from None
     self.n_funcs = len(c.reward_funcs)
     self.names, self.toolbox = unique_names(names[:self.n_funcs]), None
@@ -755,11 +761,12 @@ def _trial(r: dict) -> dict:
     return dict(prompts=[r["prompt"]] * 2, completions=completions, completion_ids=[[], [0]],
                 **{k: [v] * 2 for k, v in r.get("columns", {}).items()})
 
-def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=None) -> tuple:
+def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=None, code=None) -> tuple:
     """Each reward function called on the first prompt (and held-out prompt) with dummy completions, after the tools
-    and environments are checked (`agents.check_tools`): `(their names, [problem])`."""
+    and environments are checked (`agents.check_tools`): `(their names, [problem])`. `code`: `A.user_code(cfg)`,
+    launched or not (else one is made); closed at the end."""
     out = []
-    with A.user_code(cfg) as code:
+    with code or A.user_code(cfg) as code:
         try: names = unique_names(code.start()[:len(cfg.reward_funcs)])
         except UserCodeError as e: return [], [str(e)]
         box, problems = A.check_tools(cfg, code, tokenizer, records) if len(code.names) > len(names) else (None, [])

@@ -96,6 +96,11 @@ def held_out(self:Method, attempt) -> dict | None:
     return None
 
 @patch
+def launch(self:Method):
+    "Work that can start before the model loads, in processes of its own (GRPO: its user code's); nothing for SFT."
+    return None
+
+@patch
 def prepare(self:Method, attempt, forward):
     "Work before step 1, with the attempt's model and data set up (DPO's reference log-probabilities); nothing for SFT."
     return None

@@ -4,7 +4,7 @@
 
 # %% ../nbs/60_preflight.ipynb #83449e3d
 from __future__ import annotations
-import errno, functools, json, math, os, shutil, subprocess, sys, tempfile
+import contextlib, errno, functools, json, math, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
 from .config import TrainConfig
@@ -20,8 +20,8 @@ __all__ = ['CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'PREFLIGH
            'kv_cache_bytes', 'check_memory', 'read_json_file', 'tokenizer_bytes', 'checkpoint_bytes', 'check_disk',
            'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri',
            'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted', 'lora_problem',
-           'check_model_build', 'check_vocab', 'check_eval_tasks', 'check_reward_funcs', 'grpo_generation_tokens',
-           'check_data', 'preflight']
+           'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code', 'launch_user_code',
+           'check_reward_funcs', 'grpo_generation_tokens', 'check_data', 'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -670,16 +670,30 @@ def check_eval_tasks(cfg, records, evals) -> list[str]:
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
 
 # %% ../nbs/60_preflight.ipynb #9559a493
-def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False, tokenizer=None) -> dict:
-    """The reward functions' names and how they are called (and the tools'); a `PreflightError` for a file of theirs
-    that another user owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with
-    dummy completions, and each tool or environment that cannot be used (`agents.check_tools`)."""
-    from ilab_nb.grpo import check_rewards
+def gate_user_code(cfg, trust_owner: bool = False):
+    "A `PreflightError` for a file of the run's reward functions, tools or environments another user owns or may write."
     from ilab_nb.rundir import Action, OwnerError, code_refs, gate, reward_file
     files = [f for r in code_refs(vars(cfg)) if isinstance(r, str) and (f := reward_file(r))]
     try: gate(None, Action.code, "run its reward functions and tools", trust_owner, also=files)
     except OwnerError as e: raise PreflightError(f"reward_funcs: {e}", "reward_funcs") from None
-    names, problems = check_rewards(cfg, records, evals, tokenizer)
+
+def launch_user_code(cfg, trust_owner: bool = False):
+    """A GRPO run's user code, gated and launched (`agents.launched`): it loads and describes its functions while the
+    preflight checks the rest; None for other methods."""
+    if cfg.method != "grpo": return None
+    from ilab_nb.agents import launched
+    gate_user_code(cfg, trust_owner)
+    return launched(cfg)
+
+def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False, tokenizer=None,
+                       code=None) -> dict:
+    """The reward functions' names and how they are called (and the tools'); a `PreflightError` for a file of theirs
+    that another user owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with
+    dummy completions, and each tool or environment that cannot be used (`agents.check_tools`). `code`: their
+    process, from `launch_user_code` (else one is started)."""
+    from ilab_nb.grpo import check_rewards
+    if code is None: gate_user_code(cfg, trust_owner)
+    names, problems = check_rewards(cfg, records, evals, tokenizer, code)
     tools = bool(cfg.tools or cfg.environment_factory is not None)
     if problems: raise PreflightError("; ".join(problems), "tools" if tools else "reward_funcs")
     return dict(names=names, reward_timeout=cfg.reward_timeout, reward_errors=cfg.reward_errors,
@@ -732,7 +746,12 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 08_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     """Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`:
-    11_rundir."""
+    11_rundir. A GRPO run's user code is launched first and checked last, so that its process starts meanwhile."""
+    code = launch_user_code(cfg, trust_owner)
+    with code if code is not None else contextlib.nullcontext():
+        return _preflight(cfg, runs_root, trust_owner, code)
+
+def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
     from ilab_nb.data import load_tokenizer, ensure_chat_template, template_note
     try: require_torch()
     except RuntimeError as e: raise PreflightError(str(e)) from None
@@ -749,7 +768,6 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok)
-    rewards = check_reward_funcs(cfg, records, evals, trust_owner, tok) if cfg.method == "grpo" else None
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
@@ -757,6 +775,7 @@ def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     data = check_data(cfg, records, evals, tok, built["layout"])
     check_vocab(tok, built["embedding_rows"], mp, data.pop("top_token_id"))
+    rewards = check_reward_funcs(cfg, records, evals, trust_owner, tok, code) if code is not None else None
     if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0) + grpo_generation_tokens(cfg),

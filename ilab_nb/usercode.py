@@ -156,7 +156,7 @@ if __name__ == "__main__":
     sys.stderr.flush()
     os._exit(0)            # now: a thread the user's code left running does not keep the child alive
 
-# %% ../nbs/09_usercode.ipynb #5104d5ab
+# %% ../nbs/09_usercode.ipynb #8470293e
 def _ended(code: int | None) -> str:
     "How a child process ended, in words."
     if code is None: return "ended"
@@ -178,14 +178,17 @@ class UserCode:
         self.owner = {}                              # an object's key -> the function that made it
         self.proc = self.conn = self.names = None
         self.starts = 0                              # children started: objects kept in an earlier one are gone
+        self.sent = []                               # messages sent ahead (`launch`) whose answers are not yet read
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
 
-# %% ../nbs/09_usercode.ipynb #25bd5ced
+# %% ../nbs/09_usercode.ipynb #d611e116
 @patch
-def start(self:UserCode) -> list:
-    "Start the child and load the functions in it; their names."
+def launch(self:UserCode, *ahead: tuple):
+    """Start the child and send it the functions to load, then the messages `ahead`, without waiting for any answer:
+    `start` and the calls that ask for those messages read them, so the child loads (and, say, describes) its
+    functions while the caller does other work."""
     refs = []
     for r, what in zip(self.refs, self.whats):
         try: refs.append(pickled(r) if callable(r) else r)
@@ -194,8 +197,17 @@ def start(self:UserCode) -> list:
     self.proc = subprocess.Popen([sys.executable, "-m", "ilab_nb.usercode", str(theirs.fileno()), str(os.getpid())],
                                  pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0)
     theirs.close()
-    self.conn = ours
-    try: got = self._ask(("load", refs, sys.path), "loading them", wait=max(self.timeout, LOAD_TIMEOUT))
+    self.conn, self.sent = ours, []
+    for m in [("load", refs, sys.path), *ahead]:
+        try: self.conn.send_bytes(pickle.dumps(m))
+        except OSError: break                        # it is gone already: `start` says how it ended
+        self.sent.append(m)
+
+@patch
+def start(self:UserCode) -> list:
+    "Start the child (unless `launch` did) and load the functions in it; their names."
+    if self.proc is None: self.launch()
+    try: got = self._ask(self.sent[0] if self.sent else ("load",), "loading them", wait=max(self.timeout, LOAD_TIMEOUT))
     except UserCodeError as e: raise UserCodeError(f"{self.what}s could not be loaded: they {e}", "load") from None
     if got[0] == "unloadable":
         self.close()
@@ -203,7 +215,7 @@ def start(self:UserCode) -> list:
     self.names, self.starts = got[1], self.starts + 1
     return self.names
 
-# %% ../nbs/09_usercode.ipynb #42761b24
+# %% ../nbs/09_usercode.ipynb #852e4071
 @patch
 def _kill(self:UserCode) -> int | None:
     "Stop the child and everything it started; its exit code (None when it was not running)."
@@ -213,15 +225,29 @@ def _kill(self:UserCode) -> int | None:
     code = self.proc.wait()
     self.conn.close()
     self.proc = self.conn = None
+    self.sent = []
     return code
 
 @patch
+def _answered(self:UserCode, wait: float, name: str | None) -> tuple:
+    "The child's next answer, awaited `wait` s (then it is killed: a `UserCodeError`)."
+    if not self.conn.poll(wait):
+        self._kill()
+        raise UserCodeError(f"did not return within {wait:g} s (it was stopped)", "timeout", name)
+    return pickle.loads(self.conn.recv_bytes())
+
+@patch
 def _ask(self:UserCode, msg: tuple, doing: str, name: str | None = None, wait: float | None = None) -> tuple:
-    """Send `msg` and await its answer (`wait` s, else `timeout`); `UserCodeError` when it does not come in time or the
-    child ends first."""
+    """Send `msg` (unless it was sent ahead, and is next) and await its answer (`wait` s, else `timeout`);
+    `UserCodeError` when it does not come in time or the child ends first."""
     wait = self.timeout if wait is None else wait
     try:
-        self.conn.send_bytes(pickle.dumps(msg))
+        if self.sent and self.sent[0] == msg: self.sent.pop(0)
+        else:
+            while self.sent:                         # answers to messages sent ahead that no one asked for
+                self.sent.pop(0)
+                self._answered(max(self.timeout, LOAD_TIMEOUT), name)
+            self.conn.send_bytes(pickle.dumps(msg))
         if not self.conn.poll(wait):
             self._kill()
             raise UserCodeError(f"did not return within {wait:g} s (it was stopped)", "timeout", name)

@@ -255,14 +255,9 @@ def resume_position(ckpt) -> dict | None:
                 total_steps=ts.get("total_steps")) if ts.get("data_position") else None
 
 # %% ../nbs/34_worker.ipynb #e28e0b1e
-def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter,
-                  resume=None) -> Attempt:
-    "Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if given."
-    tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    records_kind = D.load_records(cfg.data)[0]["kind"]
-    no_template = D.template_note(tokenizer, records_kind)
-    D.ensure_chat_template(tokenizer)
-    method = training_method(cfg, records_kind)
+def _attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume, method,
+             tokenizer, no_template) -> Attempt:
+    "The data, the plan of steps, the (sharded) model, optimizer and scheduler of `setup_attempt`."
     train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, method, paths.cache)
     if no_template:   # in the header: the dashboard says it
         data_stats = {**data_stats, "template": {"note": no_template}}
@@ -282,15 +277,28 @@ def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, 
     autocast = ((lambda: torch.autocast(env.device_type, dtype=torch.bfloat16))    # FSDP2 casts by its policy instead
                 if cfg.precision == "bf16" and cfg.strategy != "fsdp" else nullcontext)
     tokens, real = method.tokens(train_ds)
-    a = Attempt(paths=paths, cfg=cfg, env=env, layout=layout, metrics=metrics, method=method, tokenizer=tokenizer,
-                train_ds=train_ds, eval_ds=eval_ds, data_stats=data_stats, lengths=lengths, loss_tokens=weights,
-                tokens=tokens, real=real, steps=steps, model=model, model_info=model_info, optimizer=optimizer,
-                scheduler=scheduler, start=start, resumed=bool(resume), position=position, autocast=autocast,
-                method_state=checkpoint_method_state(resume, env) if resume else None,
-                record_data_seen=os.environ.get("ILAB_NB_RECORD_DATA_SEEN") == "1")
-    try: method.prepare(a, a.forward)             # DPO: the reference's log-probabilities, before step 1 (or read back)
+    return Attempt(paths=paths, cfg=cfg, env=env, layout=layout, metrics=metrics, method=method, tokenizer=tokenizer,
+                   train_ds=train_ds, eval_ds=eval_ds, data_stats=data_stats, lengths=lengths, loss_tokens=weights,
+                   tokens=tokens, real=real, steps=steps, model=model, model_info=model_info, optimizer=optimizer,
+                   scheduler=scheduler, start=start, resumed=bool(resume), position=position, autocast=autocast,
+                   method_state=checkpoint_method_state(resume, env) if resume else None,
+                   record_data_seen=os.environ.get("ILAB_NB_RECORD_DATA_SEEN") == "1")
+
+def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter,
+                  resume=None) -> Attempt:
+    """Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if
+    given; the method prepared (its own processes launched first, to start while the model loads)."""
+    tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    records_kind = D.load_records(cfg.data)[0]["kind"]
+    no_template = D.template_note(tokenizer, records_kind)
+    D.ensure_chat_template(tokenizer)
+    method = training_method(cfg, records_kind)
+    try:
+        method.launch()                           # GRPO: its user code's process, loading while the model does
+        a = _attempt(paths, cfg, env, layout, metrics, resume, method, tokenizer, no_template)
+        method.prepare(a, a.forward)              # DPO: the reference's log-probabilities, before step 1 (or read back)
     except BaseException:
-        method.close()                            # GRPO: its reward functions' process, if it started
+        method.close()                            # GRPO: its user code's process, if it started
         raise
     return a
 
