@@ -11,8 +11,9 @@ from .core import patch
 from .rundir import Event, RunPaths
 
 # %% auto #0
-__all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'mlflow_tracking_uri', 'MLflowTracker',
-           'wandb_dir', 'WandbTracker', 'TrackedWriter', 'record_tracker_error', 'tracker_notes', 'open_trackers']
+__all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'completion_markdown',
+           'mlflow_tracking_uri', 'MLflowTracker', 'wandb_dir', 'WandbTracker', 'TrackedWriter', 'record_tracker_error',
+           'tracker_notes', 'open_trackers']
 
 # %% ../nbs/30_trackers.ipynb #d84537eb
 _DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -68,6 +69,16 @@ def _open(self:TensorBoardTracker, rec):
     if resumed is None: self.w.add_text("config", "```\n" + json.dumps(self.config, indent=1) + "\n```", 0)
 
 # %% ../nbs/30_trackers.ipynb #84f89235
+def completion_markdown(rec: dict) -> list:
+    "A `completions` record's completions as markdown, one each (none for other records)."
+    if rec.get("kind") != "completions" or not rec.get("completions"): return []
+    from ilab_nb.episodes import completions_table
+    cols, rows = completions_table(rec)
+    def num(v): return "—" if v is None else f"{v:.3f}" if isinstance(v, (int, float)) else str(v)
+    return [f"**{r[1]}**\n\n```\n{r[2]}\n```\n\n" + " · ".join(f"{c}: {num(v)}" for c, v in zip(cols[3:], r[3:]))
+            for r in rows]
+
+@patch
 @patch
 def log(self:TensorBoardTracker, rec: dict):
     if self.w is None: self._open(rec)
@@ -75,7 +86,8 @@ def log(self:TensorBoardTracker, rec: dict):
     for name, v in record_scalars(rec).items(): self.w.add_scalar(name, v, step, walltime=t)
     for i, s in enumerate(rec.get("samples") or []) if rec.get("kind") == "samples" else ():
         self.w.add_text(f"samples/prompt-{i}", f"**{s['prompt']}**\n\n{s['answer']}", step, walltime=t)
-    if rec.get("kind") in ("eval", "samples"): self.w.flush()
+    for i, md in enumerate(completion_markdown(rec)): self.w.add_text(f"completions/{i}", md, step, walltime=t)
+    if rec.get("kind") in ("eval", "samples", "completions"): self.w.flush()
 
 # %% ../nbs/30_trackers.ipynb #93a6b20c
 @patch
@@ -137,6 +149,11 @@ def log(self:MLflowTracker, rec: dict):
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, int(rec.get("time", time.time()) * 1000),
                                                            int(rec.get("step") or 0))
                                                    for k, v in sc.items()])
+    if rec.get("kind") == "completions" and rec.get("completions"):
+        from ilab_nb.episodes import completions_table
+        cols, rows = completions_table(rec)     # one table, each step's rows added: MLflow's `log_table` appends
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # it downloads the table each time
+        self.client.log_table(self.run_id, {c: [r[i] for r in rows] for i, c in enumerate(cols)}, "completions.json")
 
 # %% ../nbs/30_trackers.ipynb #d54b5076
 _MLFLOW_STATUS = {Event.completed: "FINISHED", Event.stopped: "KILLED", Event.failed: "FAILED"}
@@ -170,6 +187,10 @@ def log(self:WandbTracker, rec: dict):
     if rec.get("kind") == "samples" and rec.get("samples"):
         data["samples"] = self.wandb.Table(columns=["prompt", "answer"],
                                            data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
+    if rec.get("kind") == "completions" and rec.get("completions"):
+        from ilab_nb.episodes import completions_table
+        cols, rows = completions_table(rec)            # TRL's table, under TRL's key
+        data["completions"] = self.wandb.Table(columns=cols, data=rows)
     if data: self.run.log(data, step=int(rec.get("step") or 0))
 
 @patch

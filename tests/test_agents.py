@@ -264,7 +264,8 @@ def agent_run(agent, tmp_path_factory):
             assert k.returncode == 0, k.stderr[-3000:]
             s = FineTuneSession.attach(k.stdout.split()[-1])
             assert s.wait(timeout=600) == "completed", s.reason
-            f = s.fork(1, tool_timeout=5)            # another tools' setting, which step 2 (no call fails) never uses
+            f = s.fork(1, tool_timeout=5,            # another tools' setting, which step 2 (no call fails) never uses
+                       report_to=["tensorboard"])    # and a tracker, which shows the episodes as text
             assert f.wait(timeout=600) == "completed", f.reason
             yield s, f
         finally: kill_processes_under(root / "runs")
@@ -299,7 +300,10 @@ def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
 
 def test_a_fork_with_another_tool_timeout_samples_the_same_episodes(agent_run):
     """The fork from step 1 (another process, no faults, tool_timeout 5 s) samples step 2 as the run did: episodes,
-    loss, rewards and tool frequencies; it has its own copy of the environment, and its config points there."""
+    loss, rewards and tool frequencies; it has its own copy of the environment, and its config points there; its
+    TensorBoard shows each kept episode turn by turn at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from ilab_nb.episodes import episode_text
     s, f = agent_run
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
     again = {r["step"]: r["completions"] for r in _records(f.run_dir, "completions")}
@@ -311,6 +315,12 @@ def test_a_fork_with_another_tool_timeout_samples_the_same_episodes(agent_run):
     cfg = json.loads((Path(f.run_dir) / "config.json").read_text())
     assert cfg["tool_timeout"] == 5 and cfg["environment_factory"].startswith(str(f.run_dir))
     assert sorted(q.name for q in Path(f.run_dir, "tools").iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
+    acc = EventAccumulator(str(Path(f.run_dir) / "tensorboard")); acc.Reload()
+    for i, c in enumerate(again[2]):
+        (t,) = acc.Tensors(f"completions/{i}/text_summary")
+        text = t.tensor_proto.string_val[0].decode()
+        assert t.step == 2 and text.startswith(f"**{c['prompt']}**") and episode_text(c["episode"]) in text, text
+    assert [e.step for e in acc.Scalars("train/tools/call_frequency")] == [2]
 
 
 def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
