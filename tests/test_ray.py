@@ -152,28 +152,31 @@ def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_sto
 
 
 def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ray_cluster, runs_root, demo, tmp_path):
-    """SFT is the scenario above; here a LoRA DPO run, a plain-text run and a GRPO run, one process each (half a CPU:
-    all three at once), one step each; then the DPO run's fork sweep (on Ray, as its parent), evaluation and export."""
+    """SFT is the scenario above; here a LoRA DPO run, a plain-text run and a GRPO run with an environment (the agent
+    demo's vault, its tool called in the rank's user-code process on a Ray worker), one process each (half a CPU: all
+    three at once), one step each; then the DPO run's fork sweep (on Ray, as its parent), evaluation and export."""
+    from ilab_nb.agent_demo import agent_assets
+    from test_agents import AGENT_RUN
     from test_dpo import DPO
-    from test_grpo import GRPO_RUN, _prompts, short
     from test_lora import LORA
+    agent = agent_assets()                 # built once per machine (test_agents builds it too, under a lock)
     t0 = time.time()
     one = dict(num_machines=1, num_processes=1, strategy="fsdp", max_steps=1, save_steps=None, eval_steps=None,
                ray={"address": ray_cluster.address, "num_cpus_per_process": 0.5})
-    pairs, held, prompts = tmp_path / "pairs.jsonl", tmp_path / "held.jsonl", tmp_path / "prompts.jsonl"
+    pairs, held = tmp_path / "pairs.jsonl", tmp_path / "held.jsonl"
     pairs.write_text("".join(Path(demo.pref_train_file).read_text().splitlines(keepends=True)[:16]))
     held.write_text("".join(Path(demo.pref_eval_file).read_text().splitlines(keepends=True)[:4]))
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in _prompts(4)))
     runs = {"dpo": FineTuneSession(**ray_cfg(demo, pairs, ray_cluster, **{**DPO, **one, "save_steps": 1}, lora=LORA,
                                              eval_data=str(held)), name="dpo"),
             "text": FineTuneSession(**ray_cfg(demo, demo.text_train_file, ray_cluster, **one), name="text"),
-            "grpo": FineTuneSession(**ray_cfg(demo, prompts, ray_cluster, **{**GRPO_RUN, **one}), reward_funcs=[short],
-                                    name="grpo")}
+            "grpo": FineTuneSession(**ray_cfg(demo, agent.train_file, ray_cluster, **{**AGENT_RUN, **one,
+                                              "max_completion_length": 32}, model=str(agent.model_dir),
+                                              environment_factory="ilab_nb.agent_demo:AgentVault"), name="grpo")}
     for s in runs.values(): s.start()
     for k, s in runs.items():
         assert s.wait(timeout=300) == "completed", (k, s.reason)
         assert s.state["backend"] == "ray" and len(s.state["ray"]["machines"]) == 1, (k, s.state)
-    print(f"LoRA DPO, plain-text and GRPO runs on Ray: {time.time() - t0:.1f} s")
+    print(f"LoRA DPO, plain-text and GRPO-with-tools runs on Ray: {time.time() - t0:.1f} s")
     train = {k: [r for r in s.metrics() if r["kind"] == "train"] for k, s in runs.items()}
     head = {k: s.monitor.header for k, s in runs.items()}
     assert all([r["step"] for r in t] == [1] for t in train.values()), train
@@ -184,7 +187,10 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
     assert (dpo.checkpoint(1) / "adapter_model.safetensors").is_file()
     assert not list(dpo.checkpoint(1).glob("model*.safetensors"))           # the adapters, no copy of the base
     assert (head["text"]["method"], head["text"]["data_kind"]) == ("sft", "text")
-    assert head["grpo"]["method"] == "grpo" and {"reward", "rewards/short/mean", "kl"} <= set(train["grpo"][0])
+    assert head["grpo"]["method"] == "grpo" and {"reward", "rewards/AgentVault/mean"} <= set(train["grpo"][0])
+    assert train["grpo"][0]["tools/call_frequency"] > 0 and train["grpo"][0]["tools/failure_frequency"] == 0
+    (comp,) = runs["grpo"].metrics(kinds=("completions",))
+    assert any(m["role"] == "tool" for c in comp["completions"] for m in c["episode"]), comp     # its episodes
 
     # The DPO run's fork sweep (two forks from its step-1 checkpoint, one step each, on Ray as their parent), its
     # evaluation (a local lm-eval process on its final model) and its export (in this process), side by side.
