@@ -191,7 +191,8 @@ class RankVault:
     """The agent demo's vault, told to knock three times on rank 0 and to wait on rank 1: one rank's rollouts run
     three rounds of tool calls, the other's none. With ILAB_TEST_FAULTS set, a second knock hangs, then one ends its
     process with os._exit(0), then one segfaults, each once in the run (a failure loses the process's environments: the
-    next second knock comes a round later, so the three fall in step 1's rounds 2 to 4). Each call is noted per rank."""
+    next second knock comes a round later, so the three fall in step 1's rounds 2 to 4), and the first knock prints
+    megabytes. Each call is noted per rank."""
     def reset(self, vault=None, **row):
         self.opened, self.knocks = False, 0
         return " Knock." if os.environ.get("RANK") == "0" else " Wait."
@@ -201,6 +202,10 @@ class RankVault:
         self.knocks += 1
         print(f"knock {self.knocks} on rank {os.environ['RANK']}", flush=True)      # into the rank's log
         with open(Path(os.environ["ILAB_NB_RUN_DIR"]) / f"calls-rank{os.environ['RANK']}", "a") as f: f.write("k")
+        loud = Path(os.environ["ILAB_NB_RUN_DIR"]) / "loud"
+        if os.environ.get("ILAB_TEST_FAULTS") and not loud.exists():   # once: megabytes on stdout and stderr
+            loud.touch()
+            print("o" * 2_000_000, flush=True); print("e" * 2_000_000, file=sys.stderr, flush=True)
         if os.environ.get("ILAB_TEST_FAULTS") and self.knocks == 2:
             for fault in ("hang", "leave", "crash"):
                 done = Path(os.environ["ILAB_NB_RUN_DIR"]) / f"fault-{fault}"
@@ -274,7 +279,8 @@ def agent_run(agent, tmp_path_factory):
 def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
     """Rank 0's rollouts call the tool three rounds, rank 1's none, and neither waits for the other (the run ends);
     the hang (past tool_timeout), the os._exit and the segfault were failed calls, counted and shown to the model as
-    errors; the episodes are in the completions records; the environment and reward are saved by value."""
+    errors; a tool's megabytes of output went to the rank's log; the episodes are in the completions records; the
+    environment and reward are saved by value."""
     from ilab_nb.rundir import RunPaths
     s, _ = agent_run
     d = Path(s.run_dir)
@@ -292,7 +298,8 @@ def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
     assert three and all(e[-1]["content"] == "Done." and e[-2]["content"] == "The door is open." for e in three)
     assert sorted(q.name for q in RunPaths(s.run_dir).tools.iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
     log = (d / "logs" / "rank-0.log").read_text()
-    assert "tool_timeout" in log and "knock 3 on rank 0" in log              # the tools' prints: the rank's log
+    assert "tool_timeout" in log and "knock 3 on rank 0" in log              # the tools' prints: the rank's log,
+    assert "o" * 2_000_000 in log and "e" * 2_000_000 in log                  # megabytes of them too
     s.report()
     report = RunPaths(s.run_dir).report.read_text()
     assert "Tool or environment" in report and "class RankVault" in report          # its source, as a reward's
