@@ -295,6 +295,11 @@ def _ending(self:Supervisor, status, fields: dict) -> dict:
     its report, its evaluation)."""
     return {}
 
+@patch
+def _running(self:Supervisor):
+    "Called once the attempt's ranks run (its header came), while the supervisor waits: here nothing (64_supervisor)."
+    return None
+
 # %% ../nbs/35_launcher.ipynb #1a444424
 @patch
 def _finish(self:Supervisor, status, **kw):
@@ -420,6 +425,7 @@ def _watch(self:Supervisor, reader, events) -> int | None:
             self.running = True
             self._beat(status=State.running, world_size=r.get("world_size"))
             self._event(Event.running, attempt=self.attempt)
+            self._running()
         elif r.get("kind") == "event": events.append(r)
     self._end_others_if_one_left()
     if self.signum is not None and not self.forced:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/64_supervisor.ipynb #b99cf028
 from __future__ import annotations
-import argparse, os, sys
+import argparse, importlib, os, sys, threading
 
 from .core import patch
 from .launcher import Supervisor, log_note
@@ -20,6 +20,10 @@ class RunSupervisor(Supervisor):
         extra = self._start_evaluation() if status == State.completed else {}
         self._write_report(status, {**fields, **extra})
         return extra
+
+    def _running(self):
+        "Import the report's libraries (matplotlib) in the background while the ranks train, not as the run ends."
+        threading.Thread(target=importlib.import_module, args=("ilab_nb.record",), daemon=True).start()
 
 # %% ../nbs/64_supervisor.ipynb #2457538c
 @patch
