@@ -254,7 +254,7 @@ def agent():
 def agent_run(agent, tmp_path_factory):
     """A 2-rank FSDP GRPO run with an environment of the kernel's `__main__` (the kernel exits at once), rank 0's
     rollouts knocking three rounds and rank 1's none, a hang, an os._exit, a segfault and a sys.exit among rank 0's
-    calls; then its fork at step 1 from this process, without the faults."""
+    calls; then a fork sweep of two runs from its step 1, from this process, without the faults."""
     import subprocess, sys
     from ilab_nb import FineTuneSession
     from conftest import cli_env, kill_processes_under, runs_env
@@ -269,10 +269,11 @@ def agent_run(agent, tmp_path_factory):
             assert k.returncode == 0, k.stderr[-3000:]
             s = FineTuneSession.attach(k.stdout.split()[-1])
             assert s.wait(timeout=600) == "completed", s.reason
-            f = s.fork(1, tool_timeout=5,            # another tools' setting, which step 2 (no call fails) never uses
-                       report_to=["tensorboard"])    # and a tracker, which shows the episodes as text
-            assert f.wait(timeout=600) == "completed", f.reason
-            yield s, f
+            # a fork sweep over another tools' setting, which step 2 (no call fails) never uses, and a tracker, which
+            # shows the episodes as text
+            sw = s.fork_sweep(1, tool_timeout=[5, 10], report_to=["tensorboard"])
+            assert [f.wait(timeout=600) for f in sw.sessions] == ["completed"] * 2, [f.reason for f in sw.sessions]
+            yield s, sw
         finally: kill_processes_under(root / "runs")
 
 
@@ -305,13 +306,18 @@ def test_unequal_rounds_and_failing_tools_leave_two_ranks_training(agent_run):
     assert "Tool or environment" in report and "class RankVault" in report          # its source, as a reward's
 
 
-def test_a_fork_with_another_tool_timeout_samples_the_same_episodes(agent_run):
-    """The fork from step 1 (another process, no faults, tool_timeout 5 s) samples step 2 as the run did: episodes,
-    loss, rewards and tool frequencies; it has its own copy of the environment, and its config points there; its
-    TensorBoard shows each kept episode turn by turn at its step."""
+def test_a_fork_sweep_over_tool_timeout_samples_the_same_episodes(agent_run):
+    """Each fork of the sweep from step 1 (other processes, no faults, tool_timeout 5 s and 10 s) samples step 2 as the
+    run did: episodes, loss, rewards and tool frequencies; it has its own copy of the environment, and its config
+    points there; its TensorBoard shows each kept episode turn by turn at its step."""
+    s, sw = agent_run
+    assert sw.spec["axes"] == {"tool_timeout": [5, 10]} and sw.spec["forked_from"]["step"] == 1
+    for f, timeout in zip(sw.sessions, (5, 10)): _same_episodes_as(s, f, timeout)
+
+
+def _same_episodes_as(s, f, timeout):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from ilab_nb.episodes import episode_text
-    s, f = agent_run
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
     again = {r["step"]: r["completions"] for r in _records(f.run_dir, "completions")}
     assert sorted(again) == [2] and again[2] == comp[2]
@@ -320,7 +326,7 @@ def test_a_fork_with_another_tool_timeout_samples_the_same_episodes(agent_run):
         for k in ("loss", "reward", "tools/call_frequency", "tools/failure_frequency"):
             assert fork_train[r["step"]][k] == pytest.approx(r[k], rel=1e-5, abs=1e-7), (r["step"], k)
     cfg = json.loads((Path(f.run_dir) / "config.json").read_text())
-    assert cfg["tool_timeout"] == 5 and cfg["environment_factory"].startswith(str(f.run_dir))
+    assert cfg["tool_timeout"] == timeout and cfg["environment_factory"].startswith(str(f.run_dir))
     assert sorted(q.name for q in Path(f.run_dir, "tools").iterdir()) == ["0-RankVault.pkl", "0-RankVault.py"]
     acc = EventAccumulator(str(Path(f.run_dir) / "tensorboard")); acc.Reload()
     for i, c in enumerate(again[2]):
