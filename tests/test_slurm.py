@@ -1,9 +1,9 @@
 """The SLURM backend on a real two-node SLURM cluster started by this module (tests/slurm_cluster.py): every node
 (one CPU each) runs one rank of a 2-machine FSDP run of the demo model. Several scenarios share a few runs: two
-submissions queue in SLURM, a queued job is cancelled from outside, a run (GRPO, its reward function defined here)
-is stopped and resumed to the end while a second (continued pretraining on plain text) runs and loses a rank, and a
-new process attaches; a DPO run with LoRA adapters saves before its time limit, resumes and loses a node."""
-import json, os, re, signal, subprocess, sys
+submissions queue in SLURM, a queued job is cancelled from outside, a run (GRPO with tools: the agent demo's model and
+environment, and a reward function defined here) is stopped, resumed and requeued to the end while a second (continued
+pretraining on plain text) runs and loses a rank, and a new process attaches; a DPO run with LoRA adapters saves before its time limit, resumes and loses a node."""
+import os, re, signal, subprocess, sys
 from pathlib import Path
 
 import psutil
@@ -44,16 +44,7 @@ def run_cfg(demo, small_train, **kw):
 
 def letters(prompts, completions, **kw):
     "A GRPO reward defined in this test module: the runs' processes on the nodes get it saved by value."
-    return [sum(ch.isalpha() for ch in c[0]["content"]) / 8 for c in completions]
-
-
-def prompt_file(demo, path):
-    "GRPO prompts: the conversations of the demo's held-out data up to their first answer."
-    from ilab_nb.demo import read_chat_jsonl
-    rows = [{"prompt": c[:next(i for i, m in enumerate(c) if m["role"] == "assistant")]}
-            for c in read_chat_jsonl(demo.eval_file)[:16]]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return [sum(ch.isalpha() for ch in c[-1]["content"]) / 8 for c in completions]
 
 
 def rank_process(run_dir, rank):
@@ -81,8 +72,11 @@ def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small
 
 
 def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, demo, small_train, tmp_path):
-    grpo = dict(method="grpo", data=str(prompt_file(demo, tmp_path / "prompts.jsonl")), reward_funcs=[letters],
-                num_generations=4, per_device_train_batch_size=4, max_completion_length=8)    # a prompt per rank a step
+    from ilab_nb.agent_demo import agent_assets
+    agent = agent_assets()                # built once per machine (test_agents builds it too, under a lock)
+    grpo = dict(method="grpo", model=str(agent.model_dir), data=str(agent.train_file), reward_funcs=[letters],
+                environment_factory="ilab_nb.agent_demo:AgentVault", max_tool_calling_iterations=2, tool_timeout=30,
+                num_generations=4, per_device_train_batch_size=4, max_completion_length=32)   # a prompt per rank a step
     a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=16, save_steps=4, **grpo),
                            "slurm": {"partition": "debug", "time": "00:20:00", "requeue": True}}, name="a").start()
     script = (a.run_dir / "slurm-attempt-1.sbatch").read_text()
@@ -152,7 +146,9 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
                           "print(s.status, sorted({r['step'] for r in s.metrics() if r['kind'] == 'train'}))"],
                          capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.stdout.strip() == f"completed {list(range(1, 17))}", out.stdout + out.stderr
-    assert all(r["prompts"] == 2 and r["reward"] > 0 for r in a.metrics(kinds=("train",)))     # scored on the nodes
+    train = a.metrics(kinds=("train",))        # scored on the nodes: the reward function, the vault's, its tools
+    assert all(r["prompts"] == 2 and {"rewards/letters/mean", "rewards/AgentVault/mean"} <= set(r) for r in train)
+    assert sum(r["tools/call_frequency"] for r in train) > 0 and not any(r["tools/failure_frequency"] for r in train)
 
     # No process of any run survives it, on either node.
     wait_until(lambda: not run_processes_under(runs_root), 60, what="every process of the runs gone")
