@@ -251,11 +251,10 @@ def _right_padded(ids: list, pad, fill=None) -> tuple:
             torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]))
 
 @patch
-def episodes(self:GRPO, rows: list, env, greedy: bool = False) -> dict:
-    "`rollouts`' fields for episodes with tools, and `calls`/`failures`: this rank's tool calls and failed ones."
-    c, a, tok, box = self.cfg, self.attempt, self.tokenizer, self.toolbox
-    from trl.chat_template_utils import parse_response
-    rows = [r for r in rows for _ in range(1 if greedy else c.num_generations)]
+def episode_prompts(self:GRPO, rows: list) -> tuple:
+    """`(prompts, columns, tools, prompt ids)` of the episodes of `rows` (one each): each rollout's environment reset
+    from its row (its text appended to the prompt), the prompt rendered with the tools that rollout may call."""
+    c, tok, box = self.cfg, self.tokenizer, self.toolbox
     prompts, columns = [json.loads(r["prompt"]) for r in rows], [json.loads(r["columns"]) for r in rows]
     multi, names = isinstance(c.environment_factory, dict), [None] * len(rows)
     if box.envs:
@@ -266,6 +265,15 @@ def episodes(self:GRPO, rows: list, env, greedy: bool = False) -> dict:
     tools = [box.tools_for(n) for n in names]
     pids = [tok.apply_chat_template(p, tools=t or None, chat_template=self.chat_template, add_generation_prompt=True,
                                     tokenize=True, return_dict=False) for p, t in zip(prompts, tools)]
+    return prompts, columns, tools, pids
+
+@patch
+def episodes(self:GRPO, rows: list, env, greedy: bool = False) -> dict:
+    "`rollouts`' fields for episodes with tools, and `calls`/`failures`: this rank's tool calls and failed ones."
+    c, a, tok, box = self.cfg, self.attempt, self.tokenizer, self.toolbox
+    from trl.chat_template_utils import parse_response
+    rows = [r for r in rows for _ in range(1 if greedy else c.num_generations)]
+    prompts, columns, tools, pids = self.episode_prompts(rows)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     box.calls = box.failures = 0
     with self.generating(a.model, env, a.autocast, self.step, greedy) as gen:
