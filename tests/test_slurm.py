@@ -75,7 +75,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     from ilab_nb.agent_demo import agent_assets
     agent = agent_assets()                # built once per machine (test_agents builds it too, under a lock)
     grpo = dict(method="grpo", model=str(agent.model_dir), data=str(agent.train_file), reward_funcs=[letters],
-                environment_factory="ilab_nb.agent_demo:AgentVault", max_tool_calling_iterations=2, tool_timeout=30,
+                environment_factory="ilab_nb.agent_demo:AgentVault", max_tool_calling_iterations=1, tool_timeout=30,
                 num_generations=4, per_device_train_batch_size=4, max_completion_length=32)   # a prompt per rank a step
     a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=16, save_steps=4, **grpo),
                            "slurm": {"partition": "debug", "time": "00:20:00", "requeue": True}}, name="a").start()
