@@ -333,7 +333,8 @@ def launched(cfg) -> UserCode:
     """`user_code(cfg)`, its child launched: loading the functions and describing the tools and environments while
     the caller does its own work (a rank loads its model, the preflight its data), answered when asked for."""
     code = user_code(cfg)
-    code.launch(*toolbox_of(cfg, code).asks())
+    try: code.launch(*toolbox_of(cfg, code).asks())
+    except UserCodeError: pass              # a function that cannot be sent (pickled): `start` says which, when asked
     return code
 
 def check_tools(cfg, code: UserCode, tokenizer, records: list) -> tuple:
