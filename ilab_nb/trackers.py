@@ -11,7 +11,7 @@ from .core import patch
 from .rundir import Event, RunPaths
 
 # %% auto #0
-__all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'completion_markdown',
+__all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'completions_of', 'completion_markdown',
            'mlflow_tracking_uri', 'MLflowTracker', 'wandb_dir', 'WandbTracker', 'TrackedWriter', 'record_tracker_error',
            'tracker_notes', 'open_trackers']
 
@@ -69,11 +69,16 @@ def _open(self:TensorBoardTracker, rec):
     if resumed is None: self.w.add_text("config", "```\n" + json.dumps(self.config, indent=1) + "\n```", 0)
 
 # %% ../nbs/30_trackers.ipynb #84f89235
+def completions_of(rec: dict) -> tuple | None:
+    "`(columns, rows)` of a `completions` record, TRL's table (07_episodes), for every tracker; None for other records."
+    if rec.get("kind") != "completions" or not rec.get("completions"): return None
+    from ilab_nb.episodes import completions_table
+    return completions_table(rec)
+
 def completion_markdown(rec: dict) -> list:
     "A `completions` record's completions as markdown, one each (none for other records)."
-    if rec.get("kind") != "completions" or not rec.get("completions"): return []
-    from ilab_nb.episodes import completions_table
-    cols, rows = completions_table(rec)
+    if (table := completions_of(rec)) is None: return []
+    cols, rows = table
     def num(v): return "—" if v is None else f"{v:.3f}" if isinstance(v, (int, float)) else str(v)
     return [f"**{r[1]}**\n\n```\n{r[2]}\n```\n\n" + " · ".join(f"{c}: {num(v)}" for c, v in zip(cols[3:], r[3:]))
             for r in rows]
@@ -149,9 +154,8 @@ def log(self:MLflowTracker, rec: dict):
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, int(rec.get("time", time.time()) * 1000),
                                                            int(rec.get("step") or 0))
                                                    for k, v in sc.items()])
-    if rec.get("kind") == "completions" and rec.get("completions"):
-        from ilab_nb.episodes import completions_table
-        cols, rows = completions_table(rec)     # one table, each step's rows added: MLflow's `log_table` appends
+    if (table := completions_of(rec)) is not None:
+        cols, rows = table                      # one table, each step's rows added: MLflow's `log_table` appends
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # it downloads the table each time
         self.client.log_table(self.run_id, {c: [r[i] for r in rows] for i, c in enumerate(cols)}, "completions.json")
 
@@ -187,10 +191,8 @@ def log(self:WandbTracker, rec: dict):
     if rec.get("kind") == "samples" and rec.get("samples"):
         data["samples"] = self.wandb.Table(columns=["prompt", "answer"],
                                            data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
-    if rec.get("kind") == "completions" and rec.get("completions"):
-        from ilab_nb.episodes import completions_table
-        cols, rows = completions_table(rec)            # TRL's table, under TRL's key
-        data["completions"] = self.wandb.Table(columns=cols, data=rows)
+    if (table := completions_of(rec)) is not None:            # TRL's table, under TRL's key
+        data["completions"] = self.wandb.Table(columns=table[0], data=table[1])
     if data: self.run.log(data, step=int(rec.get("step") or 0))
 
 @patch
