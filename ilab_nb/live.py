@@ -125,13 +125,15 @@ def _update(display_id: str, data: dict, parent: dict | None):
 
 @patch
 def finalize(self:LiveDisplay) -> dict:
-    "Replace the output with the static bundle (once; later calls return it); the widget stops refreshing."
-    with self._lock:
+    """Replace the output with the static bundle (once; later calls return it, after it was sent); the widget stops
+    refreshing."""
+    with self._lock:          # held while sending: a cell's `finalize` returns once the update is on its way
         if self.final is not None: return self.final
         # the widget's state, as final as the record
         if (update := getattr(self.widget, "update", None)): update()
-        self.final = self.static()
-    if self.handle is not None: _update(self.handle.display_id, self.final, self.parent)
+        final = self.static()
+        if self.handle is not None: _update(self.handle.display_id, final, self.parent)
+        self.final = final
     with _LIVE_LOCK:
         if self in _LIVE.get(self.key, []): _LIVE[self.key].remove(self)
     if (refresher := getattr(self.widget, "refresher", None)) is not None: refresher.close()
