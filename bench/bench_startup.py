@@ -8,9 +8,11 @@ system CPU from the operating system):
 
 - **a rank, through its first steps**: what `python -m ilab_nb.worker` does (import the worker, torch and datasets;
   read the model's config; build, load and set up the demo's tiny model; tokenize the data; write the header; train
-  4 steps; write the final model), in one process (`_train`, as nbs/34_worker.ipynb runs it). Three ways: the
+  4 steps; write the final model), in one process (`_train`, as nbs/34_worker.ipynb runs it). Four ways: the
   collector on throughout (`on`); off until the first step (`paused`, as ranks started before the freeze); off until
-  the first step, with what set-up left frozen (`frozen`: `_train` as a rank runs it, `_AS_RANK`);
+  the first step, with what set-up left frozen (`frozen`: `_train` as a rank runs it, `_AS_RANK`); and frozen, with
+  transformers told before its modeling code loads that its object-detection losses go without scipy (`no scipy`:
+  `skip_detection_losses`, as a rank's `main` does);
 - **a session's preflight**: `FineTuneSession(...)` in a fresh process (imports, data, tokenizer, model config), on and
   paused (`ilab_nb.core.gc_paused`).
 
@@ -29,7 +31,8 @@ if sys.argv[1] != "on": gc.disable()                   # as a rank started as `p
 import ilab_nb.worker as W
 from ilab_nb.config import TrainConfig
 from ilab_nb.rundir import RunPaths
-W._AS_RANK = sys.argv[1] == "frozen"                   # `_train` freezes what the rank set up, as a rank's does
+W._AS_RANK = sys.argv[1] != "on" and sys.argv[1] != "paused"   # `_train` freezes what the rank set up, as a rank's does
+if sys.argv[1] == "no scipy": W.skip_detection_losses()          # as a rank's `main` does since then
 rd = RunPaths(Path(tempfile.mkdtemp()) / "run"); rd.logs.mkdir(parents=True)
 cfg = TrainConfig(model=sys.argv[2], data=[sys.argv[3]], num_processes=1, strategy="single", device="cpu", max_steps=4,
                   logging_steps=1, max_tokens_per_batch=1024, max_seq_len=256)
@@ -81,10 +84,10 @@ def main():
     few = Path(tempfile.mkdtemp()) / "train.jsonl"                        # the suite's slice of the demo's data
     few.write_text("".join(demo.train_file.read_text().splitlines(keepends=True)[:200]))
     rows = {"a rank, through its first 4 steps (`_train`)":
-                measure(RANK, ["on", "paused", "frozen"], a.pairs, str(demo.model_dir), str(few)),
+                measure(RANK, ["on", "paused", "frozen", "no scipy"], a.pairs, str(demo.model_dir), str(few)),
             "a session's preflight (FineTuneSession(...))":
                 measure(PREFLIGHT, ["on", "paused"], a.pairs, str(demo.model_dir), str(few))}
-    lines = [f"# Start-up with the garbage collector on, paused, and paused then frozen\n",
+    lines = [f"# Start-up with the garbage collector on, paused, and paused then frozen; and without scipy\n",
              f"`python bench/bench_startup.py --pairs {a.pairs}`, {datetime.date.today()}, {os.cpu_count()} CPUs, "
              f"Python {sys.version.split()[0]}, one fresh process a sample, medians of {a.pairs} rounds.\n",
              "| start-up | way | wall | CPU | CPU / on |", "|---|---|---:|---:|---:|"]

@@ -1551,5 +1551,6 @@ d = { 'settings': { 'branch': 'main',
                                 'ilab_nb.worker.resume_position': ('worker.html#resume_position', 'ilab_nb/worker.py'),
                                 'ilab_nb.worker.run': ('worker.html#run', 'ilab_nb/worker.py'),
                                 'ilab_nb.worker.setup_attempt': ('worker.html#setup_attempt', 'ilab_nb/worker.py'),
+                                'ilab_nb.worker.skip_detection_losses': ('worker.html#skip_detection_losses', 'ilab_nb/worker.py'),
                                 'ilab_nb.worker.training_method': ('worker.html#training_method', 'ilab_nb/worker.py'),
                                 'ilab_nb.worker.write_samples': ('worker.html#write_samples', 'ilab_nb/worker.py')}}}

@@ -42,7 +42,8 @@ from .collectives import (chunked_loss_head, hidden_states_out, _set_grad_sync, 
 # %% auto #0
 __all__ = ['redirect_output', 'training_method', 'load_data', 'model_inputs', 'forward_with', 'Attempt', 'prompt_messages',
            'generate_samples', 'write_samples', 'resume_position', 'setup_attempt', 'params_per_rank',
-           'attempt_changes', 'NonFiniteError', 'run', 'quiet_progress_bars', 'parse_args', 'main']
+           'attempt_changes', 'NonFiniteError', 'run', 'quiet_progress_bars', 'skip_detection_losses', 'parse_args',
+           'main']
 
 # %% ../nbs/34_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -564,6 +565,13 @@ def quiet_progress_bars():
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
 
+# %% ../nbs/34_worker.ipynb #0cdab68b
+def skip_detection_losses():
+    "Before transformers' modeling code is imported: its object-detection losses skip their scipy import."
+    import transformers.utils
+    if "transformers.loss.loss_utils" not in sys.modules:
+        transformers.utils.is_scipy_available = lambda: False
+
 # %% ../nbs/34_worker.ipynb #0f4aa644
 def parse_args(argv=None) -> argparse.Namespace:
     "The worker's command line: the run directory; for a resumed attempt, the checkpoint and the attempt's number."
@@ -573,7 +581,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attempt", type=int, default=1)
     return p.parse_args(argv)
 
-# %% ../nbs/34_worker.ipynb #f38ee092
+# %% ../nbs/34_worker.ipynb #69599feb
 def main(argv=None):
     "One rank: its own log first, then the run; the process exits 0, or 1 with the traceback in the log."
     a = parse_args(argv)
@@ -583,6 +591,7 @@ def main(argv=None):
     paths = RunPaths(Path(a.run_dir).resolve())  # this process's one view of the run directory, passed on from here
     redirect_output(paths.rank_log(rank))
     quiet_progress_bars()
+    skip_detection_losses()
     print(f"[ilab_nb.worker] rank {rank} pid {os.getpid()} attempt {a.attempt} run_dir {a.run_dir}", flush=True)
     code = 0
     try:
