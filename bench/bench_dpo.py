@@ -24,7 +24,7 @@ os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH",
 
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import demo_assets
-from ilab_nb.preflight import count_params
+from ilab_nb.sizes import count_params
 from _trl import launch_trl      # bench/_trl.py: TRL on two processes, as both benches run it
 
 TRL_SCRIPT = textwrap.dedent('''

@@ -26,7 +26,7 @@ os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH",
 
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import demo_assets, read_chat_jsonl, shipped_data_dir
-from ilab_nb.preflight import count_params
+from ilab_nb.sizes import count_params
 from _trl import launch_trl      # bench/_trl.py: TRL on two processes, as both benches run it
 
 REWARD = textwrap.dedent('''

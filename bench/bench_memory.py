@@ -11,7 +11,7 @@ Figures per rank, in MiB above the rank's resident memory just before loading (l
         page cache shared between ranks and reclaimable, not memory the rank owns;
   anon  peak anonymous memory (RssAnon, sampled every 2 ms): what the rank itself allocated.
 "after step RSS" is the resident set after the step once freed heap memory is handed back (malloc_trim).
-The sharded arithmetic for the first step (ilab_nb.preflight.memory_estimate): float32 weights, gradients and AdamW's
+The sharded arithmetic for the first step (ilab_nb.sizes.memory_estimate): float32 weights, gradients and AdamW's
 two moments, 16 bytes per parameter / world size, plus the gathered root (embeddings, head) and two blocks.
 """
 import argparse, datetime, json, os, platform, subprocess, sys, tempfile
@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from ilab_nb.preflight import count_params, memory_estimate
+from ilab_nb.sizes import count_params, memory_estimate
 from ilab_nb.launcher import free_port
 
 SIZES = {   # hidden, layers, intermediate, key/value heads (vocab 32000, tied embeddings, heads of 64)

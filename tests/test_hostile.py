@@ -151,7 +151,7 @@ def test_bad_values_are_refused_at_construction_with_the_field(case, demo, small
 
 
 def test_the_disk_estimate_counts_every_checkpoint_kept_and_lora_ones_by_their_adapters(demo, small_train, tmp_path):
-    from ilab_nb.preflight import checkpoint_bytes, tensor_sizes, tokenizer_bytes
+    from ilab_nb.sizes import checkpoint_bytes, tensor_sizes, tokenizer_bytes
     tok = tokenizer_bytes(demo.model_dir)
     full = make_session(demo, small_train, tmp_path / "runs", **ONE, max_steps=10, save_steps=2).preflight
     assert (full["checkpoints_written"], full["checkpoints_kept"]) == (5, 5)

@@ -117,7 +117,8 @@ def test_preflight_never_asks_torch_cuda_in_the_calling_process(tmp_path, demo, 
 
 
 def test_memory_estimate_arithmetic_and_refusal(tmp_path):
-    from ilab_nb.preflight import check_memory, count_params, memory_estimate, PreflightError
+    from ilab_nb.preflight import check_memory, PreflightError
+    from ilab_nb.sizes import count_params, memory_estimate
     from ilab_nb.config import TrainConfig
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
