@@ -131,9 +131,8 @@ def finalize(self:LiveDisplay) -> dict:
         if self.final is not None: return self.final
         # the widget's state, as final as the record
         if (update := getattr(self.widget, "update", None)): update()
-        final = self.static()
-        if self.handle is not None: _update(self.handle.display_id, final, self.parent)
-        self.final = final
+        self.final = self.static()
+        if self.handle is not None: _update(self.handle.display_id, self.final, self.parent)
     with _LIVE_LOCK:
         if self in _LIVE.get(self.key, []): _LIVE[self.key].remove(self)
     if (refresher := getattr(self.widget, "refresher", None)) is not None: refresher.close()
