@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-fast readme setup lock lock-check test-latest sync-check nbtest pytest browser-deps slurm-deps llama-deps clean-venv gpu-wheels gpu-check
+.PHONY: demo test test-fast readme setup lock lock-check test-latest sync-check bytecode nbtest pytest browser-deps slurm-deps llama-deps clean-venv gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
@@ -59,7 +59,13 @@ sync-check: setup
 readme: setup
 	$(BIN)/python tools/make_readme.py
 
-nbtest: setup
+# Every process of the suite (a run's supervisor, its ranks, its user-code workers, the CLI, the kernels) imports
+# ilab_nb: its bytecode is compiled once here rather than in each of them, where PYTHONDONTWRITEBYTECODE keeps Python
+# from caching it. Run after sync-check, which may rewrite the modules (a stale file is compiled again, in memory).
+bytecode: setup
+	@$(BIN)/python -m compileall -q ilab_nb tests
+
+nbtest: setup bytecode
 	$(BIN)/nbdev_test --n_workers 2
 
 # Debian chromium for the browser test (skipped with a reason where it cannot be had).
@@ -87,14 +93,14 @@ llama-deps: setup
 # On both cores: two pytest-xdist workers; the tests sharing a run, a JupyterLab or the SLURM cluster stay on one
 # (tests/conftest.py's SHARED_BY). TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 2
-pytest: setup browser-deps slurm-deps llama-deps lock-check
+pytest: setup bytecode browser-deps slurm-deps llama-deps lock-check
 	$(BIN)/python -m pytest tests -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 test: sync-check nbtest pytest
 
 # The checks that start no process (no run, command line, kernel, browser or cluster: the tests without the
 # `processes` marker, which tests/conftest.py enforces) and the library's sync with the notebooks: a couple of minutes.
-test-fast: sync-check
+test-fast: sync-check bytecode
 	$(BIN)/python -m pytest tests -q -ra -m "not processes" --durations=10 -n $(TEST_WORKERS) --dist loadgroup
 
 # The GPU check (tools/gpu_check.py: CUDA tests, a short run of each CUDA option, bench/bench_gpu.py, one summary).
