@@ -9,7 +9,7 @@ __all__ = ['latest_completions', 'episode_html', 'completions_html']
 from .core import html_join, html_of
 from .episodes import _text, call_text, tool_error
 from .plots import format_number
-from .samples import _TD
+from .samples import _TABLE, _TD
 
 # %% ../nbs/38_completions.ipynb #1ba22515
 def latest_completions(records) -> dict | None:
@@ -67,5 +67,5 @@ def completions_html(rec: dict) -> str:
         + [html_of(td, _cell((c.get("rewards") or {}).get(n))) for n in names])) for c in rows)
     how = "; episodes turn by turn: → a tool call, ← its result, ✗ a failed call" if episodes else ""
     return html_of("<div style='font-size:12.5px'><b>Completions at step {}</b> <span style='color:#5f6368'>(sampled; "
-                   "rewards per function{})</span><table style='border-collapse:collapse;width:100%'><tr>{}</tr>{}"
+                   "rewards per function{})</span><table " + _TABLE + "><tr>{}</tr>{}"
                    "</table></div>", rec.get("step"), how, head, body)

@@ -61,11 +61,11 @@ def _img(png: bytes, alt: str) -> str:
                    'style="max-width:900px;width:100%;height:auto;display:block;margin:6px 0">', alt,
                    base64.b64encode(png).decode())
 
-# %% ../nbs/41_record.ipynb #95081b53
+# %% ../nbs/41_record.ipynb #804f5622
 def _summary_html(rows) -> str:
     if not rows: return ""
-    td = 'style="padding:2px 12px 2px 0"'
-    body = html_join(html_of("<tr><td " + td + ">{}</td><td " + td + " style='color:#5f6368'>step {}</td><td " + td
+    td, grey = 'style="padding:2px 12px 2px 0"', 'style="padding:2px 12px 2px 0;color:#5f6368"'   # one style a cell
+    body = html_join(html_of("<tr><td " + td + ">{}</td><td " + grey + ">step {}</td><td " + td
                              + "><b>{}</b></td></tr>", w, D.format_number(s, ","), v) for w, s, v in rows)
     return html_of('<table style="font-size:13px;border-collapse:collapse;margin:6px 0">{}</table>', body)
 

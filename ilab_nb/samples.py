@@ -22,11 +22,13 @@ def latest_samples(records) -> tuple:
     return (found[0] if found else None), (found[1] if len(found) > 1 else None)
 
 # %% ../nbs/37_samples.ipynb #57d05000
-_TD = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap'"
+_TD = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap;text-align:left'"
+_TD_OLD = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap;text-align:left;color:#5f6368'"
+_TABLE = "style='border-collapse:collapse;width:100%;table-layout:auto'"
 
 def _sample_row(prompt: str, answer: str, before: str | None, previous: bool) -> str:
     shown = html_of("<b>{}</b>", answer) if previous and answer != before else answer
-    old = html_of("<td " + _TD + " style='color:#5f6368'>{}</td>", before or "") if previous else ""
+    old = html_of("<td " + _TD_OLD + ">{}</td>", before or "") if previous else ""
     return html_of("<tr><td " + _TD + ">{}</td><td " + _TD + ">{}</td>{}</tr>", prompt, shown, old)
 
 # %% ../nbs/37_samples.ipynb #88ef2244
@@ -40,6 +42,5 @@ def samples_html(latest: dict, previous: dict | None = None) -> str:
             for s in latest.get("samples", [])]
     cost = f" · generated in {latest['seconds']:.2f} s" if isinstance(latest.get("seconds"), (int, float)) else ""
     return html_of("<div style='font-size:12.5px'><b>Sample answers</b> <span style='color:#5f6368'>(greedy; bold: "
-                   "changed since the previous evaluation{}) </span><table "
-                   "style='border-collapse:collapse;width:100%'>{}{}</table></div>",
+                   "changed since the previous evaluation{}) </span><table " + _TABLE + ">{}{}</table></div>",
                    cost, head, html_join(rows))
