@@ -72,6 +72,7 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     elif c.device == "cpu": cmd += ["--cpu", "--num_processes", "1"]
     else: cmd += ["--num_processes", "1"]
     cmd += machine_args(c)
+    cmd += ["--log_dir", str(RunPaths(run_dir).elastic_logs)]
     cmd += [str(a) for a in c.launcher_args or []]
     cmd += ["-m", worker_module, str(run_dir), "--attempt", str(attempt)]
     if resume: cmd += ["--resume", str(resume)]

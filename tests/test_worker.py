@@ -42,8 +42,11 @@ def launch(rd: Path, nproc: int, *extra, expect_ok=True, in_process=False):
         cmd = accelerate_command(rd, {"num_processes": nproc, "device": "cpu"})[:-2] + list(extra or ("--attempt", "1"))
     else:
         cmd = [sys.executable, "-m", "ilab_nb.worker", str(rd), *extra]
+    tmp = rd.parent / "tmp"                  # the launch's temporary directory: where torch's agent used to leave its logs
+    tmp.mkdir(exist_ok=True)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "ILAB_NB_RECORD_DATA_SEEN": "1"})  # the data_seen probe
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "ILAB_NB_RECORD_DATA_SEEN": "1",   # the data_seen probe
+                            "TMPDIR": str(tmp)})
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((rd / "logs").glob("rank-*.log")))
     if expect_ok: assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-3000:]}\n{logs}"
     return r
@@ -77,6 +80,9 @@ def test_fsdp_two_ranks_shard_split_data_checkpoint_and_resume_on_the_same_traje
     assert len(records(rd, "eval")) == 2                                           # before training and at the end
     # both ranks wrote their own log; checkpoints are whole, Hugging Face loadable, and final/ exists
     assert (rd / "logs" / "rank-0.log").exists() and (rd / "logs" / "rank-1.log").exists()
+    # torch's elastic agent kept its folder of the launch in the run (a folder per rank), none in the temporary directory
+    assert sorted(p.name for p in RunPaths(rd).elastic_logs.glob("*/attempt_0/*")) == ["0", "1"]
+    assert not list((tmp_path / "tmp").glob("torchelastic_*"))
     ckpts = sorted(p.name for p in (rd / "checkpoints").iterdir())
     assert ckpts == ["step-00000004", "step-00000008"], ckpts
     for c in ckpts:
