@@ -102,8 +102,9 @@ class RunPaths:
     stop = property(lambda self: self.root / "control" / "stop", doc="Exists = a stop was requested.")
     logs = property(lambda self: self.root / "logs", doc="One log per rank and one for the supervisor.")
     supervisor_log = property(lambda self: self.root / "logs" / "supervisor.log", doc="The supervisor's log.")
-    elastic_logs = property(lambda self: self.root / "logs" / "torchelastic", doc="`accelerate launch --log_dir`: torch's "
-                            "elastic agent's folder of each launch's ranks (their error files), kept with the run.")
+    elastic_logs = property(lambda self: self.root / "logs" / "torchelastic",
+                            doc="`accelerate launch --log_dir`: torch's elastic agent's folder of each launch's ranks "
+                                "(their error files), kept with the run.")
     ranks = property(lambda self: self.root / "ranks", doc="Each rank's own account of itself, `rank-N.json`.")
     cache = property(lambda self: self.root / "cache", doc="The tokenized dataset cache.")
     data = property(lambda self: self.root / "data", doc="Data handed over from memory, written once as JSONL by "
