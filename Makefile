@@ -65,8 +65,11 @@ readme: setup
 bytecode: setup
 	@$(BIN)/python -m compileall -q ilab_nb tests
 
+# The notebooks' checks make their scratch folders with tempfile (about 270 of them a run): they go into a temporary
+# directory of this run's own, removed after, so that `make test` leaves none of them behind in /tmp.
 nbtest: setup bytecode
-	$(BIN)/nbdev_test --n_workers 2
+	@t=$$(mktemp -d) && echo "nbdev_test --n_workers 2 (TMPDIR=$$t, removed after)" && \
+	  TMPDIR=$$t $(BIN)/nbdev_test --n_workers 2; rc=$$?; rm -rf "$$t"; exit $$rc
 
 # Debian chromium for the browser test (skipped with a reason where it cannot be had).
 browser-deps:
