@@ -12,7 +12,7 @@ def launch_trl(script: Path, args: list, out: Path, timeout: float | None = None
     cfg = out / "accelerate.yaml"; cfg.write_text(ACCELERATE_CONFIG)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), str(script), *map(str, args)]
+           "--main_process_port", str(free_port()), "--log_dir", str(out / "torchelastic"), str(script), *map(str, args)]
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

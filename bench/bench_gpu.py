@@ -151,7 +151,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         a.model_dir = a.model_dir or str(Path(tmp) / "model")
         from ilab_nb.launcher import free_port
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(n), "--master_port", str(free_port()), __file__, "--rank",
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(n), "--master_port", str(free_port()),
+               "--log-dir", str(Path(tmp) / "torchelastic"), __file__, "--rank",
                "--tokens", str(a.tokens), "--steps", str(a.steps), "--warmup", str(a.warmup), "--samples", str(a.samples),
                "--model-dir", a.model_dir, "--out", a.out] + (["--tiny"] if a.tiny else [])
         sys.exit(subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}).returncode)

@@ -43,7 +43,8 @@ def build(size, d):
 def run(model_dir, path, tmp):
     out = Path(tmp) / f"{path}.json"
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "bench" / "_memory_ranks.py"), str(model_dir), "--path", path, "--out", str(out)]
+           "--log-dir", str(Path(tmp) / "torchelastic"), str(ROOT / "bench" / "_memory_ranks.py"), str(model_dir),
+           "--path", path, "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if r.returncode: raise SystemExit(f"{path} failed:\n{r.stderr[-3000:]}")
     return json.loads(out.read_text())

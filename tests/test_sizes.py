@@ -31,6 +31,7 @@ def tied_llama(tmp_path_factory):
 def test_sharded_load_and_save_equal_the_whole_model_path(tmp_path, tied_llama, demo):
     out_json, out_hf = tmp_path / "r.json", tmp_path / "hf"
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(tmp_path / "torchelastic"),          # torch's agent would leave its folder in /tmp
            str(ROOT / "tests" / "sizes_ranks.py"), str(tied_llama), str(demo.model_dir), str(out_json), str(out_hf)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
