@@ -1,4 +1,4 @@
-"""Where the test suite's CPU goes: pytest run as `make pytest` runs it, every process on the machine read from /proc
+"""Where the test suite's CPU goes: pytest run as `make pytest` runs it, every process on the machine read (psutil)
 four times a second, each counted by what it is (a rank, a supervisor, `accelerate launch`, the command line, Ray's
 daemons, a Jupyter kernel, ...) and by the test that started it (`PYTEST_CURRENT_TEST` in its environment, else the
 test's directory in its command line). Writes a markdown table (default bench/results_suite.md) and the raw samples.
@@ -13,8 +13,9 @@ them, their polling) is one row: it is not split by test."""
 import argparse, collections, json, os, re, signal, subprocess, sys, threading, time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
-HZ = os.sysconf("SC_CLK_TCK")
 # (a piece of the command line, the kind): the first that matches names the process
 KINDS = [("accelerate.commands.launch", "accelerate launch"), ("torch.distributed.run", "accelerate launch"),
          ("ilab_nb.worker", "rank"), ("nan_worker", "rank"), ("fault_worker", "rank"), ("paced_worker", "rank"),
@@ -39,35 +40,32 @@ def kind_of(cmdline: str) -> str:
     return next((k for key, k in KINDS if key in cmdline), "other Python" if "python" in cmdline else "other")
 
 
-def test_of(environ: bytes, cmdline: str):
+def test_of(environ: dict, cmdline: str):
     "The test that started a process: its PYTEST_CURRENT_TEST, else the pytest directory named in its command line."
-    m = re.search(rb"PYTEST_CURRENT_TEST=([^\x00]+)", environ)
-    if m: return m.group(1).decode(errors="replace").split(" (")[0]
+    if t := environ.get("PYTEST_CURRENT_TEST"): return t.split(" (")[0]
     m = re.search(r"/popen-gw\d+/(test_[^/\s]+?)\d*/", cmdline)
     return f"(directory) {m.group(1)}" if m else None
 
 
 def busy_idle() -> tuple:
     "The machine's busy and idle CPU-seconds since boot."
-    v = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / HZ, (v[3] + v[4]) / HZ
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal, t.idle + t.iowait
 
 
 def sample(seen: dict, me: set):
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) in me: continue
+    for p in psutil.process_iter():
+        if p.pid in me: continue
         try:
-            st = Path(f"/proc/{pid}/stat").read_text()
-            f = st[st.rindex(")") + 2:].split()
-            cpu, start = (int(f[11]) + int(f[12])) / HZ, int(f[19])
-            e = seen.setdefault((pid, start), {"cpu": 0.0, "cmdline": "", "kind": None, "test": None})
-            cl = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            with p.oneshot():
+                cpu, cl = sum(p.cpu_times()[:2]), " ".join(p.cmdline()).strip()
+                e = seen.setdefault((p.pid, p.create_time()), {"cpu": 0.0, "cmdline": "", "kind": None, "test": None})
             if cl and cl != e["cmdline"]:          # after an exec the command line is the new program's
                 e["cmdline"], e["kind"] = cl[:400], kind_of(cl)
-                try: e["test"] = test_of(Path(f"/proc/{pid}/environ").read_bytes(), cl) or e["test"]
-                except OSError: pass
+                try: e["test"] = test_of(p.environ(), cl) or e["test"]
+                except psutil.Error: pass
             e["cpu"] = max(e["cpu"], cpu)
-        except (OSError, ValueError, IndexError): pass
+        except psutil.Error: pass
 
 
 def table(rows, head) -> list:
