@@ -6,7 +6,8 @@ test's directory in its command line). Writes a markdown table (default bench/re
     .venv/bin/python tools/suite_cpu.py                       # the whole suite, 2 workers: as long as `make pytest`
     .venv/bin/python tools/suite_cpu.py -- tests/test_ray.py  # other pytest arguments after --
 
-What it cannot see: a process that lives less than a sample's interval (0.25 s) is missed, and each process loses
+A process that was running before pytest counts only the CPU it used after. What it cannot see: a process that lives
+less than a sample's interval (0.25 s) is missed, and each process loses
 the CPU it used after its last sample; Ray's worker processes inherit the environment of the raylet that started them,
 so they count for the test that started the cluster. The pytest workers' own CPU (collection, the tests that run in
 them, their polling) is one row: it is not split by test."""
@@ -17,7 +18,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 # (a piece of the command line, the kind): the first that matches names the process
-KINDS = [("accelerate.commands.launch", "accelerate launch"), ("torch.distributed.run", "accelerate launch"),
+KINDS = [("accelerate.commands.launch", "accelerate launch"), ("torch.distributed.run", "torchrun"),
+         ("bin/torchrun ", "torchrun"),
          ("ilab_nb.worker", "rank"), ("nan_worker", "rank"), ("fault_worker", "rank"), ("paced_worker", "rank"),
          ("ilab_nb.supervisor", "supervisor"), ("ilab_nb.usercode", "user-code worker"),
          ("ilab_nb.evaluation", "evaluation"), ("ilab_nb.export", "export"), ("lm_eval", "lm-eval command line"),
@@ -32,7 +34,6 @@ KINDS = [("accelerate.commands.launch", "accelerate launch"), ("torch.distribute
          ("squeue", "SLURM daemons and commands"), ("sbatch", "SLURM daemons and commands"),
          ("ipykernel", "Jupyter kernel"), ("jupyter", "JupyterLab server"), ("chrom", "Chromium"),
          ("headless_shell", "Chromium"), ("playwright", "Playwright driver"),
-         ("node ", "Playwright driver"),
          ("exec(eval(sys.stdin", "pytest worker"), ("-m pytest", "pytest (controller)")]
 
 
@@ -53,18 +54,20 @@ def busy_idle() -> tuple:
     return t.user + t.nice + t.system + t.irq + t.softirq + t.steal, t.idle + t.iowait
 
 
-def sample(seen: dict, me: set):
+def sample(seen: dict, me: set, first: bool = False):
+    "Read every process; on the `first` sweep, what each had used before the run is its base (not counted)."
     for p in psutil.process_iter():
         if p.pid in me: continue
         try:
             with p.oneshot():
                 cpu, cl = sum(p.cpu_times()[:2]), " ".join(p.cmdline()).strip()
-                e = seen.setdefault((p.pid, p.create_time()), {"cpu": 0.0, "cmdline": "", "kind": None, "test": None})
+                e = seen.setdefault((p.pid, p.create_time()), {"cpu": 0.0, "base": cpu if first else 0.0,
+                                                               "cmdline": "", "kind": None, "test": None})
             if cl and cl != e["cmdline"]:          # after an exec the command line is the new program's
                 e["cmdline"], e["kind"] = cl[:400], kind_of(cl)
                 try: e["test"] = test_of(p.environ(), cl) or e["test"]
                 except psutil.Error: pass
-            e["cpu"] = max(e["cpu"], cpu)
+            e["cpu"] = max(e["cpu"], cpu - e["base"])
         except psutil.Error: pass
 
 
@@ -114,6 +117,7 @@ def main():
         Path(a.out).write_text(report(**{k: run[k] for k in ("procs", "wall", "busy", "idle", "args", "rc", "tail", "at")}))
         return 0
     seen, t0, (b0, i0) = {}, time.time(), busy_idle()
+    sample(seen, {os.getpid()}, first=True)       # what was running already: only its CPU from now on counts
     p = subprocess.Popen([sys.executable, "-m", "pytest", *a.pytest_args], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines = collections.deque(maxlen=5)
