@@ -113,6 +113,11 @@ def load_run_data(cfg) -> tuple:
     if evals and evals[0]["kind"] != records[0]["kind"]:
         raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data "
                         f"{KIND_PLURALS[records[0]['kind']]}; give both in one shape")
+    if seen := next((r for r in records + evals if r.get("images")), None):
+        path, _, line = seen["source"].rpartition(":")
+        raise DataError("has images, and ilab_nb does not train vision-language models yet; give text-only rows "
+                        "(without 'images' or 'image')", path, int(line) if line.isdigit() else None,
+                        unit="index" if path.startswith("the ") else "line")
     return records, evals
 
 # %% ../nbs/60_preflight.ipynb #ed2d8cfd

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from ilab_nb.data import (DEFAULT_CHAT_TEMPLATE, MAX_DATA_ERRORS, DataError, build_dataset, ensure_chat_template,
                           load_chat_records, load_tokenizer, render_chat, split_records, tokenize_chat)
-from ilab_nb.data import SHAPES, length_note, write_chat_jsonl
+from ilab_nb.data import SHAPES, length_note, load_records, write_chat_jsonl
 from ilab_nb.config import ConfigError, InMemoryData, TrainConfig
 
 SPECIAL = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
@@ -102,7 +102,7 @@ def test_utf8_bom_is_accepted(tmp_path):
      "message 2 has unknown role 'bot' (expected system, user or assistant)"),
     ('{"messages": [{"role": "user"}]}', "message 1 (user) has no 'content'"),
     ('{"messages": [{"role": "user", "content": ""}]}', "message 1 (user) has empty content"),
-    ('{"messages": [{"role": "user", "content": 3}]}', "message 1 (user) content must be a string, got a number"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "message 1 (user) content must be a string or a list of parts, got a number"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
     ('{"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
      "message 2 is a system message; a system message may only come first"),
@@ -523,3 +523,38 @@ def test_messages_never_contradict_themselves():
                        ([{"input": "q", "output": 5}], "'output' must be a string, got a number")]:
         with pytest.raises(DataError) as ei: load_records(TrainConfig(model="m", data=data).data)
         assert said in str(ei.value) and "has columns []" not in str(ei.value), str(ei.value)
+
+
+def test_rows_with_images_are_checked_where_they_lie_then_refused_before_launch(demo, runs_root, tmp_path):
+    """Chat rows with images in TRL's format: each image is opened where the data file says (relative to it), and a
+    missing or corrupt one, or a count of images that differs from the placeholders, is named with its file, line and
+    image. Valid rows are then refused by the session before anything is written: no method of ilab_nb trains a
+    vision-language model yet, and its images must not be dropped silently."""
+    from PIL import Image
+    from ilab_nb.session import FineTuneSession
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "img" / "red.png")
+    Image.effect_noise((32, 32), 60).save(tmp_path / "img" / "noise.png")
+    (tmp_path / "img" / "cut.png").write_bytes((tmp_path / "img" / "noise.png").read_bytes()[:500])
+    q = [msg("user", "What colour is it?"), msg("assistant", "red")]
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}, msg("assistant", "red")]
+    rows = [{"messages": q, "images": ["img/red.png"]}, {"messages": q, "image": "img/blue.png"},
+            {"messages": q, "images": ["img/cut.png"]}, {"messages": parts, "images": ["img/red.png", "img/red.png"]},
+            {"messages": q, "video": "clip.mp4"}]
+    f = tmp_path / "vqa.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as e:
+        load_records(str(f))
+    texts = [p["text"] for p in e.value.errors]
+    assert texts[0] == f"{f}, line 2: image 1 'img/blue.png' not found (relative to {tmp_path})"
+    assert texts[1].startswith(f"{f}, line 3: image 1 'img/cut.png' is not a readable image (OSError: "), texts[1]
+    assert texts[2:] == [f'{f}, line 4: has 2 image(s) but 1 {{"type": "image"}} placeholder(s) for them',
+                         f"{f}, line 5: has a 'video' column: ilab_nb trains on text and images, not on video or audio"]
+
+    f.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"messages": q}) + "\n")
+    (rec, text_only) = load_records(str(f))
+    assert rec["images"] == [str(tmp_path / "img" / "red.png")] and "images" not in text_only
+    assert rec["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]
+    with pytest.raises(DataError, match=rf"^{f}, line 1: has images, and ilab_nb does not train vision-language "):
+        FineTuneSession(demo.model_dir, str(f), runs_root=runs_root, num_processes=1, strategy="single", device="cpu")
+    assert not runs_root.exists()
