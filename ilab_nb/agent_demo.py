@@ -4,12 +4,11 @@
 
 # %% ../nbs/44_agent_demo.ipynb #431a6560
 from __future__ import annotations
-import hashlib, json, os, shutil, uuid
+import hashlib, json, os
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
+from .core import build_once
 from .agents import env_methods, tool_schema, tool_suffix_ids
 
 # %% auto #0
@@ -169,22 +168,8 @@ def _write_agent(root: Path, seed: int = 0):
     tok = agent_tokenizer()
     agent_model(tok, seed=seed).save_pretrained(a.model_dir)
     tok.save_pretrained(a.model_dir)
-    (root / "COMPLETE").write_text(json.dumps(_fingerprint()))
 
 def agent_assets(path: str | os.PathLike | None = None) -> AgentAssets:
     "Build (or reuse) the agent demo's tiny model and prompts under `path` (default `~/.cache/ilab_nb/agent`)."
-    root = Path(path if path is not None else Path.home() / ".cache" / "ilab_nb" / "agent").expanduser().absolute()
-    def done():
-        try: return json.loads((root / "COMPLETE").read_text()) == _fingerprint()
-        except (OSError, ValueError): return False
-    if done(): return _agent_paths(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root.parent / f".{root.name}.lock")):
-        if not done():
-            tmp = root.parent / f".{root.name}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
-                _write_agent(tmp)
-                if root.exists(): shutil.rmtree(root)
-                os.replace(tmp, root)
-            finally: shutil.rmtree(tmp, ignore_errors=True)
-    return _agent_paths(root)
+    return _agent_paths(build_once(path if path is not None else Path.home() / ".cache" / "ilab_nb" / "agent",
+                                   _fingerprint(), _write_agent))

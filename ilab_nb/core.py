@@ -8,8 +8,8 @@ import errno, functools, gc, importlib.metadata, inspect, os, re, typing
 from contextlib import contextmanager
 
 # %% auto #0
-__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'html_of', 'html_join', 'require_torch', 'no_space', 'writing', 'gc_paused',
-           'no_hf_progress_bars', 'size_text', 'count_text']
+__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'html_of', 'html_join', 'require_torch', 'no_space', 'writing', 'build_once',
+           'gc_paused', 'no_hf_progress_bars', 'size_text', 'count_text']
 
 # %% ../nbs/08_core.ipynb #5960fd12
 def patch_to(cls, as_prop: bool = False, cls_method: bool = False):
@@ -72,6 +72,30 @@ def writing(path):
     except BaseException as e:            # torch's CheckpointException is a BaseException
         if path is None or not no_space(e) or getattr(e, "filename", None) == str(path): raise
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+
+# %% ../nbs/08_core.ipynb #cdec89e3
+def build_once(root, fingerprint: dict, write) -> "Path":
+    "`root`, built by `write(folder)` unless it is complete for `fingerprint`; safe for concurrent processes."
+    import json, shutil, uuid
+    from pathlib import Path
+    from filelock import FileLock
+    root = Path(root).expanduser().absolute()
+    def done():
+        try: return json.loads((root / "COMPLETE").read_text(encoding="utf-8")) == fingerprint
+        except (OSError, ValueError): return False
+    if done(): return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root.parent / f".{root.name}.lock")):
+        if done(): return root                              # another process built it meanwhile
+        tmp = root.parent / f".{root.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir()
+            write(tmp)
+            (tmp / "COMPLETE").write_text(json.dumps(fingerprint), encoding="utf-8")
+            if root.exists(): shutil.rmtree(root)
+            os.replace(tmp, root)
+        finally: shutil.rmtree(tmp, ignore_errors=True)
+    return root
 
 # %% ../nbs/08_core.ipynb #26454e85
 @contextmanager
