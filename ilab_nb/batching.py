@@ -394,6 +394,8 @@ _SINK_MODELS = {"gpt_oss"}             # attention sinks (s_aux) in every layer
 def packed_refusal(model_config) -> str | None:
     "Why packed attention cannot compute this model's attention (soft-capping, sinks, dropout), or None."
     if model_config is None: return None
+    if getattr(model_config, "vision_config", None) is not None:
+        return "it is a vision-language model, whose image features are matched to whole rows"
     if getattr(model_config, "attn_logit_softcapping", None):
         return "it soft-caps attention logits (attn_logit_softcapping)"
     if getattr(model_config, "model_type", None) in _SINK_MODELS: return "its attention has sinks (s_aux)"

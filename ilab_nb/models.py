@@ -15,9 +15,9 @@ from . import batching as B
 from . import lora as L
 
 # %% auto #0
-__all__ = ['model_config', 'causal_lm_class', 'attention_for', 'build_empty_model', 'tied_duplicates', 'base_weights',
-           'WeightPlan', 'weight_plan', 'plan_summary', 'missing_weights_error', 'wrong_shapes_error', 'read_fused',
-           'safetensors_problem', 'model_files_problem', 'own_code_problem']
+__all__ = ['model_config', 'is_vision_model', 'auto_class', 'causal_lm_class', 'attention_for', 'build_empty_model',
+           'tied_duplicates', 'base_weights', 'WeightPlan', 'weight_plan', 'plan_summary', 'missing_weights_error',
+           'wrong_shapes_error', 'read_fused', 'safetensors_problem', 'model_files_problem', 'own_code_problem']
 
 # %% ../nbs/26_models.ipynb #e3932ef7
 def model_config(cfg: TrainConfig):
@@ -25,14 +25,28 @@ def model_config(cfg: TrainConfig):
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
 
+def is_vision_model(model_config) -> bool:
+    "Whether transformers builds `model_config` as a vision-language model (`AutoModelForImageTextToText`)."
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    return getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+def auto_class(model_config):
+    """transformers' Auto class that builds `model_config`: `AutoModelForCausalLM`, or `AutoModelForImageTextToText`
+    for a vision-language model without a causal-LM class (LLaVA, Idefics3, ...)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    if type(model_config) in AutoModelForCausalLM._model_mapping or not is_vision_model(model_config):
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
+
 def causal_lm_class(model_config, trust_remote_code: bool = False):
-    "The class `AutoModelForCausalLM` builds for `model_config` (a model's own code only with `trust_remote_code`)."
+    """The class `AutoModelForCausalLM` (for a vision-language model, `auto_class`) builds for `model_config` (a model's
+    own code only with `trust_remote_code`)."""
     from transformers import AutoModelForCausalLM
     ref = (getattr(model_config, "auto_map", None) or {}).get("AutoModelForCausalLM")
     if ref and trust_remote_code:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
         return get_class_from_dynamic_module(ref, model_config._name_or_path)
-    return AutoModelForCausalLM._model_mapping[type(model_config)]
+    return auto_class(model_config)._model_mapping[type(model_config)]
 
 # %% ../nbs/26_models.ipynb #e9050dff
 def attention_for(cfg: TrainConfig, layout: str, device_type: str, model_config_=None) -> str:
@@ -45,11 +59,11 @@ def attention_for(cfg: TrainConfig, layout: str, device_type: str, model_config_
 def build_empty_model(cfg: TrainConfig, attn_implementation: str):
     "The model with float32 parameters on the meta device (no memory), real buffers, its weights tied, no KV cache."
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
+    mc = model_config(cfg)
     with init_empty_weights(include_buffers=False):       # buffers (rotary inv_freq) are computed, parameters are not
-        model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=torch.float32,
-                                                 trust_remote_code=cfg.trust_remote_code,
-                                                 attn_implementation=attn_implementation)
+        model = auto_class(mc).from_config(mc, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                                           attn_implementation=attn_implementation)
     model.tie_weights()
     model.config.use_cache = False
     try: model.generation_config = GenerationConfig.from_pretrained(cfg.model)

@@ -248,10 +248,9 @@ def fill_from_rank0(model, cfg: TrainConfig, env: DistEnv) -> dict[str, int]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, StateDictOptions
     full, lacking = {}, []
     if env.rank == 0:
-        from transformers import AutoModelForCausalLM
-        base, info = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
-                                                          trust_remote_code=cfg.trust_remote_code,
-                                                          output_loading_info=True)
+        mc = M.model_config(cfg)
+        base, info = M.auto_class(mc).from_pretrained(cfg.model, dtype=torch.float32,
+                                                      trust_remote_code=cfg.trust_remote_code, output_loading_info=True)
         sd, dup = base.state_dict(), tied_duplicates(unwrap(model))
         # the model's (peft's) names
         want = [k for k in get_model_state_dict(model) if k not in dup and not L.is_adapter_key(k)]

@@ -14,11 +14,11 @@ from .sizes import _estimate, _lora_hint, checkpoint_bytes, kv_cache_bytes, tens
 
 # %% auto #0
 __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model',
-           'load_run_data', 'check_model', 'check_remote_code', 'check_model_dir', 'query_gpus', 'used_gpus',
-           'check_bf16', 'preflight_device', 'check_cpu_slots', 'check_memory', 'read_json_file', 'check_disk',
-           'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports', 'check_mlflow_uri',
-           'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted', 'lora_problem',
-           'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code', 'launch_user_code',
+           'load_run_data', 'check_processor', 'check_model', 'check_remote_code', 'check_model_dir', 'query_gpus',
+           'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'check_memory', 'read_json_file',
+           'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
+           'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted',
+           'lora_problem', 'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code', 'launch_user_code',
            'check_reward_funcs', 'grpo_generation_tokens', 'check_data', 'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
@@ -103,7 +103,7 @@ def resolve_hub_model(model, timeout=5.0) -> str:
                              f"{type(e).__name__}: {e}): {fix}") from None
     return model
 
-# %% ../nbs/60_preflight.ipynb #da9f33ff
+# %% ../nbs/60_preflight.ipynb #d098ac6e
 def load_run_data(cfg) -> tuple:
     "The train and eval records of `cfg` (eval `[]` when none), or the `DataError` that says what is wrong where."
     from ilab_nb.data import load_records, check_method, DataError, KIND_PLURALS
@@ -113,27 +113,44 @@ def load_run_data(cfg) -> tuple:
     if evals and evals[0]["kind"] != records[0]["kind"]:
         raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data "
                         f"{KIND_PLURALS[records[0]['kind']]}; give both in one shape")
-    if seen := next((r for r in records + evals if r.get("images")), None):
+    if (seen := next((r for r in records + evals if r.get("images")), None)) and not _reads_images(cfg):
         path, _, line = seen["source"].rpartition(":")
-        raise DataError("has images, and ilab_nb does not train vision-language models yet; give text-only rows "
-                        "(without 'images' or 'image')", path, int(line) if line.isdigit() else None,
+        raise DataError(f"has images, but {cfg.model} is a text model: give a vision-language model (one that "
+                        f"transformers loads with AutoModelForImageTextToText), or rows without 'images' or 'image'",
+                        path, int(line) if line.isdigit() else None,
                         unit="index" if path.startswith("the ") else "line")
     return records, evals
+
+def _reads_images(cfg) -> bool:
+    "Whether `cfg.model` is a vision-language model (a config that cannot be read: judged later, by `check_model`)."
+    from ilab_nb.models import is_vision_model, model_config
+    try: return is_vision_model(model_config(cfg))
+    except Exception: return True
+
+# %% ../nbs/60_preflight.ipynb #fa008ed0
+def check_processor(cfg, records: list):
+    "The model's processor when `records` have images (a `PreflightError` when it cannot read them), else None."
+    from ilab_nb.vision import has_images, load_processor
+    if not has_images(records): return None
+    try: return load_processor(cfg.model, cfg.trust_remote_code)
+    except ValueError as e: raise PreflightError(str(e)) from None
 
 # %% ../nbs/60_preflight.ipynb #ed2d8cfd
 def _weights_bytes(model_dir) -> int:
     p = Path(model_dir)
     return sum(f.stat().st_size for pat in ("*.safetensors", "*.bin", "*.pt") for f in p.glob(pat)) if p.is_dir() else 0
 
-# %% ../nbs/60_preflight.ipynb #7eaf1ea1
+# %% ../nbs/60_preflight.ipynb #d7a598cb
 def check_model(cfg):
     "The model directory holds a causal-LM config and weights (read without loading the weights)."
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from ilab_nb.models import is_vision_model
     try: mc = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
         raise PreflightError(f"could not read the model config in {cfg.model}: {type(e).__name__}: {e}") from None
-    if mc.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(mc, "auto_map", None):
+    if mc.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(mc, "auto_map", None) and \
+            not is_vision_model(mc):
         raise PreflightError(f"{cfg.model} is a {mc.model_type!r} model, which has no causal-LM head in transformers; "
                              "give a decoder-only (causal LM) model.")
     if Path(cfg.model).expanduser().is_dir() and _weights_bytes(cfg.model) == 0:
@@ -352,10 +369,15 @@ def backend_preflight(cfg, runs_root) -> dict:
     try: return {"slurm": preflight_slurm(cfg, runs_root)}
     except SlurmError as e: raise PreflightError(str(e)) from None
 
-# %% ../nbs/60_preflight.ipynb #dae6a386
-def first_sample(record: dict, tok) -> dict:
-    "`{'input_ids', 'labels'}` of one record as the run tokenizes it; a `PreflightError` when nothing would be learned."
+# %% ../nbs/60_preflight.ipynb #c5ffbc5f
+def first_sample(record: dict, tok, processor=None) -> dict:
+    """`{'input_ids', 'labels'}` of one record as the run tokenizes it (rows with images: by the model's `processor`);
+    a `PreflightError` when nothing would be learned."""
     from ilab_nb.data import tokenize_chat
+    if processor is not None and record["kind"] == "chat":
+        from ilab_nb.vision import tokenize_vision
+        try: return tokenize_vision(record, processor)
+        except ValueError as e: raise PreflightError(f"the first conversation ({record['source']}): {e}") from None
     if record["kind"] == "preference":
         from ilab_nb.dpo import tokenize_pair
         t = tokenize_pair(record, tok)
@@ -623,18 +645,18 @@ def grpo_generation_tokens(cfg) -> int:
     if cfg.method != "grpo": return 0
     return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.max_seq_len
 
-# %% ../nbs/60_preflight.ipynb #5310e78a
+# %% ../nbs/60_preflight.ipynb #b4948e43
 # records tokenized before launch: all of a set up to this many, else an even sample of them
 PREFLIGHT_ROWS = 20_000
 
-def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
+def check_data(cfg, records: list, evals: list, tok, layout: str, processor=None) -> dict:
     """Build the run's train and eval samples as its ranks will (its method's `build`): a `PreflightError` for what they
     would refuse; per set `{records, checked, samples, note}`, and `total_steps` (`estimated` when a sample was
     checked)."""
     from ilab_nb.data import DataError, split_records
     from ilab_nb.batching import plan_steps
     from ilab_nb.worker import training_method
-    method = training_method(cfg, records[0]["kind"])
+    method = training_method(cfg, records[0]["kind"], processor)
     if evals: train_r, eval_r = records, evals
     else: train_r, eval_r = split_records(records, cfg.eval_split, cfg.seed) if cfg.eval_split > 0 else (records, [])
     out = {}
@@ -661,7 +683,7 @@ def check_data(cfg, records: list, evals: list, tok, layout: str) -> dict:
             out.update(total_steps=steps if exact else math.ceil(steps * len(rs) / len(sample)), estimated=not exact)
     return out
 
-# %% ../nbs/60_preflight.ipynb #0c908bee
+# %% ../nbs/60_preflight.ipynb #5b283760
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 08_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     """Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`:
@@ -680,19 +702,20 @@ def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
     # a cached hub model: its local snapshot; the caller's cfg stays
     cfg = cfg.model_copy(update=dict(model=resolve_hub_model(model_id)))
     records, evals = load_run_data(cfg)
+    processor = check_processor(cfg, records + evals)
     remote_code = check_remote_code(cfg, trust_owner)
     mp = check_model_dir(cfg)
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     # said in the result (and the run's header), not silently filled in
     no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
-    sample = first_sample(records[0], tok)
+    sample = first_sample(records[0], tok, processor)
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     built = check_model_build(cfg, kind)
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
-    data = check_data(cfg, records, evals, tok, built["layout"])
+    data = check_data(cfg, records, evals, tok, built["layout"], processor)
     check_vocab(tok, built["embedding_rows"], mp, data.pop("top_token_id"))
     rewards = check_reward_funcs(cfg, records, evals, trust_owner, tok, code) if code is not None else None
     if no_template: data["chat_template"] = no_template

@@ -16,8 +16,8 @@ __all__ = ['COLOURS', 'FIGURES', 'IMAGE_SIZE', 'PATCH_SIZE', 'QUESTION', 'IMAGE_
            'VISION_VERSION', 'draw', 'write_vqa', 'vision_processor', 'vision_model', 'VisionAssets', 'vision_assets']
 
 # %% ../nbs/45_vision_demo.ipynb #5d4e2072
-COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 230), "yellow": (235, 215, 40),
-           "purple": (150, 60, 190), "orange": (245, 140, 30)}
+COLOURS = {"red": (230, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 235), "yellow": (240, 225, 30),
+           "white": (250, 250, 250), "black": (10, 10, 10)}
 FIGURES = ("circle", "square", "triangle")
 IMAGE_SIZE, PATCH_SIZE = 32, 8
 QUESTION = "What colour is the shape?"
@@ -25,9 +25,8 @@ QUESTION = "What colour is the shape?"
 def draw(colour: str, figure: str, rng: random.Random, size: int = IMAGE_SIZE):
     "A `size` x `size` image of one `figure` in `colour`, of random size and place on a grey background."
     from PIL import Image, ImageDraw
-    grey = rng.randint(90, 170)
-    im = Image.new("RGB", (size, size), (grey, grey, grey))
-    r = rng.randint(size // 5, size // 3)
+    im = Image.new("RGB", (size, size), (128, 128, 128))
+    r = rng.randint(size // 4, size * 2 // 5)
     cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
     box, fill = [cx - r, cy - r, cx + r, cy + r], COLOURS[colour]
     d = ImageDraw.Draw(im)
@@ -94,7 +93,7 @@ def vision_model(processor, seed: int = 0):
     return model
 
 # %% ../nbs/45_vision_demo.ipynb #4cb06917
-VISION_VERSION = 1      # bump when anything above changes, so built folders are built again
+VISION_VERSION = 2      # bump when anything above changes, so built folders are built again
 
 @dataclass(frozen=True)
 class VisionAssets:

@@ -30,6 +30,7 @@ from .methods import Method
 from .text import TextSFT
 from .dpo import DPO
 from .grpo import GRPO                   # 31_grpo
+from .vision import IMAGE_INPUTS, VisionSFT, has_images, load_processor
 # 28_placement
 from .placement import (DistEnv, init_distributed, group_timeout, machines_in_effect, checkpointing_in_effect,
                                unwrap, local_param_count, setup_model, make_optimizer, make_scheduler)
@@ -40,10 +41,10 @@ from .collectives import (chunked_loss_head, hidden_states_out, _set_grad_sync, 
                                  reshard, stop_requested, data_seen_by_ranks, leave_group)   # 18_collectives
 
 # %% auto #0
-__all__ = ['redirect_output', 'training_method', 'load_data', 'model_inputs', 'forward_with', 'Attempt', 'prompt_messages',
-           'generate_samples', 'write_samples', 'resume_position', 'setup_attempt', 'params_per_rank',
-           'attempt_changes', 'NonFiniteError', 'run', 'quiet_progress_bars', 'skip_detection_losses', 'parse_args',
-           'main']
+__all__ = ['redirect_output', 'training_method', 'method_for', 'load_data', 'model_inputs', 'forward_with', 'Attempt',
+           'prompt_messages', 'generate_samples', 'write_samples', 'resume_position', 'setup_attempt',
+           'params_per_rank', 'attempt_changes', 'NonFiniteError', 'run', 'quiet_progress_bars',
+           'skip_detection_losses', 'parse_args', 'main']
 
 # %% ../nbs/34_worker.ipynb #c090955f
 def redirect_output(log_path):
@@ -61,11 +62,17 @@ def redirect_output(log_path):
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 # %% ../nbs/34_worker.ipynb #666ed8c8
-def training_method(cfg: TrainConfig, kind: str) -> Method:
+def training_method(cfg: TrainConfig, kind: str, processor=None) -> Method:
     """The method that trains `cfg.method` on records of `kind` (chat, text, preference or prompt), or an error saying
-    what fits."""
+    what fits; with the model's `processor` (chat rows with images), `VisionSFT`."""
     D.check_method(cfg.method, kind)
+    if processor is not None: return VisionSFT(cfg, processor)
     return next(m for m in (Method, TextSFT, DPO, GRPO) if m.name == cfg.method and kind in m.kinds)(cfg)
+
+def method_for(cfg: TrainConfig, records: list) -> Method:
+    "The method that trains `cfg` on `records`: with images, `VisionSFT` with the model's processor."
+    processor = load_processor(cfg.model, cfg.trust_remote_code) if has_images(records) else None
+    return training_method(cfg, records[0]["kind"], processor)
 
 def load_data(cfg: TrainConfig, tokenizer, method: Method, cache: Path):
     """Tokenized train and eval datasets (eval may be None) and their statistics, as `method` builds them into `cache`;
@@ -94,6 +101,7 @@ def model_inputs(model, batch: dict, env: DistEnv) -> dict:
     elif unwrap(model).config._attn_implementation == B.PACKED_ATTENTION:
         cu, longest = B.packed_seq_info(batch["position_ids"])
         kw.update(cu_seq_lens_q=cu.to(dev), cu_seq_lens_k=cu.to(dev), max_length_q=longest, max_length_k=longest)
+    kw.update({k: batch[k].to(dev) for k in IMAGE_INPUTS if batch.get(k) is not None})      # a row's images' pixels
     return kw
 
 # %% ../nbs/34_worker.ipynb #db3bef49
@@ -148,6 +156,11 @@ class Attempt:
 def forward(self:Attempt, batch, fn):
     "The model on `batch`, then `fn(out, weight)` (see `forward_with`)."
     return forward_with(self.model, batch, self.env, self.autocast, fn)
+
+@patch(as_prop=True)
+def files(self:Attempt):
+    "Saved beside the weights (checkpoints, `final/`): a model's processor if it reads images, else its tokenizer."
+    return getattr(self.method, "processor", None) or self.tokenizer
 
 # %% ../nbs/34_worker.ipynb #2b0ea1f2
 @patch
@@ -290,10 +303,10 @@ def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, 
     """Tokenizer, data, the plan of steps, the (sharded) model, optimizer and scheduler; restored from `resume` if
     given; the method prepared (its own processes launched first, to start while the model loads)."""
     tokenizer = D.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    records_kind = D.load_records(cfg.data)[0]["kind"]
-    no_template = D.template_note(tokenizer, records_kind)
+    records = D.load_records(cfg.data)
+    no_template = D.template_note(tokenizer, records[0]["kind"])
     D.ensure_chat_template(tokenizer)
-    method = training_method(cfg, records_kind)
+    method = method_for(cfg, records)
     try:
         method.launch()                           # GRPO: its user code's process, loading while the model does
         a = _attempt(paths, cfg, env, layout, metrics, resume, method, tokenizer, no_template)
@@ -382,7 +395,7 @@ def checkpoint(self:Attempt, step: int, epoch: float, last: dict, eval_loss):
     pos = self.steps[step - 1]["pos"] if step > 0 else None
     pos = pos or ({k: v for k, v in self.position.items() if k not in ("step", "total_steps")} if self.position
                   else dict(epoch=0, batches=0, world_size=None, epoch_float=0.0))
-    path = save_checkpoint(self.paths, step, self.model, self.optimizer, self.scheduler, self.tokenizer, self.env,
+    path = save_checkpoint(self.paths, step, self.model, self.optimizer, self.scheduler, self.files, self.env,
                            dict(step=step, epoch=epoch, total_steps=len(self.steps), last_metrics=last,
                                 eval_loss=eval_loss, data_position=pos, attempt=self.metrics.attempt),
                            self.method.checkpoint_state(step))
@@ -495,7 +508,7 @@ def finish(self:Attempt, end: dict) -> str:
     total, epoch = len(self.steps), self.steps[-1]["epoch_float"]
     eval_loss = self.evaluate_now(total, epoch) if end["step"] == total else end["eval_loss"]
     self.checkpoint(total, epoch, end["last"], eval_loss)
-    write_final(self.paths, self.model, self.tokenizer, self.env)
+    write_final(self.paths, self.model, self.files, self.env)
     seen = {} if end["seen"] is None else dict(data_seen=data_seen_by_ranks(end["seen"], self.env))
     merge = bool(self.cfg.merge_lora and L.is_adapted(unwrap(self.model)))
     leave_group()                                         # the last collective: the other ranks are done

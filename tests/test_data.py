@@ -525,11 +525,11 @@ def test_messages_never_contradict_themselves():
         assert said in str(ei.value) and "has columns []" not in str(ei.value), str(ei.value)
 
 
-def test_rows_with_images_are_checked_where_they_lie_then_refused_before_launch(demo, runs_root, tmp_path):
+def test_rows_with_images_are_checked_where_they_lie_and_refused_for_a_text_model(demo, runs_root, tmp_path):
     """Chat rows with images in TRL's format: each image is opened where the data file says (relative to it), and a
     missing or corrupt one, or a count of images that differs from the placeholders, is named with its file, line and
-    image. Valid rows are then refused by the session before anything is written: no method of ilab_nb trains a
-    vision-language model yet, and its images must not be dropped silently."""
+    image. Valid rows for a text model are then refused by the session before anything is written: its images must
+    not be dropped silently."""
     from PIL import Image
     from ilab_nb.session import FineTuneSession
     (tmp_path / "img").mkdir()
@@ -555,6 +555,7 @@ def test_rows_with_images_are_checked_where_they_lie_then_refused_before_launch(
     (rec, text_only) = load_records(str(f))
     assert rec["images"] == [str(tmp_path / "img" / "red.png")] and "images" not in text_only
     assert rec["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]
-    with pytest.raises(DataError, match=rf"^{f}, line 1: has images, and ilab_nb does not train vision-language "):
+    with pytest.raises(DataError, match=rf"^{f}, line 1: has images, but {demo.model_dir} is a text model: give a "
+                                        r"vision-language model"):
         FineTuneSession(demo.model_dir, str(f), runs_root=runs_root, num_processes=1, strategy="single", device="cpu")
     assert not runs_root.exists()
