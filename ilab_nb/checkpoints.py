@@ -142,19 +142,33 @@ def prune_checkpoints(paths: RunPaths, limit: int | None):
         shutil.rmtree(p)
     return old
 
-# %% ../nbs/29_checkpoints.ipynb #57dd5a98
+# %% ../nbs/29_checkpoints.ipynb #44b900e4
+def _never_stepped(sd: dict, ckpt: Path, part: str) -> dict:
+    """`sd` without the optimizer states the checkpoint holds none of: those of parameters that never had a gradient
+    (a module the forward does not use, as CLIP's `post_layernorm` in LLaVA), which the optimizer never stepped.
+    `get_state_dict` gives a fresh optimizer a state for every parameter; without this the load asks for them."""
+    if part != "optim": return sd
+    from torch.distributed.checkpoint import FileSystemReader
+    held = set(FileSystemReader(str(ckpt / "distributed")).read_metadata().state_dict_metadata)
+    kept = {fqn: s for fqn, s in sd["state"].items() if any(f"optim.state.{fqn}.{k}" in held for k in s)}
+    return {**sd, "state": kept}
+
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     "Restore model, optimizer, scheduler and RNG from a complete checkpoint; returns its step."
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
+    from torch.distributed.checkpoint.state_dict import (get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+                                                         StateDictOptions)
     ckpt = Path(ckpt)
     if not (ckpt / CKPT_MARKER).exists():
         raise RuntimeError(f"{ckpt} is not a complete checkpoint (no {CKPT_MARKER} marker).")
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": L.without_frozen(unwrap(model), msd), "optim": osd}    # a LoRA checkpoint holds no frozen base
+    state = {"model": L.without_frozen(unwrap(model), _never_stepped(msd, ckpt, "model")),
+             "optim": _never_stepped(osd, ckpt, "optim")}                  # a LoRA checkpoint holds no frozen base
     dcp.load(state, checkpoint_id=str(ckpt / "distributed"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=len(state["model"]) == len(msd)))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(state["model"]) == len(msd)))
+    # strict unless states were left out above, for parameters never stepped
+    set_optimizer_state_dict(model, optimizer, state["optim"],
+                             options=StateDictOptions(strict=len(state["optim"]["state"]) == len(osd["state"])))
     extra_path = ckpt / "extra" / f"rank-{env.rank}.pt"
     if not extra_path.exists(): extra_path = ckpt / "extra" / "rank-0.pt"   # resumed with another world size
     extra = torch.load(extra_path, weights_only=False)

@@ -307,9 +307,12 @@ def check_sharded(model, env: DistEnv):
 
 # %% ../nbs/28_placement.ipynb #3346a387
 def replicate(model, env: DistEnv):
-    "The model in `DistributedDataParallel` (on its GPU under CUDA)."
+    """The model in `DistributedDataParallel` (on its GPU under CUDA); a vision-language model's forward leaves some
+    parameters without a gradient (a micro-batch without images, CLIP's unused `post_layernorm`), which DDP must look
+    for."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[env.device.index] if env.device_type == "cuda" else None)
+    return DDP(model, device_ids=[env.device.index] if env.device_type == "cuda" else None,
+               find_unused_parameters=M.is_vision_model(getattr(unwrap(model), "config", None)))
 
 # %% ../nbs/28_placement.ipynb #2180599d
 def setup_record(cfg: TrainConfig, env: DistEnv, blocks: int, plan=None) -> dict:

@@ -13,7 +13,7 @@ from .methods import Method
 from . import data as D
 
 # %% auto #0
-__all__ = ['IMAGE_INPUTS', 'has_images', 'load_processor', 'open_image', 'tokenize_vision', 'VisionSFT']
+__all__ = ['IMAGE_INPUTS', 'has_images', 'load_processor', 'open_image', 'with_images', 'tokenize_vision', 'VisionSFT']
 
 # %% ../nbs/27_vision.ipynb #994f254f
 IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")   # what a forward may take
@@ -42,7 +42,7 @@ def open_image(ref):
           else ref)
     return im.convert("RGB")
 
-def _with_images(record) -> list[dict]:
+def with_images(record) -> list[dict]:
     "The record's messages with each image placeholder holding its image, opened."
     images = iter(record.get("images") or [])
     return [{**m, "content": m["content"] if isinstance(m["content"], str) else
@@ -52,7 +52,7 @@ def _with_images(record) -> list[dict]:
 def tokenize_vision(record, processor) -> dict:
     """`input_ids`, `labels` (-100 but on the assistant's tokens) and `image_end` (one past the last image token) of one
     chat record, as the processor renders and expands it."""
-    enc = processor.apply_chat_template(_with_images(record), tokenize=True, return_dict=True, return_tensors="pt",
+    enc = processor.apply_chat_template(with_images(record), tokenize=True, return_dict=True, return_tensors="pt",
                                         return_assistant_tokens_mask=True)
     ids, mask = enc["input_ids"][0].tolist(), enc["assistant_masks"][0].tolist()
     if not any(mask):

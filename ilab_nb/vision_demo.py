@@ -16,10 +16,10 @@ __all__ = ['COLOURS', 'FIGURES', 'IMAGE_SIZE', 'PATCH_SIZE', 'QUESTION', 'IMAGE_
            'VISION_VERSION', 'draw', 'write_vqa', 'vision_processor', 'vision_model', 'VisionAssets', 'vision_assets']
 
 # %% ../nbs/45_vision_demo.ipynb #5d4e2072
-COLOURS = {"red": (230, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 235), "yellow": (240, 225, 30),
-           "white": (250, 250, 250), "black": (10, 10, 10)}
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0),
+           "white": (255, 255, 255), "black": (0, 0, 0)}
 FIGURES = ("circle", "square", "triangle")
-IMAGE_SIZE, PATCH_SIZE = 32, 8
+IMAGE_SIZE, PATCH_SIZE = 32, 16
 QUESTION = "What colour is the shape?"
 
 def draw(colour: str, figure: str, rng: random.Random, size: int = IMAGE_SIZE):
@@ -68,13 +68,13 @@ def vision_processor():
     tok.chat_template = VISION_TEMPLATE
     images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
                                    crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    # the CLIP tower's class token is dropped ("default"), so an image is (32 / 8)^2 = 16 tokens
+    # the CLIP tower's class token is dropped ("default"), so an image is (32 / 16)^2 = 4 tokens
     return LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=PATCH_SIZE, chat_template=VISION_TEMPLATE,
                           vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
                           num_additional_image_tokens=1)
 
 # %% ../nbs/45_vision_demo.ipynb #bcffbf1c
-VISION_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+VISION_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
 
 def vision_model(processor, seed: int = 0):
     "A freshly initialised tiny `LlavaForConditionalGeneration` for `processor`, identical for the same seed."
@@ -93,7 +93,7 @@ def vision_model(processor, seed: int = 0):
     return model
 
 # %% ../nbs/45_vision_demo.ipynb #4cb06917
-VISION_VERSION = 2      # bump when anything above changes, so built folders are built again
+VISION_VERSION = 5      # bump when anything above changes, so built folders are built again
 
 @dataclass(frozen=True)
 class VisionAssets:

@@ -1,0 +1,74 @@
+"""Training a vision-language model on images, for real: the vision demo's tiny LLaVA (nbs/45_vision_demo: a CLIP
+tower, a projector and a Llama, made here at random) learns "What colour is the shape?" on 2 CPU processes under
+FSDP, from rows whose images are PIL images held by this process (saved into the run as files, so that the run
+outlives what held them). Stopped while it trains and resumed from its checkpoint, it ends answering at least 90% of
+the held-out questions, which the model it started from answers none of; its final/ loads with transformers'
+AutoModelForImageTextToText and AutoProcessor, as a downloaded model does."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from ilab_nb import FineTuneSession
+from ilab_nb.data import load_records
+from ilab_nb.vision import with_images
+from ilab_nb.vision_demo import COLOURS, vision_assets
+from conftest import wait_until
+
+pytestmark = pytest.mark.processes      # a 2-rank run, stopped and resumed
+
+# Measured without the stop, 150 steps at a constant lr 3e-3 on 2 ranks: 100% of the 60 held-out questions with this
+# seed, 98.3% and 93.3% with seeds 3 and 42 (the data's order differs; the model is the same).
+STEPS, LEARNING_RATE, SEED = 150, 3e-3, 7
+
+
+def answers(model_dir, records) -> list[str]:
+    "The greedy answer of the model in `model_dir` to each record's question about its image."
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    model, processor = AutoModelForImageTextToText.from_pretrained(model_dir).eval(), AutoProcessor.from_pretrained(model_dir)
+    out = []
+    for r in records:
+        enc = processor.apply_chat_template(with_images({**r, "messages": r["messages"][:1]}), tokenize=True,
+                                            return_dict=True, return_tensors="pt", add_generation_prompt=True)
+        with torch.no_grad(): ids = model.generate(**enc, max_new_tokens=4, do_sample=False)
+        out.append(processor.tokenizer.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return out
+
+
+def accuracy(model_dir, records) -> float:
+    said = answers(model_dir, records)
+    return sum(a == r["messages"][1]["content"][0]["text"] for a, r in zip(said, records)) / len(records)
+
+
+def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_through_a_stop(runs_root):
+    from PIL import Image
+    va = vision_assets()
+    train, held = load_records(str(va.train_file)), load_records(str(va.eval_file))
+    rows = [{"messages": [{"role": "user", "content": r["messages"][0]["content"][1]["text"]},
+                          {"role": "assistant", "content": r["messages"][1]["content"][0]["text"]}],
+             "images": [Image.open(r["images"][0]).convert("RGB")]} for r in train]      # held by this process only
+    s = FineTuneSession(str(va.model_dir), rows, eval_data=str(va.eval_file), runs_root=runs_root, num_processes=2,
+                        strategy="fsdp", device="cpu", max_steps=STEPS, learning_rate=LEARNING_RATE,
+                        lr_scheduler_type="constant", max_seq_len=64, max_tokens_per_batch=1024, save_steps=25,
+                        eval_steps=None, seed=SEED)
+    assert s.preflight["data"]["train"]["samples"] == len(rows)
+    s.start()
+    saved = Path(s.run_dir) / "data"
+    distinct = {r["images"][0].tobytes() for r in rows}                    # (two drawings may come out the same)
+    assert len(list((saved / "images").glob("*.png"))) == len(distinct)    # the images, in the run, as files
+    assert all(r["images"][0].startswith(str(saved / "images")) for r in load_records(str(saved / "train.jsonl")))
+
+    wait_until(lambda: s.checkpoints, 300, what="a checkpoint of the vision run")
+    assert s.stop(timeout=120) == "cancelled", s.reason
+    stopped = s.checkpoints[-1]["step"]
+    assert 0 < stopped < STEPS
+    s.resume()
+    assert s.wait(timeout=600) == "completed", s.reason
+    assert s.state["resumed_from_step"] == stopped
+
+    final = Path(s.run_dir) / "final"
+    assert {"processor_config.json", "chat_template.jinja", "model.safetensors"} <= {p.name for p in final.iterdir()}
+    before, after = accuracy(va.model_dir, held), accuracy(final, held)
+    print(f"held-out accuracy ({len(held)} questions, {len(COLOURS)} colours): {before:.1%} before, {after:.1%} after "
+          f"{STEPS} steps on 2 ranks (stopped at step {stopped}, resumed)")
+    assert before <= 1 / len(COLOURS) and after >= 0.9, (before, after)
