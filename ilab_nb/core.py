@@ -8,8 +8,8 @@ import errno, functools, gc, importlib.metadata, inspect, os, re, typing
 from contextlib import contextmanager
 
 # %% auto #0
-__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'html_of', 'html_join', 'require_torch', 'no_space', 'writing', 'build_once',
-           'gc_paused', 'no_hf_progress_bars', 'size_text', 'count_text']
+__all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'html_of', 'html_join', 'require_torch', 'no_space', 'writing', 'is_vision_model',
+           'auto_class', 'build_once', 'gc_paused', 'no_hf_progress_bars', 'size_text', 'count_text']
 
 # %% ../nbs/08_core.ipynb #5960fd12
 def patch_to(cls, as_prop: bool = False, cls_method: bool = False):
@@ -72,6 +72,20 @@ def writing(path):
     except BaseException as e:            # torch's CheckpointException is a BaseException
         if path is None or not no_space(e) or getattr(e, "filename", None) == str(path): raise
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+
+# %% ../nbs/08_core.ipynb #9083c67b
+def is_vision_model(model_config) -> bool:
+    "Whether transformers builds `model_config` as a vision-language model (`AutoModelForImageTextToText`)."
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    return getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+def auto_class(model_config):
+    """transformers' Auto class that builds `model_config`: `AutoModelForCausalLM`, or `AutoModelForImageTextToText`
+    for a vision-language model without a causal-LM class (LLaVA, Idefics3, ...)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    if type(model_config) in AutoModelForCausalLM._model_mapping or not is_vision_model(model_config):
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
 
 # %% ../nbs/08_core.ipynb #cdec89e3
 def build_once(root, fingerprint: dict, write) -> "Path":

@@ -8,6 +8,7 @@ import json, math, os, re, sys
 from pathlib import Path
 
 from .config import TrainConfig      # torch and peft are imported where they are used: the session imports this
+from .core import auto_class
 
 # %% auto #0
 __all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'is_adapted', 'base_of', 'adapter_modules', 'base_key',
@@ -105,9 +106,10 @@ def load_adapted(adapter_dir, base_model: str | None = None, trust_remote_code: 
     """The base model (named in the adapter's config, or `base_model`) with the adapters of `adapter_dir`, for use: in
     the base's dtype, or `dtype=`."""
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     base_model = base_model or PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
-    base = AutoModelForCausalLM.from_pretrained(base_model, trust_remote_code=trust_remote_code, **kwargs)
+    auto = auto_class(AutoConfig.from_pretrained(base_model, trust_remote_code=trust_remote_code))
+    base = auto.from_pretrained(base_model, trust_remote_code=trust_remote_code, **kwargs)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
 def merge_adapter(adapter_dir, out_dir, base_model: str | None = None, trust_remote_code: bool = False,
@@ -158,9 +160,10 @@ def adapter_folder(path) -> Path | None:
 
 def load_trained(path, trust_remote_code: bool = False, **kwargs):
     "The model a run wrote at `path`: a Hugging Face folder as such, else its adapters on their base (peft)."
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     if (Path(path) / "config.json").exists():
-        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+        auto = auto_class(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+        return auto.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     a = adapter_folder(path)
     if a is None:
         raise FileNotFoundError(f"{path} holds neither a model (config.json) nor adapters (adapter_config.json).")

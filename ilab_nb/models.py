@@ -11,32 +11,20 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
+from .core import auto_class, is_vision_model    # here for the modules that build the model (26-34)
 from . import batching as B
 from . import lora as L
 
 # %% auto #0
-__all__ = ['model_config', 'is_vision_model', 'auto_class', 'causal_lm_class', 'attention_for', 'build_empty_model',
-           'tied_duplicates', 'base_weights', 'WeightPlan', 'weight_plan', 'plan_summary', 'missing_weights_error',
-           'wrong_shapes_error', 'read_fused', 'safetensors_problem', 'model_files_problem', 'own_code_problem']
+__all__ = ['model_config', 'causal_lm_class', 'attention_for', 'build_empty_model', 'tied_duplicates', 'base_weights',
+           'WeightPlan', 'weight_plan', 'plan_summary', 'missing_weights_error', 'wrong_shapes_error', 'read_fused',
+           'safetensors_problem', 'model_files_problem', 'own_code_problem']
 
 # %% ../nbs/26_models.ipynb #e3932ef7
 def model_config(cfg: TrainConfig):
     "The model's Hugging Face config (its `config.json`, no weights read)."
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-
-def is_vision_model(model_config) -> bool:
-    "Whether transformers builds `model_config` as a vision-language model (`AutoModelForImageTextToText`)."
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    return getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-def auto_class(model_config):
-    """transformers' Auto class that builds `model_config`: `AutoModelForCausalLM`, or `AutoModelForImageTextToText`
-    for a vision-language model without a causal-LM class (LLaVA, Idefics3, ...)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    if type(model_config) in AutoModelForCausalLM._model_mapping or not is_vision_model(model_config):
-        return AutoModelForCausalLM
-    return AutoModelForImageTextToText
 
 def causal_lm_class(model_config, trust_remote_code: bool = False):
     """The class `AutoModelForCausalLM` (for a vision-language model, `auto_class`) builds for `model_config` (a model's
