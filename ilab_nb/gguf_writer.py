@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .core import is_vision_model
 from .runstore import ProcessRef
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ def model_config(model_dir, trust_remote_code: bool = False):
                                 "(as save_pretrained writes it)")
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)   # told: never asked
     found = config.architectures or [type(config).__name__]
+    if is_vision_model(config) and not any(a in ARCHITECTURES for a in found):
+        raise ValueError(f"export_gguf: {model_dir} is a vision-language model ({', '.join(found)}); this export "
+                         "writes text models only, and llama.cpp reads a vision model as two GGUF files (the text "
+                         "model and its mmproj projector), which it does not write: load final/ with transformers' "
+                         "AutoModelForImageTextToText and AutoProcessor instead")
     if not any(a in ARCHITECTURES for a in found):
         raise ValueError(f"export_gguf: {model_dir} is a {', '.join(found)}; GGUF export supports "
                          f"{', '.join(ARCHITECTURES)}")
