@@ -605,14 +605,16 @@ def _model_to_load(self:FineTuneSession, checkpoint=None, base_model=None, trust
 # %% ../nbs/61_session.ipynb #4a2b8ffd
 @patch
 def _load(self:FineTuneSession, p: Path, **kwargs):
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
     from ilab_nb.lora import load_trained
     from ilab_nb.models import model_files_problem     # with torch: imported by what loads a model, not by `ilab-nb ls`
     # not safetensors' own words
     if (why := model_files_problem(p, kwargs.get("base_model"))) is not None: raise ValueError(why)
     trc = bool(self.config and self.config.trust_remote_code)
+    # a model that sees images comes with its processor (a vision run saves it beside the weights), else its tokenizer
+    auto = AutoProcessor if (Path(p) / "processor_config.json").is_file() else AutoTokenizer
     with no_hf_progress_bars():        # no tqdm widget in the output a saved notebook keeps (08_core)
-        return load_trained(p, trust_remote_code=trc, **kwargs), AutoTokenizer.from_pretrained(p, trust_remote_code=trc)
+        return load_trained(p, trust_remote_code=trc, **kwargs), auto.from_pretrained(p, trust_remote_code=trc)
 
 # %% ../nbs/61_session.ipynb #aa844196
 @patch
@@ -622,7 +624,7 @@ def _listed(self:FineTuneSession, p: Path) -> bool: return str(p) in {c["path"] 
 @gated(Action.code, doing="load its model")
 def load_model(self:FineTuneSession, checkpoint=None, *, trust_owner: bool = False, **kwargs):
     """`(model, tokenizer)` from `final/` or a chosen checkpoint (`checkpoint=` step, `'latest'` or path; `base_model=`:
-    adapters' moved base)."""
+    adapters' moved base); a vision-language model's processor in place of the tokenizer."""
     for tries_left in (2, 1, 0):
         p = self._model_to_load(checkpoint, kwargs.get("base_model"), trust_owner)   # a complete one, when chosen
         listed = self._listed(p)

@@ -3,7 +3,8 @@ tower, a projector and a Llama, made here at random) learns "What colour is the 
 FSDP, from rows whose images are PIL images held by this process (saved into the run as files, so that the run
 outlives what held them). Stopped while it trains and resumed from its checkpoint, it ends answering at least 90% of
 the held-out questions, which the model it started from answers none of; its final/ loads with transformers'
-AutoModelForImageTextToText and AutoProcessor, as a downloaded model does."""
+AutoModelForImageTextToText and AutoProcessor, as a downloaded model does, and the session's load_model() gives that
+model with its processor."""
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,9 @@ pytestmark = pytest.mark.processes      # a 2-rank run, stopped and resumed
 STEPS, LEARNING_RATE, SEED = 150, 3e-3, 7
 
 
-def answers(model_dir, records) -> list[str]:
-    "The greedy answer of the model in `model_dir` to each record's question about its image."
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-    model, processor = AutoModelForImageTextToText.from_pretrained(model_dir).eval(), AutoProcessor.from_pretrained(model_dir)
-    out = []
+def answers(model, processor, records) -> list[str]:
+    "The greedy answer of `model` to each record's question about its image."
+    model, out = model.eval(), []
     for r in records:
         enc = processor.apply_chat_template(with_images({**r, "messages": r["messages"][:1]}), tokenize=True,
                                             return_dict=True, return_tensors="pt", add_generation_prompt=True)
@@ -35,8 +34,8 @@ def answers(model_dir, records) -> list[str]:
     return out
 
 
-def accuracy(model_dir, records) -> float:
-    said = answers(model_dir, records)
+def accuracy(model, processor, records) -> float:
+    said = answers(model, processor, records)
     return sum(a == r["messages"][1]["content"][0]["text"] for a, r in zip(said, records)) / len(records)
 
 
@@ -66,9 +65,15 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
     assert s.wait(timeout=600) == "completed", s.reason
     assert s.state["resumed_from_step"] == stopped
 
+    from transformers import AutoModelForImageTextToText, AutoProcessor
     final = Path(s.run_dir) / "final"
     assert {"processor_config.json", "chat_template.jinja", "model.safetensors"} <= {p.name for p in final.iterdir()}
-    before, after = accuracy(va.model_dir, held), accuracy(final, held)
+    base = AutoModelForImageTextToText.from_pretrained(va.model_dir), AutoProcessor.from_pretrained(va.model_dir)
+    trained = AutoModelForImageTextToText.from_pretrained(final), AutoProcessor.from_pretrained(final)
+    before, after = accuracy(*base, held), accuracy(*trained, held)
+    model, processor = s.load_model()                          # the session's own: the model and its processor
+    assert type(processor).__name__ == "LlavaProcessor"
+    assert answers(model, processor, held[:8]) == answers(*trained, held[:8])
     print(f"held-out accuracy ({len(held)} questions, {len(COLOURS)} colours): {before:.1%} before, {after:.1%} after "
           f"{STEPS} steps on 2 ranks (stopped at step {stopped}, resumed)")
     assert before <= 1 / len(COLOURS) and after >= 0.9, (before, after)
