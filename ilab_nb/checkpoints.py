@@ -143,11 +143,10 @@ def prune_checkpoints(paths: RunPaths, limit: int | None):
     return old
 
 # %% ../nbs/29_checkpoints.ipynb #44b900e4
-def _never_stepped(sd: dict, ckpt: Path, part: str) -> dict:
+def _never_stepped(sd: dict, ckpt: Path) -> dict:
     """`sd` without the optimizer states the checkpoint holds none of: those of parameters that never had a gradient
     (a module the forward does not use, as CLIP's `post_layernorm` in LLaVA), which the optimizer never stepped.
     `get_state_dict` gives a fresh optimizer a state for every parameter; without this the load asks for them."""
-    if part != "optim": return sd
     from torch.distributed.checkpoint import FileSystemReader
     held = set(FileSystemReader(str(ckpt / "distributed")).read_metadata().state_dict_metadata)
     kept = {fqn: s for fqn, s in sd["state"].items() if any(f"optim.state.{fqn}.{k}" in held for k in s)}
@@ -162,8 +161,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, env) -> int:
     if not (ckpt / CKPT_MARKER).exists():
         raise RuntimeError(f"{ckpt} is not a complete checkpoint (no {CKPT_MARKER} marker).")
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": L.without_frozen(unwrap(model), _never_stepped(msd, ckpt, "model")),
-             "optim": _never_stepped(osd, ckpt, "optim")}                  # a LoRA checkpoint holds no frozen base
+    state = {"model": L.without_frozen(unwrap(model), msd),                # a LoRA checkpoint holds no frozen base
+             "optim": _never_stepped(osd, ckpt)}
     dcp.load(state, checkpoint_id=str(ckpt / "distributed"))
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(state["model"]) == len(msd)))
     # strict unless states were left out above, for parameters never stepped

@@ -26,9 +26,10 @@ from .core import patch
 
 # %% auto #0
 __all__ = ['MAX_DATA_ERRORS', 'ROLES', 'KIND_NAMES', 'KIND_PLURALS', 'SHAREGPT_ROLES', 'SHAPES', 'MEDIA_REFUSED', 'DATA_SUFFIXES',
-           'METHOD_KINDS', 'DEFAULT_CHAT_TEMPLATE', 'write_chat_jsonl', 'DataError', 'load_records', 'check_method',
-           'load_chat_records', 'ensure_chat_template', 'template_note', 'render_chat', 'tokenize_chat', 'length_note',
-           'build_dataset', 'split_records', 'records_sha256', 'write_records_jsonl', 'load_tokenizer']
+           'METHOD_KINDS', 'DEFAULT_CHAT_TEMPLATE', 'write_chat_jsonl', 'DataError', 'open_image', 'load_records',
+           'check_method', 'load_chat_records', 'ensure_chat_template', 'template_note', 'render_chat', 'tokenize_chat',
+           'source_error', 'length_note', 'build_dataset', 'split_records', 'records_sha256', 'write_records_jsonl',
+           'load_tokenizer']
 
 # %% ../nbs/20_data.ipynb #7df1773c
 MAX_DATA_ERRORS = 5
@@ -257,13 +258,19 @@ def _vision_messages(messages: list[dict], images: list | None) -> tuple[list[di
     return out, ordered
 
 # %% ../nbs/20_data.ipynb #5226aee6
+def open_image(ref):
+    "An image of a record (a file's path, its `{'bytes'}`, or a PIL image), decoded as an RGB PIL image."
+    from PIL import Image
+    im = (Image.open(ref) if isinstance(ref, str) else Image.open(io.BytesIO(ref["bytes"])) if isinstance(ref, dict)
+          else ref)
+    return im.convert("RGB")
+
 def _image_ref(v, n: int, base: Path | None):
     """Image `n` of a row, decoded once to check it: a file as its absolute path (relative to `base`, else the working
     directory), an image in memory as given (a PIL image, or `{'bytes': ...}`)."""
     from PIL import Image
-    if isinstance(v, dict) and v.get("bytes"):
-        src, name, keep = io.BytesIO(v["bytes"]), v.get("path"), {"bytes": v["bytes"]}
-    elif isinstance(v, Image.Image): src, name, keep = None, None, v
+    if isinstance(v, dict) and v.get("bytes"): name, keep = v.get("path"), {"bytes": v["bytes"]}
+    elif isinstance(v, Image.Image): name, keep = None, v
     else:
         if isinstance(v, dict): v = v.get("path")
         if isinstance(v, os.PathLike): v = os.fspath(v)
@@ -274,11 +281,8 @@ def _image_ref(v, n: int, base: Path | None):
         if not p.is_file():
             raise _Bad(f"image {n} '{v}' not found" + ("" if Path(v).expanduser().is_absolute()
                                                         else f" (relative to {base or Path.cwd()})"))
-        src, name, keep = p, v, str(p.resolve())
-    try:
-        if src is not None:
-            with Image.open(src) as im: im.load()
-        else: v.load()
+        name, keep = v, str(p.resolve())
+    try: open_image(keep)                   # decoded once, and let go
     except Exception as e:                  # PIL says a bad image with OSError, SyntaxError, ValueError, ...
         raise _Bad(f"image {n}" + (f" '{name}'" if name else "") + f" is not a readable image "
                    f"({type(e).__name__}: {e})") from None
@@ -706,6 +710,11 @@ def _fingerprint(records, tokenizer, max_seq_len, policy) -> str:
 def _split_source(source: str):
     path, _, line = (source or "").rpartition(":")
     return (path, int(line)) if path and line.isdigit() else (source or None, None)
+
+def source_error(message: str, source: str) -> DataError:
+    "A `DataError` at a record's `source`: `file:line`, or a row of data in memory (0-based, as Python indexes it)."
+    path, line = _split_source(source)
+    return DataError(message, path, line, unit="index" if (path or "").startswith("the ") else "line")
 
 # %% ../nbs/20_data.ipynb #321c96fe
 def _tokenize_batch(batch, tokenizer, max_seq_len: int, policy: str):

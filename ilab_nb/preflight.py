@@ -106,7 +106,7 @@ def resolve_hub_model(model, timeout=5.0) -> str:
 # %% ../nbs/60_preflight.ipynb #d098ac6e
 def load_run_data(cfg) -> tuple:
     "The train and eval records of `cfg` (eval `[]` when none), or the `DataError` that says what is wrong where."
-    from ilab_nb.data import load_records, check_method, DataError, KIND_PLURALS
+    from ilab_nb.data import load_records, check_method, source_error, DataError, KIND_PLURALS
     records = load_records(cfg.data, cfg.method)
     check_method(cfg.method, records[0]["kind"])
     evals = load_records(cfg.eval_data, cfg.method) if cfg.eval_data else []
@@ -114,11 +114,9 @@ def load_run_data(cfg) -> tuple:
         raise DataError(f"eval_data holds {KIND_PLURALS[evals[0]['kind']]}, the training data "
                         f"{KIND_PLURALS[records[0]['kind']]}; give both in one shape")
     if (seen := next((r for r in records + evals if r.get("images")), None)) and not _reads_images(cfg):
-        path, _, line = seen["source"].rpartition(":")
-        raise DataError(f"has images, but {cfg.model} is a text model: give a vision-language model (one that "
-                        f"transformers loads with AutoModelForImageTextToText), or rows without 'images' or 'image'",
-                        path, int(line) if line.isdigit() else None,
-                        unit="index" if path.startswith("the ") else "line")
+        raise source_error(f"has images, but {cfg.model} is a text model: give a vision-language model (one that "
+                           f"transformers loads with AutoModelForImageTextToText), or rows without 'images' or "
+                           f"'image'", seen["source"])
     return records, evals
 
 def _reads_images(cfg) -> bool:

@@ -4,8 +4,6 @@
 
 # %% ../nbs/27_vision.ipynb #0a8d015f
 from __future__ import annotations
-import io
-
 import datasets
 
 from .core import patch
@@ -13,7 +11,7 @@ from .methods import Method
 from . import data as D
 
 # %% auto #0
-__all__ = ['IMAGE_INPUTS', 'has_images', 'load_processor', 'open_image', 'with_images', 'tokenize_vision', 'VisionSFT']
+__all__ = ['IMAGE_INPUTS', 'has_images', 'load_processor', 'with_images', 'tokenize_vision', 'VisionSFT']
 
 # %% ../nbs/27_vision.ipynb #994f254f
 IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")   # what a forward may take
@@ -35,18 +33,11 @@ def load_processor(model, trust_remote_code: bool = False):
     return p
 
 # %% ../nbs/27_vision.ipynb #3abe0f00
-def open_image(ref):
-    "An image of a record (a file's path, its `{'bytes'}`, or a PIL image) as an RGB PIL image."
-    from PIL import Image
-    im = (Image.open(ref) if isinstance(ref, str) else Image.open(io.BytesIO(ref["bytes"])) if isinstance(ref, dict)
-          else ref)
-    return im.convert("RGB")
-
 def with_images(record) -> list[dict]:
     "The record's messages with each image placeholder holding its image, opened."
     images = iter(record.get("images") or [])
     return [{**m, "content": m["content"] if isinstance(m["content"], str) else
-             [{**p, "image": open_image(next(images))} if p["type"] == "image" else p for p in m["content"]]}
+             [{**p, "image": D.open_image(next(images))} if p["type"] == "image" else p for p in m["content"]]}
             for m in record["messages"]]
 
 def tokenize_vision(record, processor) -> dict:
@@ -71,12 +62,9 @@ class VisionSFT(Method):
         self.processor = processor
 
 def _image_overflow(record, t: dict, max_seq_len: int) -> D.DataError:
-    path, _, line = (record.get("source") or "").rpartition(":")
-    return D.DataError(f"its images take tokens up to {t['image_end']:,}, past max_seq_len={max_seq_len:,}: an "
-                       f"image is never cut (its tokens must all reach the model); raise max_seq_len or leave the "
-                       f"row out",
-                       path or None, int(line) if line.isdigit() else None,
-                       unit="index" if path.startswith("the ") else "line")
+    return D.source_error(f"its images take tokens up to {t['image_end']:,}, past max_seq_len={max_seq_len:,}: an "
+                          f"image is never cut (its tokens must all reach the model); raise max_seq_len or leave the "
+                          f"row out", record.get("source"))
 
 @patch
 def build(self:VisionSFT, records: list, tokenizer, cache_dir=None) -> tuple:
@@ -86,9 +74,7 @@ def build(self:VisionSFT, records: list, tokenizer, cache_dir=None) -> tuple:
     rows, counts = [], dict(too_long=0, truncated=0, no_loss=0, longest=0)
     for r in records:
         try: t = tokenize_vision(r, self.processor)
-        except ValueError as e:
-            path, _, line = (r.get("source") or "").rpartition(":")
-            raise D.DataError(str(e), path or None, int(line) if line.isdigit() else None) from None
+        except ValueError as e: raise D.source_error(str(e), r.get("source")) from None
         n = len(t["input_ids"])
         counts["longest"] = max(counts["longest"], n)
         if t["image_end"] > cap: raise _image_overflow(r, t, cap)
@@ -126,6 +112,6 @@ def batch(self:VisionSFT, ds, indices: list, layout: str, pad_id: int) -> dict:
     from ilab_nb import batching as B
     rows = [ds[i] for i in indices]
     out = B.collate(rows, layout, pad_id)
-    images = [open_image(ref) for r in rows for ref in r["images"]]
+    images = [D.open_image(ref) for r in rows for ref in r["images"]]
     if images: out.update(self.processor.image_processor(images=images, return_tensors="pt"))
     return out

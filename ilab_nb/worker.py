@@ -74,10 +74,10 @@ def method_for(cfg: TrainConfig, records: list) -> Method:
     processor = load_processor(cfg.model, cfg.trust_remote_code) if has_images(records) else None
     return training_method(cfg, records[0]["kind"], processor)
 
-def load_data(cfg: TrainConfig, tokenizer, method: Method, cache: Path):
-    """Tokenized train and eval datasets (eval may be None) and their statistics, as `method` builds them into `cache`;
-    no collective."""
-    records = D.load_records(cfg.data)
+def load_data(cfg: TrainConfig, tokenizer, method: Method, cache: Path, records: list | None = None):
+    """Tokenized train and eval datasets (eval may be None) and their statistics, as `method` builds them into `cache`
+    (from `records`, the training data already read, else read here); no collective."""
+    records = records if records is not None else D.load_records(cfg.data)
     if cfg.eval_data: train_r, eval_r = records, D.load_records(cfg.eval_data)
     elif cfg.eval_split > 0: train_r, eval_r = D.split_records(records, cfg.eval_split, cfg.seed)
     else: train_r, eval_r = records, []
@@ -270,9 +270,9 @@ def resume_position(ckpt) -> dict | None:
 
 # %% ../nbs/34_worker.ipynb #e28e0b1e
 def _attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume, method,
-             tokenizer, no_template) -> Attempt:
+             tokenizer, no_template, records=None) -> Attempt:
     "The data, the plan of steps, the (sharded) model, optimizer and scheduler of `setup_attempt`."
-    train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, method, paths.cache)
+    train_ds, eval_ds, data_stats = load_data(cfg, tokenizer, method, paths.cache, records)
     if no_template:   # in the header: the dashboard says it
         data_stats = {**data_stats, "template": {"note": no_template}}
     train_ds = train_ds.with_format(None)
@@ -309,7 +309,7 @@ def setup_attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, 
     method = method_for(cfg, records)
     try:
         method.launch()                           # GRPO: its user code's process, loading while the model does
-        a = _attempt(paths, cfg, env, layout, metrics, resume, method, tokenizer, no_template)
+        a = _attempt(paths, cfg, env, layout, metrics, resume, method, tokenizer, no_template, records)   # read once
         method.prepare(a, a.forward)              # DPO: the reference's log-probabilities, before step 1 (or read back)
     except BaseException:
         method.close()                            # GRPO: its user code's process, if it started
