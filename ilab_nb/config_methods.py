@@ -26,6 +26,15 @@ class _AdapterFields(_FieldGroup):
     merge_lora: bool = Field(True, description=(
         "After a LoRA run, merge the adapters into the base and write the merged model as final/ (the adapters stay "
         "in final/adapter/)."))
+    freeze_vision_tower: bool = Field(True, description=(
+        "A vision-language model's image encoder neither trains nor gets adapters (LLaMA-Factory's name and "
+        "default)."))
+    freeze_multi_modal_projector: bool = Field(True, description=(
+        "A vision-language model's projector from image features to the language model's embeddings neither trains "
+        "nor gets adapters (LLaMA-Factory's name and default)."))
+    freeze_language_model: bool = Field(False, description=(
+        "A vision-language model's language model (its blocks, embeddings and head) neither trains nor gets adapters "
+        "(LLaMA-Factory's name and default)."))
 
 # %% ../nbs/06_config_methods.ipynb #b229f221
 _LORA_REFUSED = {
@@ -231,4 +240,7 @@ def _method_problems(c) -> list:
     for k, default in (("beta", 0.1), ("loss_type", "sigmoid")):     # a DPO or GRPO setting on an SFT run
         if c.method == "sft" and getattr(c, k) != default:
             p.append((k, "is DPO's or GRPO's; set method='dpo' or 'grpo', or drop it"))
+    if c.freeze_vision_tower and c.freeze_multi_modal_projector and c.freeze_language_model:
+        p.append(("freeze_language_model", "with the vision tower and the projector frozen too, nothing would train; "
+                  "set freeze_vision_tower=False or freeze_multi_modal_projector=False to train those alone"))
     return p + _grpo_problems(c)

@@ -18,11 +18,20 @@ __all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'is_adapted', 'base_o
 # %% ../nbs/25_lora.ipynb #9d4f539e
 LORA_DEFAULTS = dict(target_modules="all-linear")
 
-def lora_config(cfg: TrainConfig):
-    "The run's `peft.LoraConfig` (None for full fine-tuning)."
+def _excluded(given, pattern: str | None):
+    "peft's `exclude_modules`: the user's (a regular expression, or names matched as suffixes) and `pattern` too."
+    if pattern is None or given is None: return given if pattern is None else pattern
+    if not isinstance(given, str):                                   # peft matches a list's names as suffixes
+        given = "(?:.*\\.)?(?:" + "|".join(re.escape(g) for g in given) + ")"
+    return f"(?:{given})|(?:{pattern})"
+
+def lora_config(cfg: TrainConfig, exclude: str | None = None):
+    """The run's `peft.LoraConfig` (None for full fine-tuning); `exclude` is a pattern of modules that get no adapters
+    (a vision-language model's frozen parts, 27_vision), beside the run's own `exclude_modules`."""
     if cfg.lora is None: return None
     from peft import LoraConfig
-    return LoraConfig(**{**LORA_DEFAULTS, **cfg.lora, "task_type": "CAUSAL_LM"})
+    return LoraConfig(**{**LORA_DEFAULTS, **cfg.lora, "task_type": "CAUSAL_LM",
+                         "exclude_modules": _excluded(cfg.lora.get("exclude_modules"), exclude)})
 
 # %% ../nbs/25_lora.ipynb #4a8609c7
 def _lora_layers(model):
@@ -31,12 +40,13 @@ def _lora_layers(model):
     from peft.tuners.lora import LoraLayer
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
-def add_adapters(model, cfg: TrainConfig):
-    "Wrap `model` (its base on the meta device) with the run's LoRA adapters, real and seeded; freeze the base."
+def add_adapters(model, cfg: TrainConfig, exclude: str | None = None):
+    """Wrap `model` (its base on the meta device) with the run's LoRA adapters, real and seeded, none on the modules
+    `exclude` matches; freeze the base."""
     if cfg.lora is None: return model                     # full fine-tuning: every weight trains
     import torch
     from peft import get_peft_model
-    pm = get_peft_model(model, lora_config(cfg))
+    pm = get_peft_model(model, lora_config(cfg, exclude))
     for c in pm.peft_config.values(): c.base_model_name_or_path = str(cfg.model)    # what the saved adapters name
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from . import lora as L
+from . import vision as V
 from . import models as M
 from .models import build_empty_model, tied_duplicates     # the model and its files (26_models)
 
@@ -335,7 +336,7 @@ def setup_model(cfg: TrainConfig, env: DistEnv, layout: str) -> tuple:
         raise RuntimeError(f"strategy='fsdp' and torch_compile work per transformer block, but {type(model).__name__} "
                            f"names none in _no_split_modules.")
     if cfg.gradient_checkpointing: enable_checkpointing(model)
-    model = L.add_adapters(model, cfg)                             # LoRA: adapters on the frozen base (else unchanged)
+    model = V.set_trainable(model, cfg)        # LoRA: adapters on the frozen base; a VLM's frozen parts (27_vision)
     blocks, files = transformer_blocks(model), checkpoint_dir(cfg.model)
     plan = M.weight_plan(model, files) if files is not None else None    # before FSDP renames the classes it wraps
     if cfg.torch_compile:

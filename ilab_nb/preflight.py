@@ -18,8 +18,8 @@ __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 
            'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'check_memory', 'read_json_file',
            'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
            'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted',
-           'lora_problem', 'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code', 'launch_user_code',
-           'check_reward_funcs', 'grpo_generation_tokens', 'check_data', 'preflight']
+           'lora_problem', 'freeze_problem', 'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code',
+           'launch_user_code', 'check_reward_funcs', 'grpo_generation_tokens', 'check_data', 'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -265,17 +265,17 @@ def check_cpu_slots(cfg, kind) -> dict:
 
 # %% ../nbs/60_preflight.ipynb #bd1f5e3a
 def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
-                 adapters: int | None = None) -> dict | None:
+                 adapters: int | None = None, frozen: int = 0) -> dict | None:
     """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless
     `ignore_memory_estimate`.
     `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps;
     `adapters`, LoRA's trainable parameters as built (`check_model_build`), replaces the count from the files'
-    shapes."""
+    shapes; `frozen`, the parameters a full fine-tune freezes (a vision-language model's parts)."""
     mp = Path(cfg.model).expanduser()
     if not (mp.is_dir() and any(mp.glob("*.safetensors"))):   # a hub id or .bin weights: nothing to read cheaply
         return None
     shapes = tensor_shapes(mp)
-    est = _estimate(cfg, shapes, adapters if cfg.lora is not None else None)
+    est = _estimate(cfg, shapes, adapters if cfg.lora is not None else None, frozen)
     if generation_tokens:
         mc = read_json_file(mp / "config.json")
         est["generation_bytes"] = g = kv_cache_bytes(mc, generation_tokens, cfg.precision)
@@ -556,20 +556,30 @@ def lora_problem(model, cfg) -> PreflightError | None:
                               f"use r <= {widest} (8 to 64 is usual)", "lora.r")
     return None
 
+def freeze_problem(model, cfg) -> PreflightError | None:
+    "A `freeze_*` field changed from its default for a text `model`, which has no parts to freeze or train alone."
+    from ilab_nb.vision import PARTS, vision_parts
+    if vision_parts(model): return None
+    for f in (f"freeze_{p}" for p in PARTS):
+        if getattr(cfg, f) != type(cfg).model_fields[f].default:
+            return PreflightError(f"{f}={getattr(cfg, f)}: {type(model).__name__} is a text model, without a vision "
+                                  f"tower, a projector or a language model apart; drop {f}", f)
+    return None
+
 # %% ../nbs/60_preflight.ipynb #ea459882
 def check_model_build(cfg, kind: str) -> dict:
     """Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they
     would refuse."""
-    from ilab_nb import batching as B, lora as L, models as M
+    from ilab_nb import batching as B, lora as L, models as M, vision as V
     mc = M.model_config(cfg)
     try:
         layout = B.choose_layout(cfg.batching, kind, cfg.precision, mc)
         attn = M.attention_for(cfg, layout, kind, mc)
     except ValueError as e: raise PreflightError(str(e)) from None
     model = M.build_empty_model(cfg, attn)
-    if why := lora_problem(model, cfg): raise why
+    if why := lora_problem(model, cfg) or freeze_problem(model, cfg): raise why
     linear = _linear_names(model)
-    try: model = L.add_adapters(model, cfg)
+    try: model = V.set_trainable(model, cfg)
     except (ValueError, TypeError) as e:
         if "not found in the base model" in str(e):
             raise PreflightError(f"lora.target_modules={cfg.lora.get('target_modules')!r} matches no layer of "
@@ -587,6 +597,9 @@ def check_model_build(cfg, kind: str) -> dict:
         raise PreflightError(err)
     info = L.finetuning_info(model, cfg)
     return dict(model_class=type(L.base_of(model)).__name__, layout=layout, attn_implementation=attn, **info,
+                frozen=V.frozen_parts(cfg) if V.vision_parts(model) else [],
+                frozen_params=0 if cfg.lora is not None else sum(p.numel() for p in model.parameters()
+                                                                    if not p.requires_grad),
                 embedding_rows=L.base_of(model).get_input_embeddings().num_embeddings,
                 trainable_tensors=sum(1 for p in model.parameters() if p.requires_grad),
                 weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with "
@@ -726,7 +739,7 @@ def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
     if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0) + grpo_generation_tokens(cfg),
-                          adapters=built["trainable_params"])
+                          adapters=built["trainable_params"], frozen=built["frozen_params"])
     disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"], built["trainable_tensors"])
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),

@@ -49,12 +49,14 @@ def count_params_of(shapes: dict) -> dict:
 
 # %% ../nbs/59_sizes.ipynb #a4502997
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False,
-                    adapters: int = 0) -> dict:
-    "Bytes per rank on the device and in host memory for training `params` (from `count_params`), before activations."
+                    adapters: int = 0, frozen: int = 0) -> dict:
+    """Bytes per rank on the device and in host memory for training `params` (from `count_params`), before activations;
+    `frozen` of them (a vision-language model's frozen parts, fully fine-tuned) are held as float32 weights alone."""
     n, w = params["total"], (world_size if strategy == "fsdp" else 1)
     compute = 2 if precision == "bf16" else 4
-    trains = adapters or n                                       # LoRA: only the adapters train
-    state = ((compute * n if adapters else 0) + 16 * trains) // w  # (frozen base) + fp32 weights, grads, AdamW moments
+    trains = adapters or n - frozen                              # LoRA: only the adapters train
+    base = compute * n if adapters else 4 * frozen                # the frozen base (LoRA's in the compute dtype)
+    state = (base + 16 * trains) // w                            # + fp32 weights, grads, AdamW moments
     gathered = (params["root"] + 2 * params["block"]) * compute if strategy == "fsdp" else 0
     extra = (4 * trains if strategy == "ddp" else 0) + (2 * trains if precision == "bf16" and strategy != "fsdp" else 0)
     device = gathered + extra + (0 if cpu_offload else state)
@@ -62,10 +64,11 @@ def memory_estimate(params: dict, strategy: str, world_size: int, precision: str
                 host_bytes=state if cpu_offload else 0)
 
 # %% ../nbs/59_sizes.ipynb #bdf95708
-def _estimate(cfg, shapes: dict, adapters: int | None = None) -> dict:
+def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0) -> dict:
     params = count_params_of(shapes)
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
-                           adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters)
+                           adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
+                           frozen=0 if cfg.lora is not None else frozen)
 
 def _lora_hint(cfg, shapes: dict, cap: int) -> str:
     if cfg.lora is not None: return ""

@@ -11,7 +11,8 @@ from .methods import Method
 from . import data as D
 
 # %% auto #0
-__all__ = ['IMAGE_INPUTS', 'has_images', 'load_processor', 'with_images', 'tokenize_vision', 'VisionSFT']
+__all__ = ['IMAGE_INPUTS', 'PARTS', 'has_images', 'load_processor', 'vision_parts', 'part_of', 'frozen_parts', 'freeze',
+           'frozen_modules', 'set_trainable', 'with_images', 'tokenize_vision', 'VisionSFT']
 
 # %% ../nbs/27_vision.ipynb #994f254f
 IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")   # what a forward may take
@@ -31,6 +32,60 @@ def load_processor(model, trust_remote_code: bool = False):
                          "preprocessor_config.json that save_pretrained writes beside the tokenizer)")
     if p.tokenizer.pad_token is None: p.tokenizer.pad_token = p.tokenizer.eos_token
     return p
+
+# %% ../nbs/27_vision.ipynb #d4ebc5a5
+_PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector")
+PARTS = ("vision_tower", "multi_modal_projector", "language_model")          # the `freeze_*` fields' names
+
+def vision_parts(model) -> dict[str, list[str]]:
+    "`{part: [module names]}` of a (peft-wrapped) vision-language model's three parts; `{}` for a text model."
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    tower, language = base.get_encoder(modality="image"), base.get_decoder()
+    if tower is base or language is base: return {}
+    names = {id(m): n for n, m in base.named_modules()}
+    head = base.get_output_embeddings()
+    return dict(vision_tower=[names[id(tower)]],
+                multi_modal_projector=[n for n in names.values() if n.rsplit(".", 1)[-1] in _PROJECTORS],
+                language_model=[names[id(language)]] + ([names[id(head)]] if head is not None else []))
+
+def part_of(name: str, parts: dict) -> str | None:
+    "The part holding the module or parameter `name`: the innermost (the projector inside a tower is the projector)."
+    within = [(len(p), part) for part, ps in parts.items() for p in ps if name == p or name.startswith(p + ".")]
+    return max(within)[1] if within else None
+
+def frozen_parts(cfg) -> list[str]:
+    "The parts the run's `freeze_*` fields freeze."
+    return [p for p in PARTS if getattr(cfg, f"freeze_{p}")]
+
+# %% ../nbs/27_vision.ipynb #477b41f6
+def freeze(model, cfg) -> list[str]:
+    "Freeze the parameters of the parts the run freezes (full fine-tuning); the parts frozen."
+    parts, frozen = vision_parts(model), frozen_parts(cfg)
+    if not parts: return []
+    for n, p in model.named_parameters():
+        if part_of(n, parts) in frozen: p.requires_grad_(False)
+    return frozen
+
+def frozen_modules(parts: dict, frozen: list) -> str | None:
+    "A regular expression matching the names of the modules in the `frozen` parts (peft's `exclude_modules`), or None."
+    import re
+    out = [p for part in frozen for p in parts.get(part, [])]
+    if not out: return None
+    inside = [p for part, ps in parts.items() if part not in frozen for p in ps
+              if any(p.startswith(f + ".") for f in out)]
+    alt = lambda names: "|".join(map(re.escape, names))
+    keep = f"(?!(?:{alt(inside)})(?:\\.|$))" if inside else ""
+    return f"{keep}(?:{alt(out)})(?:\\..*)?"
+
+# %% ../nbs/27_vision.ipynb #adc719fa
+def set_trainable(model, cfg):
+    """`model` with what trains set: the run's LoRA adapters, none on a frozen part; or, fully fine-tuned, the frozen
+    parts' parameters frozen."""
+    from ilab_nb import lora as L
+    if cfg.lora is None:
+        freeze(model, cfg)
+        return model
+    return L.add_adapters(model, cfg, frozen_modules(vision_parts(model), frozen_parts(cfg)))
 
 # %% ../nbs/27_vision.ipynb #3abe0f00
 def with_images(record) -> list[dict]:
