@@ -15,7 +15,8 @@ __all__ = ['IMAGE_INPUTS', 'PARTS', 'has_images', 'load_processor', 'vision_part
            'frozen_modules', 'set_trainable', 'with_images', 'tokenize_vision', 'VisionSFT']
 
 # %% ../nbs/27_vision.ipynb #994f254f
-IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")   # what a forward may take
+IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",    # what a forward may take
+                "token_type_ids", "mm_token_type_ids")
 
 def has_images(records) -> bool:
     "Whether any record has an image."
@@ -164,9 +165,15 @@ def build(self:VisionSFT, records: list, tokenizer, cache_dir=None) -> tuple:
 @patch
 def batch(self:VisionSFT, ds, indices: list, layout: str, pad_id: int) -> dict:
     "The model inputs of the micro-batch of rows `indices`: padded tokens and the pixels of their images."
+    import torch
     from ilab_nb import batching as B
     rows = [ds[i] for i in indices]
     out = B.collate(rows, layout, pad_id)
     images = [D.open_image(ref) for r in rows for ref in r["images"]]
-    if images: out.update(self.processor.image_processor(images=images, return_tensors="pt"))
+    if not images: return out
+    out.update(self.processor.image_processor(images=images, return_tensors="pt"))
+    p = self.processor
+    if getattr(p, "return_mm_token_type_ids", False):        # which tokens are an image's (Gemma 3's, Qwen-VL's)
+        name = next(n for n in ("mm_token_type_ids", "token_type_ids") if n in p.model_input_names)
+        out[name] = torch.tensor(p.create_mm_token_type_ids(out["input_ids"].tolist()))
     return out

@@ -13,7 +13,8 @@ from .demo import MODEL_SHAPE, build_tokenizer, shipped_data_dir
 
 # %% auto #0
 __all__ = ['COLOURS', 'FIGURES', 'IMAGE_SIZE', 'PATCH_SIZE', 'QUESTION', 'IMAGE_TOKEN', 'VISION_TEMPLATE', 'VISION_SHAPE',
-           'VISION_VERSION', 'draw', 'write_vqa', 'vision_processor', 'vision_model', 'VisionAssets', 'vision_assets']
+           'VISION_FAMILIES', 'VISION_VERSION', 'draw', 'write_vqa', 'vision_template', 'vision_processor',
+           'vision_model', 'vision_family_model', 'VisionAssets', 'vision_assets']
 
 # %% ../nbs/45_vision_demo.ipynb #5d4e2072
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0),
@@ -51,14 +52,19 @@ def write_vqa(folder: Path, split: str, n: int, seed: int) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
-# %% ../nbs/45_vision_demo.ipynb #79912b1b
+# %% ../nbs/45_vision_demo.ipynb #b07729d2
 IMAGE_TOKEN = "<image>"
-_CONTENT = ("{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-            "{% if p['type'] == 'image' %}" + IMAGE_TOKEN + "{% else %}{{ p['text'] }}{% endif %}"
-            "{% endfor %}{% endif %}")
-VISION_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
-                   "{% generation %}" + _CONTENT + "<|end|>{% endgeneration %}{% else %}" + _CONTENT +
-                   "<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+def vision_template(placeholder: str) -> str:
+    "The demo's chat template, an image part written as `placeholder` (what the family's processor expands)."
+    content = ("{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+               "{% if p['type'] == 'image' %}" + placeholder + "{% else %}{{ p['text'] }}{% endif %}"
+               "{% endfor %}{% endif %}")
+    return ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+            "{% generation %}" + content + "<|end|>{% endgeneration %}{% else %}" + content +
+            "<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+VISION_TEMPLATE = vision_template(IMAGE_TOKEN)
 
 def vision_processor():
     "The demo tokenizer with `<image>`, this template, and a 32 x 32 CLIP image processor, as a `LlavaProcessor`."
@@ -91,6 +97,66 @@ def vision_model(processor, seed: int = 0):
         model = LlavaForConditionalGeneration(config)
     model.generation_config = GenerationConfig(**ids, do_sample=False, max_new_tokens=8)
     return model
+
+# %% ../nbs/45_vision_demo.ipynb #4522fd1d
+def _named_tokenizer(named: dict):
+    "The demo tokenizer with special tokens that a processor reads by name (`tok.boi_token`, ...): `{name: token}`."
+    import tempfile
+    from transformers import AutoTokenizer
+    with tempfile.TemporaryDirectory() as d:
+        build_tokenizer(shipped_data_dir() / "train.jsonl").save_pretrained(d)
+        return AutoTokenizer.from_pretrained(d, extra_special_tokens=named)
+
+def _idefics3():
+    from transformers import Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor
+    tok = build_tokenizer(shipped_data_dir() / "train.jsonl")
+    tok.add_special_tokens({"additional_special_tokens": ["<global-img>"]})
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE_SIZE},
+                                       max_image_size={"longest_edge": IMAGE_SIZE})
+    p = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                          chat_template=vision_template("<image>"))
+    ids = _ids(p.tokenizer)
+    return p, Idefics3Config(vision_config=dict(**VISION_SHAPE, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE // 2),
+                             text_config=dict(model_type="llama", vocab_size=len(p.tokenizer), **MODEL_SHAPE, **ids),
+                             scale_factor=2, image_token_id=p.image_token_id, tie_word_embeddings=True, **ids)
+
+def _gemma3():
+    from transformers import Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor
+    tok = _named_tokenizer(dict(boi_token="<start_of_image>", eoi_token="<end_of_image>",
+                                image_token="<image_soft_token>"))
+    p = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+                        tokenizer=tok, chat_template=vision_template(tok.boi_token), image_seq_length=4)
+    ids = _ids(tok)
+    return p, Gemma3Config(vision_config=dict(**VISION_SHAPE, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE // 2,
+                                              vision_use_head=False),
+                           text_config=dict(vocab_size=len(tok), **MODEL_SHAPE, head_dim=32, sliding_window=64, **ids),
+                           mm_tokens_per_image=4, image_token_index=tok.image_token_id,
+                           boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id, tie_word_embeddings=True,
+                           **ids)
+
+def _ids(tok) -> dict:
+    return dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+VISION_FAMILIES = {"llava": None, "idefics3": _idefics3, "gemma3": _gemma3}    # transformers' model type -> its maker
+
+def vision_family_model(model_type: str, path, seed: int = 0) -> Path:
+    "A tiny random vision-language `model_type` model (one of `VISION_FAMILIES`) and its processor, saved to `path`."
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+    if model_type not in VISION_FAMILIES:
+        raise ValueError(f"vision_family_model: {model_type!r} is not one of {', '.join(VISION_FAMILIES)}")
+    if model_type == "llava":
+        processor = vision_processor()
+        model = vision_model(processor, seed)
+    else:
+        processor, config = VISION_FAMILIES[model_type]()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config = GenerationConfig(**_ids(processor.tokenizer), do_sample=False, max_new_tokens=8)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return Path(path)
 
 # %% ../nbs/45_vision_demo.ipynb #4cb06917
 VISION_VERSION = 5      # bump when anything above changes, so built folders are built again

@@ -94,14 +94,15 @@ def load_data(cfg: TrainConfig, tokenizer, method: Method, cache: Path, records:
 # %% ../nbs/34_worker.ipynb #f646eb9c
 def model_inputs(model, batch: dict, env: DistEnv) -> dict:
     """The forward's keyword arguments for a collated micro-batch, on the device (a packed row: with its sequence
-    bounds)."""
+    bounds; images: their inputs, and the positions left to the model, which Qwen-VL's are not 0, 1, ...)."""
     dev = env.device
-    kw = dict(input_ids=batch["input_ids"].to(dev), position_ids=batch["position_ids"].to(dev), use_cache=False)
+    images = {k: batch[k].to(dev) for k in IMAGE_INPUTS if batch.get(k) is not None}
+    kw = dict(input_ids=batch["input_ids"].to(dev), use_cache=False, **images)
+    if not images: kw["position_ids"] = batch["position_ids"].to(dev)
     if batch.get("attention_mask") is not None: kw["attention_mask"] = batch["attention_mask"].to(dev)
     elif unwrap(model).config._attn_implementation == B.PACKED_ATTENTION:
         cu, longest = B.packed_seq_info(batch["position_ids"])
         kw.update(cu_seq_lens_q=cu.to(dev), cu_seq_lens_k=cu.to(dev), max_length_q=longest, max_length_k=longest)
-    kw.update({k: batch[k].to(dev) for k in IMAGE_INPUTS if batch.get(k) is not None})      # a row's images' pixels
     return kw
 
 # %% ../nbs/34_worker.ipynb #db3bef49

@@ -216,6 +216,16 @@ def runs_env(root: Path) -> dict:
     return {"ILAB_NB_RUNS": str(root / "runs"), "ILAB_NB_LOCKS": str(root / "locks"), "ILAB_NB_CPU_SLOTS": "2"}
 
 
+def train_here(s) -> str:
+    "Make `s`'s run directory as `start()` does, without its supervisor, and train it here as rank 0 of 1: the outcome."
+    from ilab_nb import worker
+    from ilab_nb.rundir import RunPaths
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(s, "_spawn", lambda *a, **k: None)
+        s.start()
+    return worker.run(RunPaths(s.run_dir))
+
+
 @pytest.fixture
 def runs_root(tmp_path, monkeypatch):
     "A fresh runs root (and device-lock directory, and 2 CPU slots); every process of its runs is killed afterwards."

@@ -23,7 +23,7 @@ from ilab_nb.demo import FAMILIES, family_model
 from ilab_nb.lora import load_adapted
 from ilab_nb.rundir import RunPaths, State
 
-from conftest import REPO, kill_processes_under, runs_env, within, max_abs_diff
+from conftest import REPO, kill_processes_under, runs_env, train_here, within, max_abs_diff
 
 pytestmark = pytest.mark.processes
 
@@ -39,15 +39,6 @@ def train_losses(s) -> dict:
 
 def header(s) -> dict:
     return s.metrics(kinds=("header",))[0]
-
-
-def train_here(s) -> str:
-    "Make `s`'s run directory as `start()` does, without its supervisor, and train it here as rank 0 of 1: the outcome."
-    from ilab_nb import worker
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(s, "_spawn", lambda *a, **k: None)
-        s.start()
-    return worker.run(RunPaths(s.run_dir))
 
 
 @pytest.fixture(scope="module")

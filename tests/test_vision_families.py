@@ -1,0 +1,90 @@
+"""Every vision-language family of `ilab_nb.vision_demo.VISION_FAMILIES` (LLaVA, Idefics3, Gemma 3): a tiny random
+model of each, trained on the colour questions full (every part, the tower and projector unfrozen) and with LoRA
+adapters (the defaults: the tower and projector frozen, so adapted nowhere). Each run's losses are finite and fall,
+LoRA's step 1 is the base's loss, final/ loads with transformers' Auto classes with no missing or unexpected key and
+differs from the base where it trained and nowhere else, and LoRA's merged final/ gives the logits of peft's adapters
+on the base, images included.
+
+As for the text families (test_families), the runs are made by `FineTuneSession` and trained by the worker's own
+`run()` in this process, as rank 0 of 1 (FSDP, one unit per block of the tower and of the language model); the
+launched, 2-rank path of a vision model is test_vision's."""
+import math
+
+import pytest
+import torch
+
+from ilab_nb import FineTuneSession
+from ilab_nb.data import load_records
+from ilab_nb.lora import load_adapted
+from ilab_nb.rundir import RunPaths
+from ilab_nb.vision import part_of, vision_parts, with_images
+from ilab_nb.vision_demo import VISION_FAMILIES, vision_assets, vision_family_model
+
+from conftest import runs_env, train_here, within, max_abs_diff
+
+pytestmark = pytest.mark.processes
+
+FIELDS = dict(num_processes=1, strategy="fsdp", device="cpu", max_seq_len=64, max_tokens_per_batch=512,
+              logging_steps=1, learning_rate=3e-3, seed=1, eval_steps=None, save_steps=None)
+MODES = {"full": dict(max_steps=6, freeze_vision_tower=False, freeze_multi_modal_projector=False),
+         "lora": dict(max_steps=4, lora=dict(r=4))}
+
+
+def train_losses(s) -> list:
+    return [r["loss"] for r in s.metrics() if r.get("kind") == "train"]
+
+
+@pytest.fixture(scope="module")
+def vision_families(tmp_path_factory):
+    "`{(family, mode): (session, outcome)}`: every vision family's full and LoRA run, each trained in this process."
+    root, va = tmp_path_factory.mktemp("vision_families"), vision_assets()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in runs_env(root).items(): mp.setenv(k, v)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): mp.delenv(k, raising=False)
+        runs = {}
+        for f in VISION_FAMILIES:
+            model = vision_family_model(f, root / "models" / f)
+            for mode, kw in MODES.items():
+                s = FineTuneSession(model=str(model), data=str(va.train_file), **FIELDS, **kw)
+                runs[f, mode] = s, train_here(s)
+    return runs
+
+
+def _inputs(model_dir) -> dict:
+    "A held-out question with its image and answer, as the family's own processor gives it to the model."
+    from transformers import AutoProcessor
+    r = load_records(str(vision_assets().eval_file))[0]
+    return dict(AutoProcessor.from_pretrained(model_dir).apply_chat_template(
+        with_images(r), tokenize=True, return_dict=True, return_tensors="pt"))
+
+
+def _logits(model, inputs):
+    with torch.no_grad(): return model.eval()(**inputs).logits
+
+
+@pytest.mark.parametrize("family", list(VISION_FAMILIES))
+def test_vision_family_trains_full_and_lora(vision_families, family):
+    from transformers import AutoModelForImageTextToText as Auto
+    (full, done_full), (lora, done_lora) = vision_families[family, "full"], vision_families[family, "lora"]
+    for mode, s, done in (("full", full, done_full), ("lora", lora, done_lora)):
+        assert done == "completed" and RunPaths(s.run_dir).final.is_dir(), (family, mode, done)
+        losses = train_losses(s)
+        assert len(losses) == MODES[mode]["max_steps"] and all(math.isfinite(x) for x in losses), losses
+        assert losses[-1] < losses[0] - 0.01, (family, mode, losses)
+    assert abs(train_losses(lora)[0] - train_losses(full)[0]) <= 1e-5 * train_losses(full)[0]   # adapters start at 0
+
+    base_dir = full.config.model
+    base, inputs = Auto.from_pretrained(base_dir), _inputs(base_dir)
+    was, parts = base.state_dict(), vision_parts(base)
+    for s, trained in ((full, {"vision_tower", "multi_modal_projector", "language_model"}), (lora, {"language_model"})):
+        final = RunPaths(s.run_dir).final
+        model, info = Auto.from_pretrained(final, output_loading_info=True)
+        assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+        now = model.state_dict()
+        assert {part_of(k, parts) for k in was if not torch.equal(was[k], now[k])} == trained, (family, s.config.lora)
+        got = _logits(model, inputs)
+        assert torch.isfinite(got).all() and (got - _logits(base, inputs)).abs().max() > 1e-4
+    adapted = load_adapted(RunPaths(lora.run_dir).final / "adapter", base_model=base_dir)
+    within(f"{family}: LoRA final/ (merged) logits vs peft's adapters on the base, with an image",
+           max_abs_diff(_logits(adapted, inputs), _logits(Auto.from_pretrained(RunPaths(lora.run_dir).final), inputs)),
+           1e-4, "below 1e-6 for the three families")
