@@ -5,7 +5,7 @@
 # %% ../nbs/04_config_fields.ipynb #4243bfd8
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -117,8 +117,9 @@ class _MemoryFields(_FieldGroup):
 # %% ../nbs/04_config_fields.ipynb #df82e102
 class _ExperimentFields(_FieldGroup):
     "Sample answers while training, the evaluation after it, and the trackers the metrics also go to."
-    eval_prompts: list[str | list[dict[str, str]]] | None = Field(None, min_length=1, description=(
-        "Prompts answered greedily at each evaluation (plain user strings or lists of chat messages), written as "
+    eval_prompts: list[str | list[dict[str, Any]]] | None = Field(None, min_length=1, description=(
+        "Prompts answered greedily at each evaluation (plain user strings or lists of chat messages, whose content "
+        "may be TRL's parts, an image part naming its file: {'type': 'image', 'image': 'cat.png'}), written as "
         "`samples` records."))
     eval_max_new_tokens: int = Field(32, ge=1, description=(
         "Longest answer, in new tokens, generated for each of eval_prompts."))
@@ -160,7 +161,22 @@ def _check_eval_prompts(prompts):
             raise ValueError(f"prompt {i} must be a string or a list of {{'role': system|user|assistant, 'content': "
                              f"...}} messages")
         if roles[-1] != "user": raise ValueError(f"prompt {i} must end with a user message (the model answers it)")
+        for m in p:
+            if not isinstance(m["content"], str): m["content"] = [_prompt_part(i, x) for x in m["content"]]
     return prompts
+
+def _prompt_part(i: int, part) -> dict:
+    "A content part of eval prompt `i`, checked: text, or an image's file path (made absolute)."
+    from pathlib import Path
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str): return part
+    if kind == "image" and isinstance(im := part.get("image"), (str, Path)):
+        return {**part, "image": str(Path(im).expanduser().absolute())}
+    if kind == "image":
+        raise ValueError(f"prompt {i}: an image part needs the image's file path, {{'type': 'image', 'image': "
+                         f"'cat.png'}} (config.json holds the prompts; save an image held in memory to a file first)")
+    raise ValueError(f"prompt {i}: a content part must be {{'type': 'text', 'text': ...}} or {{'type': 'image', "
+                     f"'image': path}}, not {part!r:.60}")
 
 # %% ../nbs/04_config_fields.ipynb #437e0338
 def _device_problems(c) -> list:

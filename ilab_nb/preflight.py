@@ -497,13 +497,35 @@ def check_destinations(cfg, runs_root) -> dict:
     return out
 
 # %% ../nbs/60_preflight.ipynb #881eee8d
-def check_eval_prompts(cfg, tok, model_config: dict) -> dict | None:
+def _prompt_images(cfg, i: int, images: list, processor):
+    "The processor that shows prompt `i`'s `images` (each opened here) to the model; a `PreflightError` naming them."
+    from ilab_nb.data import DataError, open_image
+    from ilab_nb.vision import load_processor
+    for im in images:
+        try: open_image(im)
+        except (DataError, OSError, ValueError) as e:
+            raise PreflightError(f"eval_prompts[{i}]: {im}: {e}", "eval_prompts") from None
+    if processor is not None: return processor
+    try: return load_processor(cfg.model, cfg.trust_remote_code)
+    except ValueError as e:
+        raise PreflightError(f"eval_prompts[{i}] has an image, which the model cannot see: {e}",
+                             "eval_prompts") from None
+
+def check_eval_prompts(cfg, tok, model_config: dict, processor=None) -> dict | None:
     """`{prompt_tokens, generation_tokens}` of `cfg.eval_prompts`; a `PreflightError` with the numbers when they do not
-    fit."""
+    fit, or naming an image that does not open or that a text model is asked about."""
+    from ilab_nb.vision import with_images
+    from ilab_nb.worker import _images_of, prompt_messages
     if not cfg.eval_prompts: return None
     lens = []
-    for p in cfg.eval_prompts:             # as the worker's generate_samples formats them
-        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+    for i, p in enumerate(cfg.eval_prompts):             # as the worker's generate_samples formats them
+        msgs = prompt_messages(p)
+        if images := _images_of(msgs):
+            processor = _prompt_images(cfg, i, images, processor)
+            enc = processor.apply_chat_template(with_images({"messages": msgs, "images": images}), tokenize=True,
+                                                return_dict=True, add_generation_prompt=True)
+            lens.append(len(enc["input_ids"][0]))
+            continue
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         lens.append(len(tok(text, add_special_tokens=False)["input_ids"]))
     new, pos = cfg.eval_max_new_tokens, model_config.get("max_position_embeddings") or model_config.get("n_positions")
@@ -728,7 +750,7 @@ def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
     no_template = template_note(tok, records[0]["kind"])
     ensure_chat_template(tok)
     sample = first_sample(records[0], tok, processor)
-    prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"))
+    prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"), processor)
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
     built = check_model_build(cfg, kind)

@@ -563,8 +563,8 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                  patterns={r"eval_rewards/.+/(mean|std)": "float",
                            r"eval_tools/(call|failure)_frequency": "float"}),
     "samples": dict(file="metrics.jsonl",
-                    doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` and the seconds "
-                        "they took",
+                    doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` (a prompt "
+                        "about images: and their `images`, files) and the seconds they took",
                     required=dict(step="int", epoch="float", seconds="float", max_new_tokens="int", samples="list")),
     "completions": dict(file="metrics.jsonl", doc="GRPO, every step: its first `num_completions_to_print` completions "
                                                   "`[{prompt, completion, reward, advantage, rewards: {function: "

@@ -219,33 +219,61 @@ def prompt_messages(prompt) -> list[dict]:
     "The chat messages of an eval prompt (a plain string is one user message)."
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
-# %% ../nbs/34_worker.ipynb #ef166e73
-@torch.no_grad()
-def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autocast=nullcontext) -> list[dict]:
-    "Greedy answers to `prompts`, `[{prompt, answer}]`; every rank must call it with the same prompts."
-    hf, was, side = unwrap(model), unwrap(model).training, tokenizer.padding_side
-    msgs = [prompt_messages(p) for p in prompts]
+# %% ../nbs/34_worker.ipynb #15f7975b
+def _text_of(content) -> str:
+    "A message content's text (TRL's parts: the text parts, joined)."
+    return content if isinstance(content, str) else " ".join(p["text"] for p in content if p.get("type") == "text")
+
+def _images_of(messages) -> list[str]:
+    "The image files of a prompt's messages, in order."
+    return [p["image"] for m in messages if not isinstance(m["content"], str) for p in m["content"]
+            if p.get("type") == "image"]
+
+def _prompt_inputs(msgs, tokenizer, processor) -> dict:
+    "The left-padded batch of the prompts, with their images' inputs when there are images (and a processor)."
+    if processor is not None and any(_images_of(m) for m in msgs):
+        from ilab_nb.vision import with_images
+        convs = [with_images({"messages": m, "images": _images_of(m)}) for m in msgs]
+        return processor.apply_chat_template(convs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                             return_tensors="pt", padding=True)
     texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+@torch.no_grad()
+def generate_samples(model, tokenizer, prompts, max_new_tokens: int, env, autocast=nullcontext,
+                     processor=None) -> list[dict]:
+    """Greedy answers to `prompts`, `[{prompt, answer}]` (and the prompt's `images`: with a vision-language model's
+    `processor`, the model sees them); every rank must call it with the same prompts."""
+    hf, was = unwrap(model), unwrap(model).training
+    toks = {tokenizer} | ({processor.tokenizer} if processor is not None else set())
+    sides = {t: t.padding_side for t in toks}
+    msgs = [prompt_messages(p) for p in prompts]
     hf.eval()
-    tokenizer.padding_side = "left"
+    for t in toks: t.padding_side = "left"
     try:
-        x = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(env.device)
+        x = _prompt_inputs(msgs, tokenizer, processor).to(env.device)
+        if hasattr(L.base_of(hf), "unshard") and any(k in x for k in IMAGE_INPUTS):
+            # FSDP2: generate runs the vision tower outside the root's forward (get_image_features), so the root's own
+            # parameters are gathered first, by a forward through it of one token (kept gathered after it)
+            hf(input_ids=x["input_ids"][:, :1], use_cache=False)
+        x.pop("assistant_masks", None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         with B.generation_attention(hf), autocast():     # packed attention computes no cache and no padded batch
             out = hf.generate(**x, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad,
                               eos_token_id=tokenizer.eos_token_id, synced_gpus=env.world_size > 1)
         answers = tokenizer.batch_decode(out[:, x["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
-        tokenizer.padding_side = side
+        for t, side in sides.items(): t.padding_side = side
         hf.train(was)
         reshard(model)
-    return [dict(prompt=m[-1]["content"], answer=a.strip()) for m, a in zip(msgs, answers)]
+    return [dict(prompt=_text_of(m[-1]["content"]), answer=a.strip(), **({"images": ims} if (ims := _images_of(m))
+                                                                          else {})) for m, a in zip(msgs, answers)]
 
-# %% ../nbs/34_worker.ipynb #7a2b9568
-def write_samples(metrics, model, tokenizer, cfg, env, autocast, step: int, epoch: float):
+# %% ../nbs/34_worker.ipynb #f050b936
+def write_samples(metrics, model, tokenizer, cfg, env, autocast, step: int, epoch: float, processor=None):
     "Answer `cfg.eval_prompts` and write one `samples` record (rank 0) with the seconds it took."
     t0 = time.time()
-    samples = generate_samples(model, tokenizer, cfg.eval_prompts, cfg.eval_max_new_tokens, env, autocast)
+    samples = generate_samples(model, tokenizer, cfg.eval_prompts, cfg.eval_max_new_tokens, env, autocast, processor)
     metrics.write("samples", step=step, epoch=epoch, seconds=time.time() - t0, max_new_tokens=cfg.eval_max_new_tokens,
                   samples=samples)
 
@@ -378,12 +406,22 @@ def lineage(self:Attempt) -> dict:
     if p.fork.exists(): out["forked_from"] = json.loads(p.fork.read_text())
     return out
 
-# %% ../nbs/34_worker.ipynb #56eafcc3
+# %% ../nbs/34_worker.ipynb #71415bd6
+@patch
+def prompt_processor(self:Attempt):
+    """The processor that shows the eval prompts' images to the model: the method's, or the model's own when the data
+    has no images (loaded once); None for prompts without images."""
+    p = getattr(self.method, "processor", None)
+    if p is None and any(_images_of(prompt_messages(x)) for x in self.cfg.eval_prompts or []):
+        p = self.method.processor = load_processor(self.cfg.model, self.cfg.trust_remote_code)
+    return p
+
 @patch
 def evaluate_now(self:Attempt, step: int, epoch: float):
     "Sample answers and evaluate at `step`; returns the eval loss (None without eval data, and for GRPO)."
     if self.cfg.eval_prompts:
-        write_samples(self.metrics, self.model, self.tokenizer, self.cfg, self.env, self.autocast, step, epoch)
+        write_samples(self.metrics, self.model, self.tokenizer, self.cfg, self.env, self.autocast, step, epoch,
+                      self.prompt_processor())
     if self.eval_ds is None: return None
     r = self.evaluate()
     self.metrics.write("eval", step=step, epoch=epoch, **r)

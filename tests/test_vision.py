@@ -5,7 +5,8 @@ outlives what held them). Stopped while it trains and resumed from its checkpoin
 the held-out questions, which the model it started from answers none of, having trained its language model alone
 (the vision tower and the projector frozen: LLaMA-Factory's defaults); its final/ loads with transformers'
 AutoModelForImageTextToText and AutoProcessor, as a downloaded model does, and the session's load_model() gives that
-model with its processor."""
+model with its processor. Asked about three held-out images at each evaluation (eval_prompts with image parts), the
+run's sample answers are the final model's, and its record shows each image's thumbnail beside its question."""
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,13 @@ def answers(model, processor, records) -> list[str]:
     return out
 
 
+def asked(record) -> list[dict]:
+    "A held-out record's question as an eval prompt: the user's turn, its image part naming the file."
+    question = record["messages"][0]["content"][1]["text"]
+    return [{"role": "user", "content": [{"type": "image", "image": record["images"][0]},
+                                         {"type": "text", "text": question}]}]
+
+
 def accuracy(model, processor, records) -> float:
     said = answers(model, processor, records)
     return sum(a == r["messages"][1]["content"][0]["text"] for a, r in zip(said, records)) / len(records)
@@ -51,7 +59,7 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
     s = FineTuneSession(str(va.model_dir), rows, eval_data=str(va.eval_file), runs_root=runs_root, num_processes=2,
                         strategy="fsdp", device="cpu", max_steps=STEPS, learning_rate=LEARNING_RATE,
                         lr_scheduler_type="constant", max_seq_len=64, max_tokens_per_batch=1024, save_steps=25,
-                        eval_steps=None, seed=SEED)
+                        eval_steps=None, seed=SEED, eval_prompts=[asked(r) for r in held[:3]], eval_max_new_tokens=4)
     assert s.preflight["data"]["train"]["samples"] == len(rows)
     s.start()
     saved = Path(s.run_dir) / "data"
@@ -78,6 +86,13 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
     model, processor = s.load_model()                          # the session's own: the model and its processor
     assert type(processor).__name__ == "LlavaProcessor"
     assert answers(model, processor, held[:8]) == answers(*trained, held[:8])
+    # the sample answers, generated in the run (2 ranks, one left-padded batch), are the final model's, beside each image
+    samples = s.metrics(kinds=("samples",))
+    assert (samples[0]["step"], samples[-1]["step"]) == (0, STEPS)        # at each evaluation (each epoch's end)
+    assert [x["images"] for x in samples[-1]["samples"]] == [r["images"] for r in held[:3]]
+    assert [x["answer"] for x in samples[-1]["samples"]] == answers(*trained, held[:3])
+    s.report()
+    assert (Path(s.run_dir) / "report.html").read_text().count("image-rendering:pixelated") == 3   # their thumbnails
     print(f"held-out accuracy ({len(held)} questions, {len(COLOURS)} colours): {before:.1%} before, {after:.1%} after "
           f"{STEPS} steps on 2 ranks (stopped at step {stopped}, resumed)")
     assert before <= 1 / len(COLOURS) and after >= 0.9, (before, after)
