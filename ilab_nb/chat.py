@@ -5,6 +5,7 @@
 # %% ../nbs/42_chat.ipynb #4fa92655
 from __future__ import annotations
 import html, re, sys, threading, time
+from pathlib import Path
 
 import ipywidgets as W
 import torch
@@ -12,8 +13,8 @@ import torch
 from .core import html_join, html_of, patch
 
 # %% auto #0
-__all__ = ['ContextFull', 'model_positions', 'fit_new_tokens', 'stream_reply', 'Chat', 'transcript_html', 'ChatBox',
-           'terminal_chat']
+__all__ = ['ContextFull', 'model_positions', 'fit_new_tokens', 'sees_images', 'stream_reply', 'Chat', 'transcript_html',
+           'ChatBox', 'terminal_chat']
 
 # %% ../nbs/42_chat.ipynb #639811ad
 def _stop_on(event: threading.Event):
@@ -53,16 +54,32 @@ def fit_new_tokens(prompt_tokens: int, max_new_tokens: int, positions: int | Non
                   f"model has {positions} positions")
 
 # %% ../nbs/42_chat.ipynb #80eb5d62
+def sees_images(tokenizer) -> bool:
+    "Whether the chat's `tokenizer` is a vision-language model's processor (`load_model` gives one for such a model)."
+    return getattr(tokenizer, "image_processor", None) is not None
+
+def _chat_inputs(tokenizer, messages: list[dict]) -> dict:
+    "The model inputs of `messages` (a processor's: with the pixels of their image parts, each a path or PIL image)."
+    if not sees_images(tokenizer):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    from ilab_nb.data import open_image
+    opened = [{**m, "content": m["content"] if isinstance(m["content"], str) else
+               [{**p, "image": open_image(str(p["image"]) if isinstance(p["image"], Path) else p["image"])}
+                if p.get("type") == "image" else p for p in m["content"]]} for m in messages]
+    return tokenizer.apply_chat_template(opened, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
 def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                  stop: threading.Event | None = None, notes: list | None = None):
     """Yield the assistant's answer to `messages` piece by piece (greedy when `temperature` is 0); `notes` gets what was
     cut."""
     from transformers import TextIteratorStreamer
     stop = stop or threading.Event()
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    x = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    x = _chat_inputs(tokenizer, messages).to(model.device)
     max_new_tokens, note = fit_new_tokens(x["input_ids"].shape[1], max_new_tokens, model_positions(model))
     if note is not None and notes is not None: notes.append(note)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)               # a processor's
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs, failed = _generation_kwargs(tokenizer, max_new_tokens, temperature, stop), []
     def work():
@@ -90,12 +107,16 @@ class Chat:
 
 # %% ../nbs/42_chat.ipynb #52e65923
 @patch
-def ask(self:Chat, text: str):
-    "Yield the answer to `text` piece by piece; the turn is added to `messages` when the answer ends."
+def ask(self:Chat, text: str, image=None):
+    """Yield the answer to `text` piece by piece, asked about `image` (a file's path or a PIL image) if given; the turn
+    is added to `messages` when the answer ends."""
+    if image is not None and not sees_images(self.tokenizer):
+        raise ValueError("this model does not see images (its folder has no processor that reads them): ask in text")
     self.stop_event.clear()
     self.notes = []
-    msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages + [{"role": "user",
-            "content": text}]
+    turn = {"role": "user", "content": text if image is None else [{"type": "image", "image": image},
+                                                                   {"type": "text", "text": text}]}
+    msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages + [turn]
     answer, refused = "", False
     try:
         for piece in stream_reply(self.model, self.tokenizer, msgs, self.max_new_tokens, self.temperature,
@@ -107,7 +128,7 @@ def ask(self:Chat, text: str):
         raise
     finally:
         if not refused:
-            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.strip()}]
+            self.messages += [turn, {"role": "assistant", "content": answer.strip()}]
 
 # %% ../nbs/42_chat.ipynb #3f834225
 @patch
@@ -120,12 +141,24 @@ def reset(self:Chat): self.messages = []
 # %% ../nbs/42_chat.ipynb #852c96cd
 _BUBBLE = {"user": "background:#e8f0fe;margin-left:60px", "assistant": "background:#f1f3f4;margin-right:60px"}
 
+def _content_html(content):
+    "A message's content as HTML: its text, and a thumbnail of each image part."
+    from ilab_nb.samples import thumbnail_html
+    if isinstance(content, str): return content
+    return html_join(thumbnail_html(p["image"]) + html_of("<br>") if p.get("type") == "image" else p.get("text", "")
+                     for p in content)
+
+def _content_text(content) -> str:
+    "A message's content as plain text (an image part as `[image]`)."
+    return content if isinstance(content, str) else " ".join("[image]" if p.get("type") == "image" else p.get("text", "")
+                                                             for p in content)
+
 def transcript_html(messages: list[dict], pending: str | None = None) -> str:
-    "The conversation as HTML bubbles (`pending`: the answer being streamed)."
+    "The conversation as HTML bubbles, images as thumbnails (`pending`: the answer being streamed)."
     msgs = list(messages) + ([{"role": "assistant", "content": pending + " ▌"}] if pending is not None else [])
     return html_join(html_of("<div class='ilab-chat-{r}' style='{b};padding:6px 10px;border-radius:8px;margin:4px 0;"
                              "white-space:pre-wrap'>{c}</div>", r=m["role"], b=_BUBBLE.get(m["role"], ""),
-                             c=m["content"]) for m in msgs)
+                             c=_content_html(m["content"])) for m in msgs)
 
 # %% ../nbs/42_chat.ipynb #7834509c
 def _buttons() -> tuple:
@@ -142,7 +175,8 @@ def _sliders(max_new_tokens: int, temperature: float) -> tuple:
 
 # %% ../nbs/42_chat.ipynb #03a4e81e
 class ChatBox(W.VBox):
-    "An ipywidgets chat with a model: transcript, input, Send / Stop / Clear, max new tokens and temperature."
+    """An ipywidgets chat with a model: transcript, input, Send / Stop / Clear, max new tokens and temperature; for a
+    model that sees images, an image upload that goes with the next message."""
     def __init__(self, model, tokenizer, title: str = "", system: str | None = None, max_new_tokens: int = 128,
                  temperature: float = 0.0):
         super().__init__(layout=W.Layout(width="100%", max_width="800px"))
@@ -160,17 +194,20 @@ class ChatBox(W.VBox):
         self.input.observe(lambda ch: self.send() if ch["new"] else None, names="value")
         self.stop_button.on_click(lambda _: self.chat.stop())
         self.clear_button.on_click(lambda _: self.clear())
+        self.image = (W.FileUpload(accept="image/*", multiple=False, description="Image").add_class("ilab-chat-image")
+                      if sees_images(tokenizer) else None)
         self.children = (self.title, self.transcript, W.HBox([self.input, self.send_button, self.stop_button,
-                                                              self.clear_button]),
+                                                              self.clear_button] + ([self.image] if self.image else [])),
                          W.HBox([self.max_new_tokens, self.temperature]), self.status)
 
 # %% ../nbs/42_chat.ipynb #c75c694a
 @patch
-def _answer(self:ChatBox, text: str):
+def _answer(self:ChatBox, text: str, image=None):
     t0, answer, status = time.time(), "", ""
-    before = list(self.chat.messages) + [{"role": "user", "content": text}]
+    before = list(self.chat.messages) + [{"role": "user", "content": text if image is None else
+                                          [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
     try:
-        for piece in self.chat.ask(text):
+        for piece in self.chat.ask(text, image):
             answer += piece
             self.transcript.value = transcript_html(before, answer)
         ended = "stopped" if self.chat.stop_event.is_set() else "done"
@@ -203,16 +240,28 @@ def wait(self:ChatBox, timeout: float = 60) -> bool:
 
 # %% ../nbs/42_chat.ipynb #36eb98c2
 @patch
-def send(self:ChatBox, text: str | None = None):
-    "Ask `text` (default: the input box's text) and stream the answer into the transcript."
+def _uploaded(self:ChatBox):
+    "The image uploaded for the next message (a PIL image), taken from the upload widget; None without one."
+    if self.image is None or not self.image.value: return None
+    import io
+    from PIL import Image
+    f = self.image.value[0]
+    self.image.value = ()
+    return Image.open(io.BytesIO(bytes(f["content"]))).convert("RGB")
+
+@patch
+def send(self:ChatBox, text: str | None = None, image=None):
+    """Ask `text` (default: the input box's text), about `image` (a file's path or a PIL image; default: the one
+    uploaded), and stream the answer into the transcript."""
     text = (text if text is not None else self.input.value).strip()
     if not text or self.busy.is_set(): return
+    image = image if image is not None else self._uploaded()
     self.busy.set()
     self.error = None
     self.input.value = ""
     self.send_button.disabled, self.stop_button.disabled = True, False
     self.chat.max_new_tokens, self.chat.temperature = self.max_new_tokens.value, self.temperature.value
-    threading.Thread(target=self._answer, args=(text,), daemon=True, name="ilab-chat").start()
+    threading.Thread(target=self._answer, args=(text, image), daemon=True, name="ilab-chat").start()
 
 # %% ../nbs/42_chat.ipynb #2e5bac03
 @patch(cls_method=True)
@@ -229,7 +278,7 @@ def from_session(cls:ChatBox, session, checkpoint=None, trust_owner: bool = Fals
 def record_bundle(self:ChatBox) -> dict:
     "The conversation as a MIME bundle with no widget view: HTML bubbles under the title, and text."
     body = transcript_html(self.chat.messages) or html_of("<i>(no message yet)</i>")
-    text = "\n".join(f"{m['role']}> {m['content']}" for m in self.chat.messages)
+    text = "\n".join(f"{m['role']}> {_content_text(m['content'])}" for m in self.chat.messages)
     from markupsafe import Markup
     # the title: made by html_of
     return {"text/html": html_of("<div class='ilab-chat-record' style='max-width:800px'>{}{}</div>",
@@ -249,11 +298,11 @@ def snapshot(self:ChatBox) -> dict:
     return live.finalize() if live is not None else self.record_bundle()
 
 # %% ../nbs/42_chat.ipynb #9941fc82
-def _reply(chat, text: str, out):
+def _reply(chat, text: str, out, image=None):
     out.write("model> ")
     out.flush()
     try:
-        for piece in chat.ask(text):
+        for piece in chat.ask(text, image) if image is not None else chat.ask(text):
             out.write(piece)
             out.flush()
         for n in chat.notes: out.write(f" [{n}]")
@@ -267,9 +316,10 @@ def _reply(chat, text: str, out):
 # %% ../nbs/42_chat.ipynb #139a794c
 def terminal_chat(model, tokenizer, max_new_tokens: int = 128, temperature: float = 0.0, system: str | None = None,
                   inp=None, out=None) -> int:
-    "A chat loop on a terminal (or any text streams): one message per line, answers streamed."
+    """A chat loop on a terminal (or any text streams): one message per line, answers streamed; `/image PATH` (a model
+    that sees images) asks the next message about that image file."""
     inp, out = inp or sys.stdin, out or sys.stdout
-    chat = Chat(model, tokenizer, system, max_new_tokens, temperature)
+    chat, image = Chat(model, tokenizer, system, max_new_tokens, temperature), None
     interactive = hasattr(inp, "isatty") and inp.isatty()
     while True:
         if interactive:
@@ -284,4 +334,16 @@ def terminal_chat(model, tokenizer, max_new_tokens: int = 128, temperature: floa
             chat.reset()
             out.write("(conversation reset)\n")
             continue
-        _reply(chat, text, out)
+        if text.startswith("/image"):
+            image = _image_command(text, sees_images(tokenizer), out)
+            continue
+        _reply(chat, text, out, image)
+        image = None
+
+def _image_command(text: str, sees: bool, out) -> str | None:
+    "The image file `/image PATH` names, said on `out`; None (and why) when the model cannot see it or it is missing."
+    path = Path(text.removeprefix("/image").strip()).expanduser()
+    why = ("this model does not see images" if not sees else "usage: /image PATH" if not str(path) or path == Path(".")
+           else f"no file {path}" if not path.is_file() else None)
+    out.write(f"({why})\n" if why else f"(the next message is about {path.name})\n")
+    return None if why else str(path)

@@ -25,24 +25,31 @@ def latest_samples(records) -> tuple:
     return (found[0] if found else None), (found[1] if len(found) > 1 else None)
 
 # %% ../nbs/37_samples.ipynb #d942dced
-@functools.lru_cache(maxsize=256)
-def thumbnail_html(path: str, size: int = 64):
-    "An `<img>` of the image file at `path`, at most `size` pixels a side, or a note that it cannot be read."
+def _thumbnail(im, size: int, title: str):
     import base64, io
-    from PIL import Image
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            im.thumbnail((size, size))
-    except (OSError, ValueError):
-        return html_of("<span style='color:#5f6368'>(image {} unreadable)</span>", Path(path).name)
+    im = im.convert("RGB")
+    im.thumbnail((size, size))
     buf = io.BytesIO()
     im.save(buf, "PNG")
     w, h = im.size
     scale = size / max(w, h)
     return html_of("<img src='data:image/png;base64,{}' width='{}' height='{}' title='{}' "
                    "style='image-rendering:pixelated;margin:0 4px 2px 0'>", base64.b64encode(buf.getvalue()).decode(),
-                   round(w * scale), round(h * scale), Path(path).name)
+                   round(w * scale), round(h * scale), title)
+
+@functools.lru_cache(maxsize=256)
+def _file_thumbnail(path: str, size: int):
+    from PIL import Image
+    try:
+        with Image.open(path) as im: return _thumbnail(im, size, Path(path).name)
+    except (OSError, ValueError):
+        return html_of("<span style='color:#5f6368'>(image {} unreadable)</span>", Path(path).name)
+
+def thumbnail_html(image, size: int = 64):
+    """An `<img>` of `image` (a file's path, or a PIL image), at most `size` pixels a side, or a note that the file
+    cannot be read."""
+    if isinstance(image, (str, Path)): return _file_thumbnail(str(image), size)
+    return _thumbnail(image.copy(), size, "")
 
 # %% ../nbs/37_samples.ipynb #44673e21
 _TD = "style='padding:3px 8px;vertical-align:top;white-space:pre-wrap;text-align:left'"

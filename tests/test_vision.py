@@ -6,7 +6,8 @@ the held-out questions, which the model it started from answers none of, having 
 (the vision tower and the projector frozen: LLaMA-Factory's defaults); its final/ loads with transformers'
 AutoModelForImageTextToText and AutoProcessor, as a downloaded model does, and the session's load_model() gives that
 model with its processor. Asked about three held-out images at each evaluation (eval_prompts with image parts), the
-run's sample answers are the final model's, and its record shows each image's thumbnail beside its question."""
+run's sample answers are the final model's, and its record shows each image's thumbnail beside its question; the
+session's chat, given an image with a question, answers as the final model does."""
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,10 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
     assert (samples[0]["step"], samples[-1]["step"]) == (0, STEPS)        # at each evaluation (each epoch's end)
     assert [x["images"] for x in samples[-1]["samples"]] == [r["images"] for r in held[:3]]
     assert [x["answer"] for x in samples[-1]["samples"]] == answers(*trained, held[:3])
+    box = s.chat(max_new_tokens=4)                                    # the chat takes an image with a message
+    box.send(held[0]["messages"][0]["content"][1]["text"], image=held[0]["images"][0])
+    assert box.wait(60) and box.error is None, box.error
+    assert box.chat.messages[-1]["content"] == answers(*trained, held[:1])[0]
     s.report()
     assert (Path(s.run_dir) / "report.html").read_text().count("image-rendering:pixelated") == 3   # their thumbnails
     print(f"held-out accuracy ({len(held)} questions, {len(COLOURS)} colours): {before:.1%} before, {after:.1%} after "
