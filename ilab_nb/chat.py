@@ -150,8 +150,8 @@ def _content_html(content):
 
 def _content_text(content) -> str:
     "A message's content as plain text (an image part as `[image]`)."
-    return content if isinstance(content, str) else " ".join("[image]" if p.get("type") == "image" else p.get("text", "")
-                                                             for p in content)
+    if isinstance(content, str): return content
+    return " ".join("[image]" if p.get("type") == "image" else p.get("text", "") for p in content)
 
 def transcript_html(messages: list[dict], pending: str | None = None) -> str:
     "The conversation as HTML bubbles, images as thumbnails (`pending`: the answer being streamed)."
@@ -194,11 +194,11 @@ class ChatBox(W.VBox):
         self.input.observe(lambda ch: self.send() if ch["new"] else None, names="value")
         self.stop_button.on_click(lambda _: self.chat.stop())
         self.clear_button.on_click(lambda _: self.clear())
-        self.image = (W.FileUpload(accept="image/*", multiple=False, description="Image").add_class("ilab-chat-image")
-                      if sees_images(tokenizer) else None)
-        self.children = (self.title, self.transcript, W.HBox([self.input, self.send_button, self.stop_button,
-                                                              self.clear_button] + ([self.image] if self.image else [])),
-                         W.HBox([self.max_new_tokens, self.temperature]), self.status)
+        upload = W.FileUpload(accept="image/*", multiple=False, description="Image") if sees_images(tokenizer) else None
+        self.image = upload.add_class("ilab-chat-image") if upload is not None else None
+        row = [self.input, self.send_button, self.stop_button, self.clear_button] + ([self.image] if self.image else [])
+        self.children = (self.title, self.transcript, W.HBox(row), W.HBox([self.max_new_tokens, self.temperature]),
+                         self.status)
 
 # %% ../nbs/42_chat.ipynb #c75c694a
 @patch
