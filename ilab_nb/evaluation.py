@@ -17,7 +17,7 @@ __all__ = ['OWN_TASKS', 'HELDOUT_METRICS', 'heldout_records', 'turn_end', 'heldo
            'write_preference_task', 'EvalError', 'lm_eval_tasks', 'check_tasks', 'task_datasets',
            'dataset_offline_problem', 'check_task_data', 'heldout_changed', 'check_heldout_unchanged',
            'write_own_tasks', 'eval_spec', 'load_for_eval', 'evaluate_task', 'task_scores', 'run_evaluation', 'main',
-           'check_limit', 'check_model', 'hold_checkpoint', 'start_evaluation']
+           'check_limit', 'vision_problem', 'check_model', 'hold_checkpoint', 'start_evaluation']
 
 # %% ../nbs/53_evaluation.ipynb #88966d24
 OWN_TASKS = {"heldout": ("chat", "prompt"), "heldout_preference": ("preference",)}   # task -> the records' kinds it
@@ -416,7 +416,7 @@ def main(argv=None):
 
 if __name__ == "__main__" and "IPython" not in sys.modules: main()
 
-# %% ../nbs/53_evaluation.ipynb #56103d34
+# %% ../nbs/53_evaluation.ipynb #4a030349
 def check_limit(limit):
     "`limit` as lm-eval takes it: None, a number of documents (>= 1), or a fraction of them (0 < limit < 1)."
     ok = limit is None or (not isinstance(limit, bool) and isinstance(limit, (int, float))
@@ -426,6 +426,19 @@ def check_limit(limit):
                         "of them (0 < limit < 1); leave it out to evaluate every document")
     return int(limit) if limit is not None and limit >= 1 else limit
 
+def vision_problem(model) -> str | None:
+    """Why the model at `model` (a folder) is not evaluated: a vision-language model, which lm-eval's text model type
+    cannot give images; None for a text model (or one whose config is not there to read)."""
+    from transformers import AutoConfig
+    from ilab_nb.core import is_vision_model
+    try: c = AutoConfig.from_pretrained(str(model))
+    except (OSError, ValueError): return None
+    if not is_vision_model(c): return None
+    return (f"{type(c).__name__.removesuffix('Config')} is a vision-language model: the evaluation runs lm-eval's text "
+            f"model type ('hf'), which would score it without its images, so it is not run; to watch its answers "
+            f"about held-out images, give the run eval_prompts with image parts (their answers at each evaluation, "
+            f"beside the images)")
+
 def check_model(session, checkpoint, base_model=None, trust_owner: bool = False):
     """The trained model's folder, as every loader takes it (61_session: gated, its own code refused or named), refused
     before launch if it is incomplete or its adapters' base moved (say `base_model=`)."""
@@ -434,6 +447,7 @@ def check_model(session, checkpoint, base_model=None, trust_owner: bool = False)
         checkpoint = int(checkpoint)
     try: tuned = session._model_to_load(checkpoint, base_model, trust_owner, "evaluate it", "in the evaluation process")
     except FileNotFoundError as e: raise EvalError(f"evaluate: {e}") from None
+    if why := vision_problem(session.config.model): raise EvalError(f"evaluate: {why}")
     if why := model_files_problem(tuned, base_model):
         raise EvalError(f"evaluate: {why.replace('load_model(', 'evaluate(')}")
     if base_model and not Path(base_model).is_dir():

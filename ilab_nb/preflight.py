@@ -644,8 +644,9 @@ def check_vocab(tok, rows: int, model_dir, data_top: int):
 # %% ../nbs/60_preflight.ipynb #13d712dd
 def check_eval_tasks(cfg, records, evals) -> list[str]:
     "`cfg.eval_tasks`, each runnable on what the run holds out; a `PreflightError` naming the one that is not."
-    from ilab_nb.evaluation import EvalError, check_tasks
+    from ilab_nb.evaluation import EvalError, check_tasks, vision_problem
     from ilab_nb.data import split_records
+    if why := vision_problem(cfg.model): raise PreflightError(f"eval_tasks: {why}", "eval_tasks")
     held = evals or (split_records(records, cfg.eval_split, cfg.seed)[1] if cfg.eval_split > 0 else [])
     try: return check_tasks(cfg.eval_tasks, held)
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None
