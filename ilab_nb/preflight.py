@@ -127,16 +127,9 @@ def _reads_images(cfg) -> bool:
 
 # %% ../nbs/60_preflight.ipynb #fa008ed0
 def check_processor(cfg, records: list):
-    """The model's processor when `records` have images (a `PreflightError` when it cannot read them, or when rows
-    without images would train under FSDP on several processes), else None."""
+    "The model's processor when `records` have images (a `PreflightError` when it cannot read them), else None."
     from ilab_nb.vision import has_images, load_processor
     if not has_images(records): return None
-    plain = next((r for r in records if not r.get("images")), None)
-    if plain is not None and cfg.strategy == "fsdp" and (cfg.num_processes > 1 or cfg.num_machines > 1):
-        raise PreflightError(f"{plain['source']} has no image, among rows with images: under strategy='fsdp' on "
-                             f"several processes, a micro-batch without an image would skip the vision tower, whose "
-                             f"shards every other rank gathers; give every row an image, or train with strategy='ddp' "
-                             f"or one process", "strategy")
     try: return load_processor(cfg.model, cfg.trust_remote_code)
     except ValueError as e: raise PreflightError(str(e)) from None
 

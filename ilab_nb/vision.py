@@ -161,14 +161,36 @@ def build(self:VisionSFT, records: list, tokenizer, cache_dir=None) -> tuple:
     stats["note"] = D.length_note(stats, getattr(self.processor.tokenizer, "model_max_length", None))
     return ds, stats
 
-# %% ../nbs/27_vision.ipynb #2dbed9e9
+# %% ../nbs/27_vision.ipynb #ae3d4ea4
+@patch(as_prop=True)
+def sharded_tower(self:VisionSFT) -> bool:
+    "Whether the vision tower is sharded over several processes (FSDP), so that every micro-batch must run it."
+    c = self.cfg
+    return c.strategy == "fsdp" and (c.num_processes > 1 or c.num_machines > 1)
+
+@patch
+def placeholder(self:VisionSFT) -> dict:
+    "A row that runs the vision tower and bears no loss: a blank image and a word, tokenized by the processor (once)."
+    if getattr(self, "_placeholder", None) is None:
+        from PIL import Image
+        blank = Image.new("RGB", (64, 64), (128, 128, 128))
+        asked = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "."}]}
+        t = tokenize_vision({"messages": [asked, {"role": "assistant", "content": "."}], "images": [blank]},
+                            self.processor)
+        self._placeholder = dict(input_ids=t["input_ids"], labels=[-100] * len(t["input_ids"]), images=[blank])
+    return self._placeholder
+
+# %% ../nbs/27_vision.ipynb #1ce18071
 @patch
 def batch(self:VisionSFT, ds, indices: list, layout: str, pad_id: int) -> dict:
     "The model inputs of the micro-batch of rows `indices`: padded tokens and the pixels of their images."
     import torch
     from ilab_nb import batching as B
     rows = [ds[i] for i in indices]
+    if self.sharded_tower and not any(r["images"] for r in rows): rows.append(self.placeholder())
     out = B.collate(rows, layout, pad_id)
+    if rows[-1] is getattr(self, "_placeholder", None):
+        out["num_real_tokens"] -= len(rows[-1]["input_ids"])           # the data's tokens, as the plan counts them
     images = [D.open_image(ref) for r in rows for ref in r["images"]]
     if not images: return out
     out.update(self.processor.image_processor(images=images, return_tensors="pt"))
