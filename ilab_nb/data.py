@@ -307,7 +307,9 @@ def _messages_of(v, key: str, role: str) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise _Bad(f"'{key}' message {i} must be an object with a role (system, user or assistant) and content")
         c = m.get("content")
-        if not isinstance(c, str) or not c.strip():
+        if key == "prompt" and isinstance(c, list):         # a prompt's content may be parts: its images' places
+            c = _parts(c, f"'{key}' message {i} ({m['role']})")
+        elif not isinstance(c, str) or not c.strip():
             raise _Bad(f"'{key}' message {i} ({m['role']}) has empty or no content")
         out.append({"role": m["role"], "content": c})
     return out
@@ -369,9 +371,14 @@ def _row_record(obj: Any, method: str | None = None) -> dict:
         elif obj.get("text") is not None and not any(obj.get(k) is not None
                                                      for k in ("messages", "conversations", "instruction")):
             rec = _text_record(obj)
-        if rec is not None and images:
-            raise _Bad(f"has images, but ilab_nb trains on images in chat conversations only, not in "
-                       f"{KIND_PLURALS[rec['kind']]}")
+        if rec is not None and images and rec["kind"] != "preference":
+            raise _Bad(f"has images, but ilab_nb trains on images in chat conversations and preference pairs only, "
+                       f"not in {KIND_PLURALS[rec['kind']]}")
+        if rec is not None and rec["kind"] == "preference" and (images or any(not isinstance(m["content"], str)
+                                                                                for m in rec["prompt"])):
+            # a pair's images are its prompt's (TRL's), the answers text
+            rec["prompt"], placed = _vision_messages(rec["prompt"], images)
+            if placed: rec["images"] = placed
         if rec is not None: return rec
     messages, images = _vision_messages(_chat_messages(obj), images)
     return {"kind": "chat", "messages": messages, **({"images": images} if images else {})}

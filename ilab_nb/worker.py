@@ -30,7 +30,7 @@ from .methods import Method
 from .text import TextSFT
 from .dpo import DPO
 from .grpo import GRPO                   # 31_grpo
-from .vision import IMAGE_INPUTS, VisionSFT, has_images, load_processor
+from .vision import IMAGE_INPUTS, VisionDPO, VisionSFT, has_images, load_processor
 # 28_placement
 from .placement import (DistEnv, init_distributed, group_timeout, machines_in_effect, checkpointing_in_effect,
                                unwrap, local_param_count, setup_model, make_optimizer, make_scheduler)
@@ -64,13 +64,13 @@ def redirect_output(log_path):
 # %% ../nbs/34_worker.ipynb #666ed8c8
 def training_method(cfg: TrainConfig, kind: str, processor=None) -> Method:
     """The method that trains `cfg.method` on records of `kind` (chat, text, preference or prompt), or an error saying
-    what fits; with the model's `processor` (chat rows with images), `VisionSFT`."""
+    what fits; with the model's `processor` (rows with images), `VisionSFT` or `VisionDPO`."""
     D.check_method(cfg.method, kind)
-    if processor is not None: return VisionSFT(cfg, processor)
+    if processor is not None: return (VisionDPO if cfg.method == "dpo" else VisionSFT)(cfg, processor)
     return next(m for m in (Method, TextSFT, DPO, GRPO) if m.name == cfg.method and kind in m.kinds)(cfg)
 
 def method_for(cfg: TrainConfig, records: list) -> Method:
-    "The method that trains `cfg` on `records`: with images, `VisionSFT` with the model's processor."
+    "The method that trains `cfg` on `records`: with images, `VisionSFT` or `VisionDPO` with the model's processor."
     processor = load_processor(cfg.model, cfg.trust_remote_code) if has_images(records) else None
     return training_method(cfg, records[0]["kind"], processor)
 
