@@ -25,11 +25,11 @@ from .config import InMemoryData, data_sources
 from .core import patch
 
 # %% auto #0
-__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'KIND_NAMES', 'KIND_PLURALS', 'SHAREGPT_ROLES', 'SHAPES', 'MEDIA_REFUSED', 'DATA_SUFFIXES',
-           'METHOD_KINDS', 'DEFAULT_CHAT_TEMPLATE', 'write_chat_jsonl', 'DataError', 'open_image', 'load_records',
-           'check_method', 'load_chat_records', 'ensure_chat_template', 'template_note', 'render_chat', 'tokenize_chat',
-           'source_error', 'length_note', 'build_dataset', 'split_records', 'records_sha256', 'write_records_jsonl',
-           'load_tokenizer']
+__all__ = ['MAX_DATA_ERRORS', 'ROLES', 'KIND_NAMES', 'KIND_PLURALS', 'SHAREGPT_ROLES', 'SHAPES', 'MEDIA_REFUSED',
+           'IMAGE_SUFFIXES', 'DATA_SUFFIXES', 'METHOD_KINDS', 'DEFAULT_CHAT_TEMPLATE', 'write_chat_jsonl', 'DataError',
+           'open_image', 'load_records', 'check_method', 'load_chat_records', 'ensure_chat_template', 'template_note',
+           'render_chat', 'tokenize_chat', 'source_error', 'length_note', 'build_dataset', 'split_records',
+           'records_sha256', 'write_records_jsonl', 'load_tokenizer']
 
 # %% ../nbs/20_data.ipynb #7df1773c
 MAX_DATA_ERRORS = 5
@@ -223,10 +223,18 @@ def _chat_messages(obj: Any) -> list[dict]:
     return out
 
 # %% ../nbs/20_data.ipynb #977f898b
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
 def _row_images(obj: dict) -> list | None:
-    "The images of a row (`images`, a list, or `image`, one); None when it has neither column."
+    """The images of a row (`images`, a list, or `image`, one, or the `file_name` of an image, as a folder's
+    `metadata.jsonl` names it for datasets' ImageFolder); None when it has none of these columns."""
     if k := next((k for k in MEDIA_REFUSED if obj.get(k) is not None), None):
         raise _Bad(f"has a {k!r} column: {_NO_MEDIA}")
+    f = obj.get("file_name")
+    if isinstance(f, str) and f.lower().endswith(IMAGE_SUFFIXES):
+        if obj.get("images") is not None or obj.get("image") is not None:
+            raise _Bad("has both 'file_name' (an image) and 'images' or 'image'; give its images in one of them")
+        return [f]
     if obj.get("images") is not None and obj.get("image") is not None:
         raise _Bad("has both 'images' and 'image'; give a list of images in 'images', or one image in 'image'")
     if obj.get("image") is not None: return [obj["image"]]
