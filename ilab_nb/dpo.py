@@ -110,11 +110,12 @@ def tokens(self:DPO, ds) -> tuple:
 
 # %% ../nbs/24_dpo.ipynb #4a553f16
 @patch
-def batch(self:DPO, ds, indices: list, layout: str, pad_id: int) -> dict:
-    "The model inputs of the pairs `indices`: chosen sides, then rejected, in the layout."
+def batch(self:DPO, ds, indices: list, layout: str, pad_id: int, extra: list = ()) -> dict:
+    """The model inputs of the pairs `indices`: chosen sides, then rejected, in the layout (then the `extra` rows, which
+    bear no loss: a vision model's placeholder, 27_vision)."""
     pairs = [ds[i] for i in indices]
     seqs = [dict(input_ids=p[f"{s}_input_ids"], labels=p[f"{s}_labels"]) for s in ("chosen", "rejected") for p in pairs]
-    b = B.collate(seqs, layout, pad_id)
+    b = B.collate(seqs + list(extra), layout, pad_id)
     b["seq"] = B.sequence_of_tokens(b["position_ids"], layout == "packed")
     b["pair_index"] = torch.tensor([p["index"] for p in pairs])
     b["answer_tokens"] = torch.tensor([p["ans_c"] for p in pairs] + [p["ans_r"] for p in pairs], dtype=torch.float64)

@@ -13,7 +13,8 @@ from . import data as D
 
 # %% auto #0
 __all__ = ['IMAGE_INPUTS', 'PARTS', 'has_images', 'load_processor', 'vision_parts', 'part_of', 'frozen_parts', 'freeze',
-           'frozen_modules', 'set_trainable', 'with_images', 'tokenize_vision', 'VisionSFT', 'with_pixels', 'VisionDPO']
+           'frozen_modules', 'set_trainable', 'with_images', 'tokenize_vision', 'VisionSFT', 'sharded_tower',
+           'placeholder', 'with_pixels', 'VisionDPO']
 
 # %% ../nbs/27_vision.ipynb #994f254f
 IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",    # what a forward may take
@@ -163,23 +164,21 @@ def build(self:VisionSFT, records: list, tokenizer, cache_dir=None) -> tuple:
     return ds, stats
 
 # %% ../nbs/27_vision.ipynb #ae3d4ea4
-@patch(as_prop=True)
-def sharded_tower(self:VisionSFT) -> bool:
-    "Whether the vision tower is sharded over several processes (FSDP), so that every micro-batch must run it."
-    c = self.cfg
-    return c.strategy == "fsdp" and (c.num_processes > 1 or c.num_machines > 1)
+def sharded_tower(cfg) -> bool:
+    "Whether the run shards the vision tower over several processes (FSDP), so that every micro-batch must run it."
+    return cfg.strategy == "fsdp" and (cfg.num_processes > 1 or cfg.num_machines > 1)
 
-@patch
-def placeholder(self:VisionSFT) -> dict:
-    "A row that runs the vision tower and bears no loss: a blank image and a word, tokenized by the processor (once)."
-    if getattr(self, "_placeholder", None) is None:
+def placeholder(method) -> dict:
+    """A row that runs the vision tower and bears no loss: a blank image and a word, tokenized by `method`'s processor
+    (once per method)."""
+    if getattr(method, "_placeholder", None) is None:
         from PIL import Image
         blank = Image.new("RGB", (64, 64), (128, 128, 128))
         asked = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "."}]}
         t = tokenize_vision({"messages": [asked, {"role": "assistant", "content": "."}], "images": [blank]},
-                            self.processor)
-        self._placeholder = dict(input_ids=t["input_ids"], labels=[-100] * len(t["input_ids"]), images=[blank])
-    return self._placeholder
+                            method.processor)
+        method._placeholder = dict(input_ids=t["input_ids"], labels=[-100] * len(t["input_ids"]), images=[blank])
+    return method._placeholder
 
 # %% ../nbs/27_vision.ipynb #7c21d41a
 @patch
@@ -188,11 +187,15 @@ def batch(self:VisionSFT, ds, indices: list, layout: str, pad_id: int) -> dict:
     import torch
     from ilab_nb import batching as B
     rows = [ds[i] for i in indices]
-    if self.sharded_tower and not any(r["images"] for r in rows): rows.append(self.placeholder())
-    out = B.collate(rows, layout, pad_id)
-    if rows[-1] is getattr(self, "_placeholder", None):
-        out["num_real_tokens"] -= len(rows[-1]["input_ids"])           # the data's tokens, as the plan counts them
+    extra = [placeholder(self)] if sharded_tower(self.cfg) and not any(r["images"] for r in rows) else []
+    out = _less_extra(B.collate(rows + extra, layout, pad_id), extra)
+    rows += extra
     return with_pixels(self.processor, out, [ref for r in rows for ref in r["images"]])
+
+def _less_extra(out: dict, extra: list) -> dict:
+    "A collated micro-batch whose `num_real_tokens` counts the data's tokens only (as the plan does), not `extra`'s."
+    out["num_real_tokens"] -= sum(len(r["input_ids"]) for r in extra)
+    return out
 
 def with_pixels(processor, out: dict, refs: list) -> dict:
     """A collated micro-batch `out` with the image processor's inputs for the images `refs` (in the order of their
@@ -232,10 +235,6 @@ def build(self:VisionDPO, records: list, tokenizer, cache_dir=None) -> tuple:
     cap, policy = self.cfg.max_seq_len, self.cfg.long_sequence_policy
     rows, counts = [], dict(too_long=0, truncated=0, no_loss=0)
     for r in records:
-        if VisionSFT.sharded_tower.fget(self) and not r.get("images"):
-            raise D.source_error("has no image, among pairs with images: under strategy='fsdp' on several processes "
-                                 "every pair needs one (each rank runs the sharded vision tower at every step); "
-                                 "give it an image, or train with strategy='ddp' or one process", r.get("source"))
         try: c, j = self._side(r, "chosen"), self._side(r, "rejected")
         except ValueError as e: raise D.source_error(str(e), r.get("source")) from None
         if max(len(c["input_ids"]), len(j["input_ids"])) > cap:
@@ -268,7 +267,9 @@ def build(self:VisionDPO, records: list, tokenizer, cache_dir=None) -> tuple:
 
 @patch
 def batch(self:VisionDPO, ds, indices: list, layout: str, pad_id: int) -> dict:
-    "The pairs `indices` as text DPO batches them (chosen sides, then rejected), with their images' pixels twice."
-    out = DPO.batch(self, ds, indices, layout, pad_id)
+    """The pairs `indices` as text DPO batches them (chosen sides, then rejected), with their images' pixels twice (a
+    placeholder row where the tower is sharded and no pair has an image)."""
     refs = [ref for i in indices for ref in ds[i]["images"]]
-    return with_pixels(self.processor, out, refs + refs)
+    extra = [placeholder(self)] if sharded_tower(self.cfg) and not refs else []
+    out = _less_extra(DPO.batch(self, ds, indices, layout, pad_id, extra), extra)
+    return with_pixels(self.processor, out, refs + refs + [im for r in extra for im in r["images"]])
