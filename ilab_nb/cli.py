@@ -342,7 +342,8 @@ def _add_demo_chat(sub):
     c.add_argument("--path", help="where to build the demo assets (default: a cache directory)")
     c.add_argument("--eval-limit", type=count_arg, help="evaluate accuracy on at most this many held-out questions")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="config fields to override")
-    c = _command(sub, "chat", "chat with a run's model in the terminal (one message per line; /reset, /quit)")
+    c = _command(sub, "chat", "chat with a run's model in the terminal (one message per line; /reset, /quit; "
+                              "/image PATH: the next message is about that image)")
     c.add_argument("--checkpoint", type=checkpoint_arg,
                    help="a checkpoint step, 'latest', or a model directory (default: the final model)")
     c.add_argument("--max-new-tokens", type=count_arg, default=128)
