@@ -338,14 +338,17 @@ def _same_episodes_as(s, f, timeout):
 
 def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
     """`ilab-nb run` of a YAML config naming the environment as 'module:Class' (its get_reward the only reward): the
-    held-out greedy episodes start without the tool (reward 0, no call) and end calling it (the vault opened)."""
+    held-out greedy episodes start without the tool (reward 0, no call) and end calling it (the vault opened).
+    Measured on an AMD EPYC here, at a constant learning rate: the held-out reward is 0 after steps 1 and 2 and 1.0 from
+    step 3 on (seeds 0, 1 and 2 alike). With the default linear decay to 0 at step 3 (the test as first written, which
+    passed on the machine it was written on) it stayed 0 here: step 4 at a constant rate leaves a step of margin."""
     import yaml
     from ilab_nb import FineTuneSession
     from conftest import cli_env, ilab, kill_processes_under, runs_env
     cfg = {**AGENT_RUN, "model": str(agent.model_dir), "data": str(agent.train_file), "eval_data": str(agent.eval_file),
            "environment_factory": "ilab_nb.agent_demo:AgentVault", "num_generations": 8,
-           "per_device_train_batch_size": 8, "max_steps": 3, "eval_steps": 3, "save_steps": None, "seed": 0,
-           "max_completion_length": 32, "tool_timeout": 10}
+           "per_device_train_batch_size": 8, "max_steps": 4, "eval_steps": 4, "save_steps": None, "seed": 0,
+           "max_completion_length": 32, "tool_timeout": 10, "lr_scheduler_type": "constant"}
     (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
     env = cli_env(**runs_env(tmp_path))
     try:
@@ -356,9 +359,9 @@ def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
         assert s.wait(timeout=600) == "completed", s.reason
     finally: kill_processes_under(tmp_path / "runs")
     ev = {r["step"]: r for r in _records(s.run_dir, "eval")}
-    assert sorted(ev) == [0, 3]
+    assert sorted(ev) == [0, 4]
     assert ev[0]["eval_rewards/AgentVault/mean"] == 0 and ev[0]["eval_tools/call_frequency"] == 0
-    assert ev[3]["eval_rewards/AgentVault/mean"] >= 0.75 and ev[3]["eval_tools/call_frequency"] >= 0.75, ev[3]
+    assert ev[4]["eval_rewards/AgentVault/mean"] >= 0.75 and ev[4]["eval_tools/call_frequency"] >= 0.75, ev[4]
     assert all(math.isfinite(r["tools/call_frequency"]) for r in _records(s.run_dir, "train"))
 
 
