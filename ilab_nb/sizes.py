@@ -30,7 +30,7 @@ def tensor_sizes(model_dir) -> dict:
     "`{name: number of elements}` of every tensor in the model's safetensors files, read from their headers only."
     return {k: math.prod(s) for k, s in tensor_shapes(model_dir).items()}
 
-# %% ../nbs/59_sizes.ipynb #fc893caa
+# %% ../nbs/59_sizes.ipynb #77b2501f
 def count_params(model_dir) -> dict:
     """Parameters in the model's safetensors files, read from their headers only: total, largest block, and outside the
     blocks."""
@@ -43,7 +43,7 @@ def count_params_of(shapes: dict) -> dict:
     blocks, root = {}, 0
     for k, n in sizes.items():
         m = re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", k)
-        if m: blocks[m.group(1)] = blocks.get(m.group(1), 0) + n
+        if m: blocks[k[:m.end()]] = blocks.get(k[:m.end()], 0) + n     # a block is its name: a vision tower's apart
         else: root += n
     return dict(total=sum(sizes.values()), block=max(blocks.values(), default=0), root=root)
 
