@@ -16,8 +16,8 @@ from .evaluations import Evaluation
 __all__ = ['OWN_TASKS', 'HELDOUT_METRICS', 'heldout_records', 'turn_end', 'heldout_docs', 'write_heldout_task', 'preference_docs',
            'write_preference_task', 'EvalError', 'lm_eval_tasks', 'check_tasks', 'task_datasets',
            'dataset_offline_problem', 'check_task_data', 'heldout_changed', 'check_heldout_unchanged',
-           'write_own_tasks', 'eval_spec', 'load_for_eval', 'evaluate_task', 'task_scores', 'run_evaluation', 'main',
-           'check_limit', 'vision_problem', 'check_model', 'hold_checkpoint', 'start_evaluation']
+           'write_own_tasks', 'eval_spec', 'load_for_eval', 'vision_processor', 'eval_lm', 'evaluate_task',
+           'task_scores', 'run_evaluation', 'main', 'check_limit', 'check_model', 'hold_checkpoint', 'start_evaluation']
 
 # %% ../nbs/53_evaluation.ipynb #88966d24
 OWN_TASKS = {"heldout": ("chat", "prompt"), "heldout_preference": ("preference",)}   # task -> the records' kinds it
@@ -30,7 +30,7 @@ def heldout_records(cfg) -> list:
     if cfg.eval_split > 0: return D.split_records(D.load_records(cfg.data), cfg.eval_split, cfg.seed)[1]
     return []
 
-# %% ../nbs/53_evaluation.ipynb #d58239b2
+# %% ../nbs/53_evaluation.ipynb #9150f40e
 def turn_end(tok) -> str:
     "The text the chat template closes an assistant turn with (its end-of-turn token), else the tokenizer's EOS."
     mark = "\u2063ANSWER\u2063"
@@ -38,9 +38,18 @@ def turn_end(tok) -> str:
                                    tokenize=False)
     return (text.split(mark, 1)[1].strip() if mark in text else "") or tok.eos_token
 
-def heldout_docs(records, tok) -> list[dict]:
+def _without_bos(prompt: str, tok) -> str:
+    "`prompt` less the BOS its template wrote, where the tokenizer adds one itself (as the processor's call does)."
+    bos = tok.bos_token
+    adds = bos is not None and tok("x")["input_ids"][:1] == [tok.bos_token_id]
+    return prompt[len(bos):] if adds and prompt.startswith(bos) else prompt
+
+def heldout_docs(records, tok, processor=None) -> list[dict]:
     """One `{prompt, target}` per assistant turn of the chat `records`: the turns before it through the chat template;
-    or per prompt record (GRPO's) with an `answer` column: the prompt as the run samples from it, and that answer."""
+    or per prompt record (GRPO's) with an `answer` column: the prompt as the run samples from it, and that answer.
+    With a vision-language model's `processor`, the template is the processor's and each document lists the image
+    files its prompt shows (`images`)."""
+    from ilab_nb.vision import text_of
     docs = []
     for r in records:
         if r["kind"] == "prompt":
@@ -50,12 +59,18 @@ def heldout_docs(records, tok) -> list[dict]:
             continue
         m = r["messages"]
         for k, turn in enumerate(m):
-            if turn["role"] == "assistant" and k:
-                docs.append(dict(prompt=tok.apply_chat_template(m[:k], tokenize=False, add_generation_prompt=True),
-                                 target=turn["content"]))
+            if turn["role"] != "assistant" or not k: continue
+            prompt = (processor or tok).apply_chat_template(m[:k], tokenize=False, add_generation_prompt=True)
+            if processor is None:
+                docs.append(dict(prompt=prompt, target=turn["content"]))
+                continue
+            shown = sum(p.get("type") == "image" for x in m[:k] if not isinstance(x["content"], str)
+                        for p in x["content"])
+            docs.append(dict(prompt=_without_bos(prompt, processor.tokenizer), target=text_of(turn["content"]),
+                             images=[str(i) for i in (r.get("images") or [])[:shown]]))
     return docs
 
-# %% ../nbs/53_evaluation.ipynb #5043bbf1
+# %% ../nbs/53_evaluation.ipynb #1ad401a8
 HELDOUT_METRICS = '''\
 """The metrics of the `heldout` task (written by ilab_nb): the answer against the reference turn."""
 import string
@@ -67,9 +82,13 @@ def process_results(doc, results):
     answer, target = results[0].strip(), doc["target"].strip()
     return {"exact_match": float(answer == target), \
 "normalised_match": float(_normalised(answer) == _normalised(target))}
+
+def doc_to_image(doc):
+    from ilab_nb.data import open_image
+    return [open_image(p) for p in doc.get("images") or []]
 '''
 
-# %% ../nbs/53_evaluation.ipynb #620e0b9f
+# %% ../nbs/53_evaluation.ipynb #0114a34e
 def _jsonl(path: Path, docs: list):
     path.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
 
@@ -79,6 +98,7 @@ def write_heldout_task(task_dir, docs: list, stop: str, max_gen_toks: int) -> Pa
     d.mkdir(parents=True, exist_ok=True)
     _jsonl(d / "heldout.jsonl", docs)
     (d / "heldout_metrics.py").write_text(HELDOUT_METRICS)
+    images = "doc_to_image: !function heldout_metrics.doc_to_image\n" if any("images" in x for x in docs) else ""
     (d / "heldout.yaml").write_text(f"""task: heldout
 dataset_path: json
 dataset_kwargs:
@@ -88,7 +108,7 @@ test_split: test
 output_type: generate_until
 doc_to_text: "{{{{prompt}}}}"
 doc_to_target: "{{{{target}}}}"
-target_delimiter: ""
+{images}target_delimiter: ""
 generation_kwargs:
   until: [{json.dumps(stop)}]
   do_sample: false
@@ -138,7 +158,7 @@ metric_list:
 """)
     return d / "heldout_preference.yaml"
 
-# %% ../nbs/53_evaluation.ipynb #91252293
+# %% ../nbs/53_evaluation.ipynb #0532e74d
 class EvalError(ValueError):
     "An evaluation that cannot be run as asked (a task, a model, the run's data)."
 
@@ -161,6 +181,9 @@ def check_tasks(tasks, held: list) -> list[str]:
                                                                            "eval_split)")
             raise EvalError(f"task {t!r} is made from the run's held-out {' or '.join(OWN_TASKS[t])} records, but "
                             f"{has}")
+        if t == "heldout_preference" and any(r.get("images") for r in held):
+            raise EvalError("task 'heldout_preference' compares the answers' log-likelihoods, which lm-eval's "
+                            "hf-multimodal model type does not compute beside images; evaluate 'heldout' instead")
         if t == "heldout" and kind == "prompt" and not any(isinstance(r.get("columns", {}).get("answer"), str)
                                                           for r in held):
             raise EvalError("task 'heldout' scores the greedy answer to each held-out prompt against its 'answer' "
@@ -261,12 +284,13 @@ def _check_heldout_times(session, srcs):
                         f"may not be what the run held out; put the file back as it was, or evaluate lm-eval tasks "
                         f"only")
 
-# %% ../nbs/53_evaluation.ipynb #9ec37941
-def write_own_tasks(task_dir, tasks: list, held: list, tok, max_gen_toks: int | None = None) -> list[Path]:
-    "Write the YAML (and data) of the run's own tasks among `tasks` into `task_dir`."
+# %% ../nbs/53_evaluation.ipynb #a5f6932a
+def write_own_tasks(task_dir, tasks: list, held: list, tok, max_gen_toks: int | None = None,
+                    processor=None) -> list[Path]:
+    "Write the YAML (and data) of the run's own tasks among `tasks` into `task_dir` (a vision model: its `processor`)."
     out = []
     if "heldout" in tasks:
-        docs = heldout_docs(held, tok)
+        docs = heldout_docs(held, tok, processor)
         longest = max((len(tok(d["target"], add_special_tokens=False)["input_ids"]) for d in docs), default=1)
         out.append(write_heldout_task(task_dir, docs, turn_end(tok), max_gen_toks or longest + 8))
     if "heldout_preference" in tasks: out.append(write_preference_task(task_dir, preference_docs(held, tok)))
@@ -308,6 +332,24 @@ def load_for_eval(path: str, spec: dict):
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trc)
     return (model.to("cuda") if spec.get("device") == "cuda" else model), tok
 
+# %% ../nbs/53_evaluation.ipynb #1d63d27d
+def vision_processor(model, trust_remote_code: bool = False):
+    "The processor of the model folder `model` when it is a vision-language model, else None."
+    from transformers import AutoConfig
+    from ilab_nb.core import is_vision_model
+    from ilab_nb.vision import load_processor
+    if not is_vision_model(AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)): return None
+    return load_processor(model, trust_remote_code)
+
+def eval_lm(model, tok, batch_size: int):
+    "lm-eval's model object for `model`: its `hf` model type, or `hf-multimodal` for a vision-language model."
+    from ilab_nb.core import is_vision_model
+    if is_vision_model(model.config):
+        from lm_eval.models.hf_vlms import HFMultimodalLM
+        return HFMultimodalLM(pretrained=model, batch_size=batch_size)
+    from lm_eval.models.huggingface import HFLM
+    return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
+
 # %% ../nbs/53_evaluation.ipynb #c4021b07
 def _dataset_of(tm, task: str) -> str:
     e = tm.task_index.get(task) if hasattr(tm, "task_index") else None
@@ -348,10 +390,9 @@ def task_scores(result: dict) -> dict:
                                                                else None)
     return out
 
-# %% ../nbs/53_evaluation.ipynb #06338a65
+# %% ../nbs/53_evaluation.ipynb #8b45baa9
 def run_evaluation(p: RunPaths, attempt: int = 1) -> str:
     "Evaluate every model of the evaluation whose directory is `p` on every task; returns `completed` or `stopped`."
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
     from ilab_nb.rankfiles import MetricsWriter
     spec = read_json(p.config)
@@ -361,7 +402,7 @@ def run_evaluation(p: RunPaths, attempt: int = 1) -> str:
     try:
         for m in spec["models"]:
             model, tok = load_for_eval(m["path"], {**spec, "base_model": m.get("base_model")})
-            lm = HFLM(pretrained=model, tokenizer=tok, batch_size=spec.get("batch_size") or 16)
+            lm = eval_lm(model, tok, spec.get("batch_size") or 16)
             for task in spec["tasks"]:
                 if not p.root.is_dir(): raise RunGoneError(f"{p.root}: run directory removed")
                 if p.stop.exists():
@@ -416,7 +457,7 @@ def main(argv=None):
 
 if __name__ == "__main__" and "IPython" not in sys.modules: main()
 
-# %% ../nbs/53_evaluation.ipynb #4a030349
+# %% ../nbs/53_evaluation.ipynb #4356bab3
 def check_limit(limit):
     "`limit` as lm-eval takes it: None, a number of documents (>= 1), or a fraction of them (0 < limit < 1)."
     ok = limit is None or (not isinstance(limit, bool) and isinstance(limit, (int, float))
@@ -426,19 +467,6 @@ def check_limit(limit):
                         "of them (0 < limit < 1); leave it out to evaluate every document")
     return int(limit) if limit is not None and limit >= 1 else limit
 
-def vision_problem(model) -> str | None:
-    """Why the model at `model` (a folder) is not evaluated: a vision-language model, which lm-eval's text model type
-    cannot give images; None for a text model (or one whose config is not there to read)."""
-    from transformers import AutoConfig
-    from ilab_nb.core import is_vision_model
-    try: c = AutoConfig.from_pretrained(str(model))
-    except (OSError, ValueError): return None
-    if not is_vision_model(c): return None
-    return (f"{type(c).__name__.removesuffix('Config')} is a vision-language model: the evaluation runs lm-eval's text "
-            f"model type ('hf'), which would score it without its images, so it is not run; to watch its answers "
-            f"about held-out images, give the run eval_prompts with image parts (their answers at each evaluation, "
-            f"beside the images)")
-
 def check_model(session, checkpoint, base_model=None, trust_owner: bool = False):
     """The trained model's folder, as every loader takes it (61_session: gated, its own code refused or named), refused
     before launch if it is incomplete or its adapters' base moved (say `base_model=`)."""
@@ -447,7 +475,6 @@ def check_model(session, checkpoint, base_model=None, trust_owner: bool = False)
         checkpoint = int(checkpoint)
     try: tuned = session._model_to_load(checkpoint, base_model, trust_owner, "evaluate it", "in the evaluation process")
     except FileNotFoundError as e: raise EvalError(f"evaluate: {e}") from None
-    if why := vision_problem(session.config.model): raise EvalError(f"evaluate: {why}")
     if why := model_files_problem(tuned, base_model):
         raise EvalError(f"evaluate: {why.replace('load_model(', 'evaluate(')}")
     if base_model and not Path(base_model).is_dir():
@@ -485,8 +512,9 @@ def start_evaluation(session, tasks, checkpoint=None, base: bool = True, limit=N
     eid = new_run_id("eval")
     d = store.create_run(eid)
     spec = eval_spec(session, tasks, hold_checkpoint(tuned, Path(d)), checkpoint, base, limit, batch_size, base_model)
-    write_own_tasks(Path(d) / "tasks", tasks, held, AutoTokenizer.from_pretrained(base_model or cfg.model,
-            trust_remote_code=cfg.trust_remote_code))
+    start_dir, trc = base_model or cfg.model, cfg.trust_remote_code
+    write_own_tasks(Path(d) / "tasks", tasks, held, AutoTokenizer.from_pretrained(start_dir, trust_remote_code=trc),
+                    processor=vision_processor(start_dir, trc))
     write_json_atomic(RunPaths(d).config, spec)
     store.write_state(eid, status=State.queued, attempt=1, request=device_request(spec["device"], 1),
                       device=spec["device"], num_processes=1, tasks=tasks)

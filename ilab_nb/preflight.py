@@ -508,12 +508,12 @@ def check_eval_prompts(cfg, tok, model_config: dict, processor=None) -> dict | N
     """`{prompt_tokens, generation_tokens}` of `cfg.eval_prompts`; a `PreflightError` with the numbers when they do not
     fit, or naming an image that does not open or that a text model is asked about."""
     from ilab_nb.vision import with_images
-    from ilab_nb.worker import _images_of, prompt_messages
+    from ilab_nb.vision import images_of, prompt_messages
     if not cfg.eval_prompts: return None
     lens = []
     for i, p in enumerate(cfg.eval_prompts):             # as the worker's generate_samples formats them
         msgs = prompt_messages(p)
-        if images := _images_of(msgs):
+        if images := images_of(msgs):
             processor = _prompt_images(cfg, i, images, processor)
             enc = processor.apply_chat_template(with_images({"messages": msgs, "images": images}), tokenize=True,
                                                 return_dict=True, add_generation_prompt=True)
@@ -637,9 +637,8 @@ def check_vocab(tok, rows: int, model_dir, data_top: int):
 # %% ../nbs/60_preflight.ipynb #13d712dd
 def check_eval_tasks(cfg, records, evals) -> list[str]:
     "`cfg.eval_tasks`, each runnable on what the run holds out; a `PreflightError` naming the one that is not."
-    from ilab_nb.evaluation import EvalError, check_tasks, vision_problem
+    from ilab_nb.evaluation import EvalError, check_tasks
     from ilab_nb.data import split_records
-    if why := vision_problem(cfg.model): raise PreflightError(f"eval_tasks: {why}", "eval_tasks")
     held = evals or (split_records(records, cfg.eval_split, cfg.seed)[1] if cfg.eval_split > 0 else [])
     try: return check_tasks(cfg.eval_tasks, held)
     except EvalError as e: raise PreflightError(f"eval_tasks: {e}") from None

@@ -13,8 +13,8 @@ from . import data as D
 
 # %% auto #0
 __all__ = ['IMAGE_INPUTS', 'PARTS', 'has_images', 'load_processor', 'vision_parts', 'part_of', 'frozen_parts', 'freeze',
-           'frozen_modules', 'set_trainable', 'with_images', 'tokenize_vision', 'VisionSFT', 'sharded_tower',
-           'placeholder', 'with_pixels', 'VisionDPO']
+           'frozen_modules', 'set_trainable', 'with_images', 'tokenize_vision', 'prompt_messages', 'text_of',
+           'images_of', 'VisionSFT', 'sharded_tower', 'placeholder', 'with_pixels', 'VisionDPO']
 
 # %% ../nbs/27_vision.ipynb #994f254f
 IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",    # what a forward may take
@@ -110,6 +110,20 @@ def tokenize_vision(record, processor) -> dict:
     image = getattr(processor, "image_token_id", None)
     return dict(input_ids=ids, labels=[t if m else -100 for t, m in zip(ids, mask)],
                 image_end=max((i + 1 for i, t in enumerate(ids) if t == image), default=0))
+
+# %% ../nbs/27_vision.ipynb #db4becd0
+def prompt_messages(prompt) -> list[dict]:
+    "The chat messages of an eval prompt (a plain string is one user message)."
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+def text_of(content) -> str:
+    "A message content's text (TRL's parts: the text parts, joined)."
+    return content if isinstance(content, str) else " ".join(p["text"] for p in content if p.get("type") == "text")
+
+def images_of(messages) -> list[str]:
+    "The images of a prompt's messages' image parts, in order."
+    return [p["image"] for m in messages if not isinstance(m["content"], str) for p in m["content"]
+            if p.get("type") == "image"]
 
 # %% ../nbs/27_vision.ipynb #e3132f58
 class VisionSFT(Method):

@@ -7,7 +7,8 @@ the held-out questions, which the model it started from answers none of, having 
 AutoModelForImageTextToText and AutoProcessor, as a downloaded model does, and the session's load_model() gives that
 model with its processor. Asked about three held-out images at each evaluation (eval_prompts with image parts), the
 run's sample answers are the final model's, and its record shows each image's thumbnail beside its question; the
-session's chat, given an image with a question, answers as the final model does."""
+session's chat, given an image with a question, answers as the final model does; its evaluate() scores the held-out
+questions with their images (lm-eval's hf-multimodal model type) as the final model answers them."""
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.processes      # a 2-rank run, stopped and resumed
 # same). Training every part instead gave 100%, 98.3% and 93.3%. This test's run, with its 16 rows without an image
 # and the stop: 100% (with 40 such rows: 93.3%).
 STEPS, LEARNING_RATE, SEED, TEXT_ROWS = 150, 3e-3, 7, 16
+EVAL_LIMIT = 20          # held-out questions that evaluate() answers, for the base model and the trained one
 
 
 def answers(model, processor, records) -> list[str]:
@@ -105,3 +107,11 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
     print(f"held-out accuracy ({len(held)} questions, {len(COLOURS)} colours): {before:.1%} before, {after:.1%} after "
           f"{STEPS} steps on 2 ranks (stopped at step {stopped}, resumed)")
     assert before <= 1 / len(COLOURS) and after >= 0.9, (before, after)
+    # evaluate(): the run's own held-out questions with their images, through lm-eval's hf-multimodal model type
+    ev = s.evaluate(["heldout"], limit=EVAL_LIMIT)
+    assert ev.wait(timeout=300) == "completed", ev.reason
+    df = ev.results().set_index("metric")
+    print(f"heldout through lm-eval ({EVAL_LIMIT} questions): base {df.loc['exact_match', 'base']:.1%}, tuned "
+          f"{df.loc['exact_match', 'tuned']:.1%}")
+    assert df.loc["exact_match", "tuned"] == accuracy(*trained, held[:EVAL_LIMIT])      # the same answers, scored alike
+    assert df.loc["exact_match", "base"] == accuracy(*base, held[:EVAL_LIMIT])
