@@ -364,6 +364,20 @@ def _prompt_record(obj: dict) -> dict:
 # %% ../nbs/20_data.ipynb #c0c22f5a
 _ANSWERED = ("messages", "conversations", "instruction", "output", "completion")   # a row with these is not a prompt
 
+def _has_parts(prompt) -> bool:
+    return not isinstance(prompt, str) and any(not isinstance(m["content"], str) for m in prompt)
+
+def _with_prompt_images(rec: dict, obj: dict, images: list | None) -> dict:
+    """A pair or a prompt whose images are its prompt's (TRL's), placed in it (a plain prompt becomes the user's
+    message); a prompt's image columns are its `images`, not columns for the reward functions."""
+    prompt = [{"role": "user", "content": rec["prompt"]}] if isinstance(rec["prompt"], str) else rec["prompt"]
+    rec["prompt"], placed = _vision_messages(prompt, images)
+    if placed: rec["images"] = placed
+    if rec["kind"] == "prompt":
+        own = {"images", "image"} | ({"file_name"} if images and obj.get("file_name") in images else set())
+        rec["columns"] = {k: v for k, v in rec["columns"].items() if k not in own}
+    return rec
+
 def _row_record(obj: Any, method: str | None = None) -> dict:
     """The record of one row of any accepted shape: `{'kind': 'chat' | 'text' | 'preference' | 'prompt', ...}`; for
     `method='grpo'`, a prompt or nothing."""
@@ -379,14 +393,11 @@ def _row_record(obj: Any, method: str | None = None) -> dict:
         elif obj.get("text") is not None and not any(obj.get(k) is not None
                                                      for k in ("messages", "conversations", "instruction")):
             rec = _text_record(obj)
-        if rec is not None and images and rec["kind"] != "preference":
-            raise _Bad(f"has images, but ilab_nb trains on images in chat conversations and preference pairs only, "
-                       f"not in {KIND_PLURALS[rec['kind']]}")
-        if rec is not None and rec["kind"] == "preference" and (images or any(not isinstance(m["content"], str)
-                                                                                for m in rec["prompt"])):
-            # a pair's images are its prompt's (TRL's), the answers text
-            rec["prompt"], placed = _vision_messages(rec["prompt"], images)
-            if placed: rec["images"] = placed
+        if rec is not None and images and rec["kind"] not in ("preference", "prompt"):
+            raise _Bad(f"has images, but ilab_nb trains on images in chat conversations, preference pairs and prompts "
+                       f"only, not in {KIND_PLURALS[rec['kind']]}")
+        if rec is not None and rec["kind"] != "text" and (images or _has_parts(rec["prompt"])):
+            rec = _with_prompt_images(rec, obj, images)
         if rec is not None: return rec
     messages, images = _vision_messages(_chat_messages(obj), images)
     return {"kind": "chat", "messages": messages, **({"images": images} if images else {})}

@@ -23,10 +23,11 @@ from . import batching as B
 from . import data as D
 from . import lora as L
 from . import agents as A
+from .vision import text_of
 from .agents import RewardError, OtherRankRewardError, reward_name, unique_names, call_reward
 
 # %% auto #0
-__all__ = ['reward_blob', 'save_reward', 'save_rewards', 'prompt_text', 'build_prompts', 'GRPO', 'sampler_seed',
+__all__ = ['reward_blob', 'save_reward', 'save_rewards', 'prompt_text', 'prompt_ids', 'build_prompts', 'GRPO', 'sampler_seed',
            'completion_mask', 'whole_fits', 'whole_weights', 'completion_logps', 'model_forward', 'nanstd',
            'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss', 'clip_metrics', 'completion_stats',
            'tool_metrics', 'eval_metrics', 'check_rewards']
@@ -74,18 +75,38 @@ def _too_long_error(bad: list, max_len: int) -> D.DataError:
     problems = [D._problem(msg, *D._split_source(s)) for s in bad[:D.MAX_DATA_ERRORS]]
     return D.DataError.collected(problems, count=len(bad))
 
-def build_prompts(records: list, tokenizer, max_len: int, policy: str = "drop") -> tuple:
-    "`(dataset of prompts, stats)`: each prompt's ids, its JSON and its columns' JSON, its `index`."
+def prompt_ids(r: dict, tokenizer, processor=None) -> list[int]:
+    "The token ids of prompt record `r`, as the model reads it: with images, rendered by the `processor` and expanded."
+    if processor is None or not r.get("images"):
+        return tokenizer(prompt_text(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
+    from ilab_nb.vision import with_images
+    enc = processor.apply_chat_template(with_images({"messages": r["prompt"], "images": r["images"]}), tokenize=True,
+                                        add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    return enc["input_ids"][0].tolist()
+
+def _images_apart(records: list) -> None:
+    "Prompts with images are trained apart from prompts without: every prompt shows one (a `DataError` otherwise)."
+    if (some := [r for r in records if not r.get("images")]) and len(some) < len(records):
+        raise D.DataError.collected([D._problem(
+            "this prompt has no image, among prompts with images: GRPO on images samples every prompt with its "
+            "images (every rank runs the vision tower at once); give it an image, or train it in a run of its own",
+            *D._split_source(some[0].get("source")))], count=len(some))
+
+def build_prompts(records: list, tokenizer, max_len: int, policy: str = "drop", processor=None) -> tuple:
+    """`(dataset of prompts, stats)`: each prompt's ids, its JSON and its columns' JSON, its `index` (and, with a vision
+    model's `processor`, its images, whose tokens a truncation never cuts: such a prompt too long is dropped)."""
     rows, dropped, truncated, bad = [], 0, 0, []
+    if processor is not None: _images_apart(records)
     for r in records:
-        ids = tokenizer(prompt_text(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_len and policy != "truncate":
+        ids = prompt_ids(r, tokenizer, processor)
+        if len(ids) > max_len and (policy != "truncate" or r.get("images")):
             if policy == "error": bad.append(r.get("source"))
             dropped += 1
             continue
         if len(ids) > max_len: ids, truncated = ids[-max_len:], truncated + 1
         rows.append(dict(index=len(rows), prompt_ids=ids, prompt=json.dumps(r["prompt"]),
-                         columns=json.dumps(r.get("columns", {}))))
+                         columns=json.dumps(r.get("columns", {})),
+                         **({"images": json.dumps([str(i) for i in r["images"]])} if processor is not None else {})))
     if bad: raise _too_long_error(bad, max_len)
     if not rows: raise D.DataError(f"no prompt left out of {len(records)}: {dropped} longer than {max_len} tokens")
     note = f"{dropped:,} of {len(records):,} prompts dropped (longer than {max_len:,} tokens)" if dropped else None
@@ -95,14 +116,20 @@ def build_prompts(records: list, tokenizer, max_len: int, policy: str = "drop") 
 
 # %% ../nbs/31_grpo.ipynb #43c0db0a
 class GRPO(Method):
-    "Group relative policy optimization on prompts, with reward functions (TRL's names and semantics)."
+    """Group relative policy optimization on prompts, with reward functions (TRL's names and semantics); with a
+    vision-language model's `processor`, on prompts with images (TRL's: the images are the prompt's)."""
     name, kinds, fits = "grpo", ("prompt",), None     # fits: the whole model fits on each process (`prepare`)
+    def __init__(self, cfg: TrainConfig, processor=None): self.cfg, self.processor = cfg, processor
 
 @patch
 def build(self:GRPO, records: list, tokenizer, cache_dir=None) -> tuple:
     "`(dataset of prompts, stats)`."
     c = self.cfg
-    return build_prompts(records, tokenizer, c.max_seq_len - c.max_completion_length, c.long_sequence_policy)
+    if self.processor is not None and (c.tools or c.environment_factory is not None):
+        raise D.DataError("prompts with images are sampled without tools: a tool call's result would follow an image "
+                          "the episode's turns do not carry; train them without tools and environment_factory")
+    return build_prompts(records, tokenizer, c.max_seq_len - c.max_completion_length, c.long_sequence_policy,
+                         self.processor)
 
 @patch
 def prompts_per_step(self:GRPO) -> int:
@@ -212,10 +239,17 @@ def generating(self, model, env, autocast, step: int, greedy: bool = False):
         with torch.no_grad(), torch.random.fork_rng(devices=devices), B.generation_attention(hf), autocast(), \
                 whole_weights(model, env, self.fits, not self.fits) as alone:
             torch.manual_seed(sampler_seed(c.seed, step, env.rank))
-            def gen(x, xm, max_new: int):
+            def gen(x, xm, max_new: int, pixels: dict | None = None):
                 if x is None and alone: return None
                 if x is None: x, xm = torch.tensor([[pad]]), torch.tensor([[1]])
-                out = hf.generate(input_ids=x.to(env.device), attention_mask=xm.to(env.device), **how,
+                pixels = {k: v.to(env.device) for k, v in (pixels or {}).items()}
+                if pixels and hasattr(L.base_of(hf), "unshard"):
+                    # FSDP2: generate runs the vision tower outside the root's forward (which FSDP requires to come
+                    # first), so a forward of one token through the root comes first, gathering its own parameters
+                    # where the whole model is not (34_worker's generate_samples does the same)
+                    hf(input_ids=x[:, :1].to(env.device), use_cache=False)
+                out = hf.generate(input_ids=x.to(env.device), attention_mask=xm.to(env.device), **pixels, **how,
+                                  **self.no_image_tokens(),
                                   repetition_penalty=c.repetition_penalty, max_new_tokens=max_new, pad_token_id=pad,
                                   eos_token_id=eos, use_cache=True, synced_gpus=env.world_size > 1 and not alone)
                 return out[:, x.shape[1]:].cpu()
@@ -225,15 +259,33 @@ def generating(self, model, env, autocast, step: int, greedy: bool = False):
         reshard(model)                 # generate's forwards leave FSDP2's full parameters gathered
 
 @patch_to(GRPO)
-def sample(self, model, prompt_ids: list, env, autocast, step: int, greedy: bool = False) -> dict:
+def sample(self, model, prompt_ids: list, env, autocast, step: int, greedy: bool = False, images=None) -> dict:
     """`num_generations` completions of each prompt (groups contiguous), or one greedy completion each: left-padded
-    prompt ids, completion ids, masks."""
+    prompt ids, completion ids, masks (`images`: each prompt's, shown to the model; then each completion's too)."""
     pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-    x, xm = _left_padded([p for p in prompt_ids for _ in range(1 if greedy else self.cfg.num_generations)], pad)
+    G = 1 if greedy else self.cfg.num_generations
+    x, xm = _left_padded([p for p in prompt_ids for _ in range(G)], pad)
+    images = [i for i in images for _ in range(G)] if images is not None else None
     with self.generating(model, env, autocast, step, greedy) as gen:
-        comp = gen(x, xm, self.cfg.max_completion_length)
+        comp = gen(x, xm, self.cfg.max_completion_length, self.pixels(x, images))
     mask, truncated = completion_mask(comp, self.tokenizer.eos_token_id)
-    return dict(prompt_ids=x, prompt_mask=xm, completion_ids=comp, completion_mask=mask, truncated=truncated)
+    return dict(prompt_ids=x, prompt_mask=xm, completion_ids=comp, completion_mask=mask, truncated=truncated,
+                **({"images": images} if images is not None else {}))
+
+@patch_to(GRPO)
+def no_image_tokens(self) -> dict:
+    """`generate`'s `suppress_tokens` for a vision model's image token: a completion that sampled one would have more
+    image tokens than images, which the model refuses ("Image features and image tokens do not match")."""
+    t = getattr(self.processor, "image_token_id", None) if self.processor is not None else None
+    return {"suppress_tokens": [t]} if t is not None else {}
+
+@patch_to(GRPO)
+def pixels(self, ids, images) -> dict:
+    "The image inputs (pixels, and image-token types where the model has them) of rows `ids` showing `images` each."
+    if not images: return {}
+    from ilab_nb.vision import with_pixels
+    out = with_pixels(self.processor, {"input_ids": ids}, [ref for refs in images for ref in refs])
+    return {k: v for k, v in out.items() if k != "input_ids"}
 
 # %% ../nbs/31_grpo.ipynb #65ca0634
 def _observed(prompt: list, obs) -> list:
@@ -590,7 +642,7 @@ def keep_completions(self:GRPO, prompts, completions, rpf, rewards, adv, env):
     "Rank 0 writes a `completions` record: the step's first `num_completions_to_print` completions, their rewards."
     n = self.cfg.num_completions_to_print
     if n == 0 or env.rank != 0: return
-    def show(x): return x if isinstance(x, str) else x[-1]["content"] if isinstance(x[-1]["content"], str) else ""
+    def show(x): return x if isinstance(x, str) else text_of(x[-1]["content"])
     def num(v): return None if math.isnan(v) else float(v)
     rows = [dict(prompt=show(p), completion=show(c), reward=num(r), advantage=float(a),
                  rewards={k: num(v) for k, v in zip(self.names, rf.tolist())})
@@ -607,7 +659,8 @@ def rollouts(self:GRPO, rows: list, env, greedy: bool = False) -> dict:
     if self.toolbox is not None: g = self.episodes(rows, env, greedy)
     else:
         a, G = self.attempt, 1 if greedy else self.cfg.num_generations
-        g = self.sample(a.model, [r["prompt_ids"] for r in rows], env, a.autocast, self.step, greedy)
+        images = [json.loads(r["images"]) for r in rows] if self.processor is not None else None
+        g = self.sample(a.model, [r["prompt_ids"] for r in rows], env, a.autocast, self.step, greedy, images)
         g["prompts"] = [json.loads(r["prompt"]) for r in rows for _ in range(G)]
         g["columns"] = [json.loads(r["columns"]) for r in rows for _ in range(G)]
         g["completions"], g["ids"] = self.texts(g, g["prompts"])
@@ -667,6 +720,7 @@ def micro_batches(self:GRPO, ds, step_plan: list, rank: int, layout: str, pad_id
         b["input_ids"] = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
         b["attention_mask"] = torch.cat([b["prompt_mask"], b["completion_mask"]], 1)
         b["position_ids"] = torch.arange(b["input_ids"].shape[1]).expand_as(b["input_ids"])
+        if "images" in g: b.update(self.pixels(b["input_ids"], g["images"][k * per:(k + 1) * per]))
         b.update(num_items_in_batch=torch.tensor(g["num_items_in_batch"]), scale=scale, accumulation=ga,
                  metrics=g["metrics"] if k == 0 else {})
         out.append(b)

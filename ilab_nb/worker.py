@@ -65,9 +65,9 @@ def redirect_output(log_path):
 # %% ../nbs/34_worker.ipynb #666ed8c8
 def training_method(cfg: TrainConfig, kind: str, processor=None) -> Method:
     """The method that trains `cfg.method` on records of `kind` (chat, text, preference or prompt), or an error saying
-    what fits; with the model's `processor` (rows with images), `VisionSFT` or `VisionDPO`."""
+    what fits; with the model's `processor` (rows with images), `VisionSFT`, `VisionDPO` or `GRPO` on images."""
     D.check_method(cfg.method, kind)
-    if processor is not None: return (VisionDPO if cfg.method == "dpo" else VisionSFT)(cfg, processor)
+    if processor is not None: return {"dpo": VisionDPO, "grpo": GRPO}.get(cfg.method, VisionSFT)(cfg, processor)
     return next(m for m in (Method, TextSFT, DPO, GRPO) if m.name == cfg.method and kind in m.kinds)(cfg)
 
 def method_for(cfg: TrainConfig, records: list) -> Method:
