@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['latest_completions', 'episode_html', 'completions_html']
 
-# %% ../nbs/38_completions.ipynb #c148f8e3
+# %% ../nbs/38_completions.ipynb #9c44dd24
 from .core import html_join, html_of
 from .episodes import _text, call_text, tool_error
 from .plots import format_number
-from .samples import _TABLE, _TD
+from .samples import _TABLE, _TD, thumbnail_html
 
 # %% ../nbs/38_completions.ipynb #1ba22515
 def latest_completions(records) -> dict | None:
@@ -48,7 +48,12 @@ def episode_html(episode: list) -> str:
     if not final: parts.append(html_of("<div style='font-size:11px;color:#b06000'>{}</div>", "no final answer"))
     return html_join(parts)
 
-# %% ../nbs/38_completions.ipynb #8b56260b
+# %% ../nbs/38_completions.ipynb #1fcf4471
+def _prompt_cell(c: dict):
+    "A completion's prompt, below its images' thumbnails (a prompt about images)."
+    thumbs = [thumbnail_html(i) for i in c.get("images") or []]
+    return html_join([*thumbs, html_of("<br>") if thumbs else "", _cell(c.get("prompt"))])
+
 def completions_html(rec: dict) -> str:
     """A table of a step's kept completions: prompt, completion, total reward, advantage and each function's reward; a
     row with its `episode` (a run with tools) shows the episode turn by turn in place of the completion."""
@@ -62,7 +67,7 @@ def completions_html(rec: dict) -> str:
     def shown(c: dict) -> str:
         return episode_html(c["episode"]) if isinstance(c.get("episode"), list) else _cell(c.get("completion"))
     body = html_join(html_of("<tr>{}</tr>", html_join(
-        [html_of(td, _cell(c.get("prompt"))), html_of(td, shown(c))]
+        [html_of(td, _prompt_cell(c)), html_of(td, shown(c))]
         + [html_of(td, _cell(c.get(k))) for k in ("reward", "advantage")]
         + [html_of(td, _cell((c.get("rewards") or {}).get(n))) for n in names])) for c in rows)
     how = "; episodes turn by turn: → a tool call, ← its result, ✗ a failed call" if episodes else ""

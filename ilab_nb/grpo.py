@@ -638,8 +638,9 @@ def texts(self:GRPO, g: dict, prompts: list) -> tuple:
 
 # %% ../nbs/31_grpo.ipynb #6a0d68e1
 @patch
-def keep_completions(self:GRPO, prompts, completions, rpf, rewards, adv, env):
-    "Rank 0 writes a `completions` record: the step's first `num_completions_to_print` completions, their rewards."
+def keep_completions(self:GRPO, prompts, completions, rpf, rewards, adv, env, images=None):
+    """Rank 0 writes a `completions` record: the step's first `num_completions_to_print` completions, their rewards
+    (and the files of their prompts' `images`)."""
     n = self.cfg.num_completions_to_print
     if n == 0 or env.rank != 0: return
     def show(x): return x if isinstance(x, str) else text_of(x[-1]["content"])
@@ -649,6 +650,7 @@ def keep_completions(self:GRPO, prompts, completions, rpf, rewards, adv, env):
             for p, c, rf, r, a in zip(prompts[:n], completions[:n], rpf[:n], rewards[:n].tolist(), adv[:n].tolist())]
     if self.toolbox is not None:                      # the whole episode: turns, tool calls and their results
         for row, c in zip(rows, completions): row["episode"] = c
+    for row, i in zip(rows, images or []): row["images"] = list(i)
     self.attempt.metrics.write("completions", step=self.step, completions=rows)
 
 @patch
@@ -689,7 +691,7 @@ def generation_batch(self:GRPO, rows: list, env) -> dict:
         g["metrics"].update({f"rewards/{n}/failure_frequency": f for n, f in zip(self.names, self.failure_frequency)})
     if self.toolbox is not None: g["metrics"].update(tool_metrics([sh[3:] for _, sh in every], len(lengths)))
     g["num_items_in_batch"] = sum(sh[2] for _, sh in every)
-    self.keep_completions(g["prompts"], g["completions"], mine, rewards[start:], g["advantages"], env)
+    self.keep_completions(g["prompts"], g["completions"], mine, rewards[start:], g["advantages"], env, g.get("images"))
     return g
 
 def tool_metrics(counts: list, rollouts: int, prefix: str = "") -> dict:

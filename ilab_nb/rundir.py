@@ -569,7 +569,8 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
     "completions": dict(file="metrics.jsonl", doc="GRPO, every step: its first `num_completions_to_print` completions "
                                                   "`[{prompt, completion, reward, advantage, rewards: {function: "
                                                   "reward}}]`; with tools each also has its `episode`, the "
-                                                  "messages (assistant turns with their tool_calls, tool results)",
+                                                  "messages (assistant turns with their tool_calls, tool results); "
+                                                  "a prompt about images: their `images`, files",
                         required=dict(step="int", completions="list")),
     "task": dict(file="metrics.jsonl", doc="an evaluation's (eval/<eval_id>/metrics.jsonl): each model x task as it "
                                            "starts and ends",

@@ -177,3 +177,7 @@ def test_grpo_on_prompts_with_images_raises_the_right_answers_probability_on_two
     assert after >= before + REWARD_RISE, (before, after)
     shown = s.metrics(kinds=("completions",))[0]["completions"]
     assert [c["prompt"] for c in shown] == [QUESTION] * 2 and {c["reward"] for c in shown} <= {0.0, 1.0}, shown
+    firsts = [json.loads(line)["image"] for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert all(len(c["images"]) == 1 and c["images"][0] in firsts for c in shown), shown     # each prompt's own image
+    from ilab_nb.completions import completions_html, latest_completions
+    assert completions_html(latest_completions(s.metrics(kinds=("completions",)))).count("<img ") == 2
