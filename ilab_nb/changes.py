@@ -37,7 +37,7 @@ _MEANS = {   # why a field may not change on a resume: what the checkpoint holds
          "max_tokens_per_batch", "batching", "num_generations", "per_device_train_batch_size", "num_iterations"),
     "the optimizer state (and DPO's reference log-probabilities, GRPO's starting weights) belong to this training "
     "method":
-        ("method", "beta", "loss_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
+        ("method", "beta", "loss_type", "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
     "the model and optimizer state were sharded and cast for this strategy, precision and device":
         ("strategy", "precision", "device", "cpu_offload", "gradient_checkpointing", "torch_compile"),
     "a run keeps the backend that runs its processes": ("backend",),

@@ -118,7 +118,7 @@ def _existing_file(v):
                          f"YAML")
     return v
 
-# %% ../nbs/12_config.ipynb #c988965e
+# %% ../nbs/12_config.ipynb #3726c9e9
 def config_problems(c) -> list:
     "Cross-field problems of config `c`: `[(field, message)]`."
     p = []
@@ -142,6 +142,10 @@ def config_problems(c) -> list:
                   "use strategy='fsdp' or drop cpu_offload"))
     if c.cpu_offload and c.device == "cpu":
         p.append(("cpu_offload", "with device='cpu' everything is in host memory already; drop cpu_offload"))
+    if c.optim == "adafactor" and c.strategy == "fsdp":
+        p.append(("optim", "transformers' Adafactor steps whole tensors, and FSDP gives each process shards of them "
+                           "(its factored moments are a whole matrix's rows and columns); use strategy='ddp' (or "
+                           "'single' on one process), or another optim"))
     return p + _method_problems(c) + _machine_problems(c)
 
 # %% ../nbs/12_config.ipynb #568ff055

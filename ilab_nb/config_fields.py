@@ -58,14 +58,17 @@ class _ScheduleFields(_FieldGroup):
         "Number of passes over the training data (ignored when max_steps > 0)."))
     max_steps: int = Field(-1, description=(
         "Total optimizer steps; > 0 overrides num_train_epochs, -1 = use num_train_epochs."))
-    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate of AdamW.")
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate of the optimizer.")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description=(
         "Learning-rate schedule after warm-up: linear, cosine, constant or constant_with_warmup."))
     warmup_steps: int = Field(0, ge=0, description=(
         "Linear warm-up over this many optimizer steps (exclusive with warmup_ratio)."))
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description=(
         "Linear warm-up over this fraction of the total steps (exclusive with warmup_steps)."))
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = Field("adamw_torch", description=(
+        "The optimizer, by TrainingArguments' name: adamw_torch (AdamW), adamw_torch_fused (its fused kernel), sgd "
+        "(no momentum, no state), adafactor (transformers' Adafactor as Trainer sets it; not with FSDP)."))
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay (of the weight matrices; AdamW's decoupled).")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")

@@ -348,14 +348,20 @@ def setup_model(cfg: TrainConfig, env: DistEnv, layout: str) -> tuple:
     if cfg.strategy == "ddp": model = replicate(model, env)
     return model, setup_record(cfg, env, len(blocks), plan)
 
-# %% ../nbs/28_placement.ipynb #9ab688fd
+# %% ../nbs/28_placement.ipynb #c27fc1d8
 def make_optimizer(model, cfg: TrainConfig):
-    "AdamW with weight decay on matrices only (biases and norm weights are not decayed, as in `Trainer`)."
+    """`cfg.optim` (AdamW by default) with weight decay on matrices only (biases and norm weights are not decayed, as in
+    `Trainer`)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad: (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    if cfg.optim == "sgd": return torch.optim.SGD(groups, lr=cfg.learning_rate)
+    if cfg.optim == "adafactor":
+        from transformers.optimization import Adafactor
+        return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                             **({"fused": True} if cfg.optim == "adamw_torch_fused" else {}))
 
 # %% ../nbs/28_placement.ipynb #947eced8
 def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):

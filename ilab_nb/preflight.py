@@ -283,7 +283,8 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
             f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU "
             f"before activations (strategy={cfg.strategy!r}, {cfg.num_processes} processes, "
             f"precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: {est['per_rank_state'] / G:.1f} GiB of "
-            f"weights, gradients and AdamW state, {est['gathered'] / G:.1f} GiB gathered, {est['extra'] / G:.1f} GiB "
+            f"weights, gradients and {cfg.optim} state, {est['gathered'] / G:.1f} GiB gathered, "
+            f"{est['extra'] / G:.1f} GiB "
             f"other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
             f"cpu_offload=True, or precision='bf16'{_lora_hint(cfg, shapes, cap)}; or set ignore_memory_estimate=True "
             f"to start anyway.")

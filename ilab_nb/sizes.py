@@ -10,8 +10,9 @@ from pathlib import Path
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'tensor_shapes', 'tensor_sizes', 'count_params',
-           'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'tokenizer_bytes', 'checkpoint_bytes']
+__all__ = ['OPTIMIZER_STATE_BYTES', 'CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'tensor_shapes', 'tensor_sizes',
+           'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'tokenizer_bytes',
+           'checkpoint_bytes']
 
 # %% ../nbs/59_sizes.ipynb #db1c9d4e
 def tensor_shapes(model_dir) -> dict:
@@ -48,15 +49,18 @@ def count_params_of(shapes: dict) -> dict:
     return dict(total=sum(sizes.values()), block=max(blocks.values(), default=0), root=root)
 
 # %% ../nbs/59_sizes.ipynb #a4502997
+OPTIMIZER_STATE_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "sgd": 0, "adafactor": 0}   # per trained parameter
+
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False,
-                    adapters: int = 0, frozen: int = 0) -> dict:
-    """Bytes per rank on the device and in host memory for training `params` (from `count_params`), before activations;
-    `frozen` of them (a vision-language model's frozen parts, fully fine-tuned) are held as float32 weights alone."""
+                    adapters: int = 0, frozen: int = 0, optim: str = "adamw_torch") -> dict:
+    """Bytes per rank on the device and in host memory for training `params` (from `count_params`) with `optim`, before
+    activations; `frozen` of them (a vision-language model's frozen parts, fully fine-tuned) are held as float32
+    weights alone."""
     n, w = params["total"], (world_size if strategy == "fsdp" else 1)
     compute = 2 if precision == "bf16" else 4
     trains = adapters or n - frozen                              # LoRA: only the adapters train
     base = compute * n if adapters else 4 * frozen                # the frozen base (LoRA's in the compute dtype)
-    state = (base + 16 * trains) // w                            # + fp32 weights, grads, AdamW moments
+    state = (base + (8 + OPTIMIZER_STATE_BYTES[optim]) * trains) // w     # + fp32 weights, grads, optimizer state
     gathered = (params["root"] + 2 * params["block"]) * compute if strategy == "fsdp" else 0
     extra = (4 * trains if strategy == "ddp" else 0) + (2 * trains if precision == "bf16" and strategy != "fsdp" else 0)
     device = gathered + extra + (0 if cpu_offload else state)
@@ -68,7 +72,7 @@ def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0) -
     params = count_params_of(shapes)
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
                            adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
-                           frozen=0 if cfg.lora is not None else frozen)
+                           frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim)
 
 def _lora_hint(cfg, shapes: dict, cap: int) -> str:
     if cfg.lora is not None: return ""

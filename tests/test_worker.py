@@ -61,9 +61,10 @@ def records(rd: Path, kind=None):
 def test_fsdp_two_ranks_shard_split_data_checkpoint_and_resume_on_the_same_trajectory(tmp_path, demo, small_train):
     """One FSDP run of 2 ranks (8 steps, all in the first epoch of small_train at 512 tokens per rank) proves sharding,
     split data, metrics, evaluation, whole checkpoints and final/; a second run of the same config resumed from its
-    step-4 checkpoint proves resume: same seed, same data position, restored optimizer/scheduler/RNG, same losses."""
+    step-4 checkpoint proves resume: same seed, same data position, restored optimizer/scheduler/RNG, same losses.
+    The optimizer is AdamW's fused kernel (optim='adamw_torch_fused'), on FSDP's sharded parameters."""
     fields = dict(num_processes=2, strategy="fsdp", max_steps=8, save_steps=4, eval_split=0.05, max_tokens_per_batch=512,
-                  lr_scheduler_type="cosine", warmup_steps=2)
+                  lr_scheduler_type="cosine", warmup_steps=2, optim="adamw_torch_fused")
     rd = make_run(tmp_path, demo, small_train, "fsdp", **fields)
     launch(rd, 2)
     head = records(rd, "header")[0]
