@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .config_data import DataSources
 
 # %% auto #0
-__all__ = []
+__all__ = ['OPTIMIZERS', 'EIGHT_BIT']
 
 # %% ../nbs/04_config_fields.ipynb #cd175090
 class _FieldGroup(BaseModel):
@@ -52,6 +52,10 @@ class _DeviceFields(_FieldGroup):
         "Parameter/compute precision: fp32, or bf16 mixed precision."))
 
 # %% ../nbs/04_config_fields.ipynb #a73d3e31
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd",
+              "adafactor")
+EIGHT_BIT = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")          # bitsandbytes' (the `qlora` extra)
+
 class _ScheduleFields(_FieldGroup):
     "How long the run trains and how its optimizer steps (`TrainingArguments`' names and defaults)."
     num_train_epochs: float = Field(1.0, gt=0, description=(
@@ -65,9 +69,9 @@ class _ScheduleFields(_FieldGroup):
         "Linear warm-up over this many optimizer steps (exclusive with warmup_ratio)."))
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description=(
         "Linear warm-up over this fraction of the total steps (exclusive with warmup_steps)."))
-    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = Field("adamw_torch", description=(
-        "The optimizer, by TrainingArguments' name: adamw_torch (AdamW), adamw_torch_fused (its fused kernel), sgd "
-        "(no momentum, no state), adafactor (transformers' Adafactor as Trainer sets it; not with FSDP)."))
+    optim: Literal[OPTIMIZERS] = Field("adamw_torch", description=(
+        "The optimizer, by TrainingArguments' name: AdamW (its fused kernel; 8-bit: bitsandbytes'), sgd (no "
+        "momentum), adafactor (transformers'). Adafactor and 8-bit states step whole tensors: not with FSDP."))
     weight_decay: float = Field(0.0, ge=0, description="Weight decay (of the weight matrices; AdamW's decoupled).")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
@@ -139,6 +143,14 @@ class _ExperimentFields(_FieldGroup):
 # %% ../nbs/04_config_fields.ipynb #80cc7be9
 _TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
                     "wandb": ("wandb", "wandb")}
+
+def _check_optim_installed(name: str) -> str:
+    "`name` if its optimizer's package is importable, else a ValueError saying which extra to install."
+    import importlib.util
+    if name in EIGHT_BIT and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"{name!r} is bitsandbytes' 8-bit AdamW, which is not installed; install it with "
+                         "pip install 'ilab_nb[qlora]', or choose another optim")
+    return name
 
 def _check_trackers_installed(names: list[str]) -> list[str]:
     "`names` if every tracker's package is importable, else a ValueError saying which extra to install."

@@ -357,6 +357,10 @@ def make_optimizer(model, cfg: TrainConfig):
         if p.requires_grad: (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
     if cfg.optim == "sgd": return torch.optim.SGD(groups, lr=cfg.learning_rate)
+    if "8bit" in cfg.optim:                                     # bitsandbytes' AdamW, as Trainer makes it
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                               eps=cfg.adam_epsilon, optim_bits=8, is_paged=cfg.optim.startswith("paged"))
     if cfg.optim == "adafactor":
         from transformers.optimization import Adafactor
         return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False)

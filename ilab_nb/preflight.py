@@ -15,11 +15,12 @@ from .sizes import _estimate, _lora_hint, checkpoint_bytes, kv_cache_bytes, tens
 # %% auto #0
 __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model',
            'load_run_data', 'check_processor', 'check_model', 'check_remote_code', 'check_model_dir', 'query_gpus',
-           'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'check_memory', 'read_json_file',
-           'check_disk', 'cluster_device', 'backend_preflight', 'first_sample', 'check_tracker_imports',
-           'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts', 'tied_adapted',
-           'lora_problem', 'freeze_problem', 'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code',
-           'launch_user_code', 'check_reward_funcs', 'grpo_generation_tokens', 'check_data', 'preflight']
+           'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'cpu_flags', 'check_optim', 'check_memory',
+           'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample',
+           'check_tracker_imports', 'check_mlflow_uri', 'check_wandb', 'check_destinations', 'check_eval_prompts',
+           'tied_adapted', 'lora_problem', 'freeze_problem', 'check_model_build', 'check_vocab', 'check_eval_tasks',
+           'gate_user_code', 'launch_user_code', 'check_reward_funcs', 'grpo_generation_tokens', 'check_data',
+           'preflight']
 
 # %% ../nbs/60_preflight.ipynb #9ea39ff9
 class PreflightError(ValueError):
@@ -255,6 +256,24 @@ def check_cpu_slots(cfg, kind) -> dict:
                              f"oversubscribe_cpus=True to run {cfg.num_processes} processes on {n} slot(s) anyway "
                              f"(slower; the run holds every slot).")
     return {"cpu_slots": n, "oversubscribed": cfg.num_processes > n}
+
+# %% ../nbs/60_preflight.ipynb #f27dd85c
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set | None:
+    "The instruction-set flags of this machine's CPU (Linux's `/proc/cpuinfo`), None where that cannot be read."
+    try: text = Path(cpuinfo).read_text()
+    except OSError: return None
+    return next((set(l.split(":", 1)[1].split()) for l in text.splitlines() if l.startswith(("flags", "Features"))),
+                None)
+
+def check_optim(cfg, kind: str, flags: set | None = None):
+    "A `PreflightError` for an 8-bit optimizer on a CPU without AVX2."
+    from ilab_nb.config_fields import EIGHT_BIT
+    if cfg.optim not in EIGHT_BIT or kind != "cpu": return
+    flags = cpu_flags() if flags is None else flags
+    if flags is not None and "avx2" not in flags and "asimd" not in flags:         # x86's AVX2; ARM's NEON
+        raise PreflightError(f"optim={cfg.optim!r}: bitsandbytes' 8-bit AdamW steps on the CPU with AVX2 "
+                             "instructions, which this machine's CPU lacks; use optim='adamw_torch' here, or a GPU",
+                             "optim")
 
 # %% ../nbs/60_preflight.ipynb #bd1f5e3a
 def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
@@ -717,7 +736,7 @@ def check_data(cfg, records: list, evals: list, tok, layout: str, processor=None
             out.update(total_steps=steps if exact else math.ceil(steps * len(rs) / len(sample)), estimated=not exact)
     return out
 
-# %% ../nbs/60_preflight.ipynb #5b283760
+# %% ../nbs/60_preflight.ipynb #9855a9e6
 @gc_paused()                          # mostly imports (transformers, datasets) in a fresh process: see 08_core
 def preflight(cfg, runs_root, trust_owner: bool = False) -> dict:
     """Check data, model, tokenizer, chat template, devices and disk for `cfg`; returns what was found. `trust_owner`:
@@ -747,6 +766,7 @@ def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
     prompts = check_eval_prompts(cfg, tok, read_json_file(mp / "config.json"), processor)
     kind, n_gpus = preflight_device(cfg) if cfg.backend == "local" else cluster_device(cfg)
     cpus = check_cpu_slots(cfg, kind) if cfg.backend == "local" else {}     # a cluster's CPUs are not this machine's
+    if cfg.backend == "local": check_optim(cfg, kind)
     built = check_model_build(cfg, kind)
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     data = check_data(cfg, records, evals, tok, built["layout"], processor)

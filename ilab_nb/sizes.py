@@ -49,7 +49,8 @@ def count_params_of(shapes: dict) -> dict:
     return dict(total=sum(sizes.values()), block=max(blocks.values(), default=0), root=root)
 
 # %% ../nbs/59_sizes.ipynb #a4502997
-OPTIMIZER_STATE_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "sgd": 0, "adafactor": 0}   # per trained parameter
+OPTIMIZER_STATE_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "sgd": 0, "adafactor": 0,   # per trained parameter
+                         **dict.fromkeys(("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"), 2)}   # (+ block scales)
 
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False,
                     adapters: int = 0, frozen: int = 0, optim: str = "adamw_torch") -> dict:
