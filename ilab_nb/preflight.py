@@ -10,7 +10,7 @@ from pathlib import Path
 from .config import TrainConfig
 from .core import count_text, gc_paused, no_hf_progress_bars, require_torch, size_text
 from .slots import cpu_slots
-from .sizes import _estimate, _lora_hint, checkpoint_bytes, kv_cache_bytes, tensor_shapes, tensor_sizes, tokenizer_bytes
+from .sizes import _estimate, fit_hint, checkpoint_bytes, kv_cache_bytes, tensor_shapes, tensor_sizes, tokenizer_bytes
 
 # %% auto #0
 __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model',
@@ -303,10 +303,9 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
             f"before activations (strategy={cfg.strategy!r}, {cfg.num_processes} processes, "
             f"precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: {est['per_rank_state'] / G:.1f} GiB of "
             f"weights, gradients and {cfg.optim} state, {est['gathered'] / G:.1f} GiB gathered, "
-            f"{est['extra'] / G:.1f} GiB "
-            f"other), but the smallest GPU has {cap / G:.1f} GiB. Use strategy='fsdp' with more processes, "
-            f"cpu_offload=True, or precision='bf16'{_lora_hint(cfg, shapes, cap)}; or set ignore_memory_estimate=True "
-            f"to start anyway.")
+            f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB: "
+            f"{fit_hint(cfg, shapes, cap)}; more processes under strategy='fsdp' divide it too; or set "
+            f"ignore_memory_estimate=True to start anyway.")
     return est
 
 # %% ../nbs/60_preflight.ipynb #65c594f9

@@ -11,7 +11,7 @@ from .lora import adapter_param_count
 
 # %% auto #0
 __all__ = ['OPTIMIZER_STATE_BYTES', 'CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'tensor_shapes', 'tensor_sizes',
-           'count_params', 'count_params_of', 'memory_estimate', 'kv_cache_bytes', 'tokenizer_bytes',
+           'count_params', 'count_params_of', 'memory_estimate', 'fit_hint', 'kv_cache_bytes', 'tokenizer_bytes',
            'checkpoint_bytes']
 
 # %% ../nbs/59_sizes.ipynb #db1c9d4e
@@ -75,11 +75,27 @@ def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0) -
                            adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
                            frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim)
 
-def _lora_hint(cfg, shapes: dict, cap: int) -> str:
-    if cfg.lora is not None: return ""
-    need = _estimate(cfg.model_copy(update=dict(lora={"r": 8})), shapes)["device_bytes"]
-    return f", or LoRA adapters: lora={{'r': 8}} needs about {need / 2**30:.1f} GiB" + ("" if need <= 0.9 * cap
-            else " (neither fits)")
+def _lighter(cfg) -> list[tuple[str, dict]]:
+    """Changes that lower what a rank holds, the ones that change the run least first: bf16, 8-bit AdamW moments
+    (not under FSDP), LoRA adapters (peft's default rank, 8), both, and FSDP's shards moved to host memory."""
+    out = [("precision='bf16'", dict(precision="bf16"))] if cfg.precision != "bf16" else []
+    if cfg.strategy != "fsdp" and cfg.optim in ("adamw_torch", "adamw_torch_fused"):
+        out.append(("optim='adamw_8bit'", dict(optim="adamw_8bit")))
+    if cfg.lora is None:
+        out.append(("lora={'r': 8}", dict(lora={"r": 8})))
+        if cfg.precision != "bf16": out.append(("lora={'r': 8} and precision='bf16'", dict(lora={"r": 8},
+                                                                                           precision="bf16")))
+    if cfg.strategy == "fsdp" and not cfg.cpu_offload: out.append(("cpu_offload=True", dict(cpu_offload=True)))
+    return out
+
+def fit_hint(cfg, shapes: dict, cap: int) -> str:
+    """The first of the `_lighter` changes whose estimate fits in 90% of `cap` bytes, with its numbers (or that none
+    does), as the memory refusal says it."""
+    G = 2**30
+    for said, change in _lighter(cfg):
+        need = _estimate(cfg.model_copy(update=change), shapes)["device_bytes"]
+        if need <= 0.9 * cap: return f"{said} fits: about {need / G:.1f} GiB of {cap / G:.1f}"
+    return f"none of {', '.join(s for s, _ in _lighter(cfg)) or 'the lighter settings'} alone fits"
 
 # %% ../nbs/59_sizes.ipynb #ad917291
 def kv_cache_bytes(model_config: dict, tokens: int, precision: str) -> int:
