@@ -214,7 +214,7 @@ def whole_weights(model, env, fits: bool | None = None, blocks_reshard: bool = T
         for m in mods[1:]: m.set_reshard_after_forward(blocks_reshard, recurse=False)   # the root (mods[0]) keeps
         # its weights after a forward, as placement wraps it: backward needs them at once
 
-# %% ../nbs/31_grpo.ipynb #a8961664
+# %% ../nbs/31_grpo.ipynb #4c7cddec
 def _left_padded(prompt_ids: list, pad: int) -> tuple:
     "`(ids, mask)` of prompts padded on the left to the longest."
     width = max(map(len, prompt_ids))
@@ -272,6 +272,7 @@ def sample(self, model, prompt_ids: list, env, autocast, step: int, greedy: bool
     return dict(prompt_ids=x, prompt_mask=xm, completion_ids=comp, completion_mask=mask, truncated=truncated,
                 **({"images": images} if images is not None else {}))
 
+# %% ../nbs/31_grpo.ipynb #2528ea5e
 @patch_to(GRPO)
 def no_image_tokens(self) -> dict:
     """`generate`'s `suppress_tokens` for a vision model's image token: a completion that sampled one would have more
