@@ -17,8 +17,8 @@ from .diagnosis import cause_of, describe_exit, torchrun_failures, rank_records,
 # %% auto #0
 __all__ = ['SHARED_FS', 'TIME_LIMIT_BY', 'ENDED', 'SlurmError', 'slurm', 'fs_type', 'partition_hosts', 'check_shared',
            'partitions', 'preflight_slurm', 'slurm_seconds', 'signal_lead_s', 'sbatch_lines', 'node_command',
-           'script_name', 'sbatch_script', 'submit', 'parse_scontrol', 'job_info', 'node_reports', 'failure_cause',
-           'classify_job', 'failed_nodes', 'refresh_run', 'submit_attempt', 'cancel']
+           'signal_lead', 'script_name', 'sbatch_script', 'submit', 'parse_scontrol', 'job_info', 'node_reports',
+           'failure_cause', 'classify_job', 'failed_nodes', 'refresh_run', 'submit_attempt', 'cancel']
 
 # %% ../nbs/50_slurm.ipynb #f3b4d48e
 class SlurmError(RuntimeError):
@@ -203,15 +203,23 @@ _REQUEUE_LINES = [
 # %% ../nbs/50_slurm.ipynb #13eb5f7e
 TIME_LIMIT_BY = "SLURM time limit"      # the `by` of the stop request the batch script writes on SLURM's signal
 
-_TRAP_LINES = [
-    "", "# SLURM's signal before the time limit (--signal=B:USR1@N): the graceful stop, so every rank saves first.",
-    "stop_for_time_limit() {",
-    f'  mkdir -p "{RunPaths("$RUN_DIR").control}"',
-    f'  printf \'{{"by": "{TIME_LIMIT_BY}", "job_id": "%s", "time": %s, "grace_s": %s}}\\n\' "$SLURM_JOB_ID" "$(date '
-    f'+%s)" '
-    '"${ILAB_NB_SIGNAL_LEAD_S:-60}" > "$RUN_DIR/control/.stop.tmp" && mv -n "$RUN_DIR/control/.stop.tmp" '
-    f'"{RunPaths("$RUN_DIR").stop}"',
-    "}", "trap stop_for_time_limit USR1"]
+def signal_lead(o) -> int | None:
+    "The lead of the job's `--signal` (seconds before its time limit): the user's own `--signal=...@N`, else ours."
+    own = [l for l in (o.sbatch_lines if o else []) if l.startswith("--signal")]
+    m = re.search(r"@(\d+)\s*$", own[-1]) if own else None
+    return int(m.group(1)) if m else signal_lead_s(o.time if o else None)
+
+def _trap_lines(rd: Path, lead) -> list:
+    # The run directory and the lead are written in: the trap works from the script's first line, before any variable.
+    p, q = RunPaths(rd), lambda x: shlex.quote(str(x))
+    tmp = p.control / ".stop.tmp"
+    return ["# SLURM's signal before the time limit (--signal=B:USR1@N): the graceful stop, so every rank saves first.",
+            "# Set before anything else: bash ends on a USR1 it has no trap for, and a slow set-up must not lose it.",
+            "stop_for_time_limit() {",
+            f"  mkdir -p {q(p.control)}",
+            f'  printf \'{{"by": "{TIME_LIMIT_BY}", "job_id": "%s", "time": %s, "grace_s": {lead or 60}}}\\n\' '
+            f'"$SLURM_JOB_ID" "$(date +%s)" > {q(tmp)} && mv -n {q(tmp)} {q(p.stop)}',
+            "}", "trap stop_for_time_limit USR1", ""]
 
 def _node_lines(body: str) -> list:
     return ["", "# Every node: one `accelerate launch` for its share of the processes, its own log.",
@@ -219,7 +227,7 @@ def _node_lines(body: str) -> list:
             f'exec >>"{RunPaths("$RUN_DIR").node_log("$SLURMD_NODENAME")}" 2>&1',
             'echo "== ilab_nb attempt $ATTEMPT: node $SLURMD_NODENAME (node rank $SLURM_NODEID) of job $SLURM_JOB_ID, '
             '$(date -u) =="',
-            "exec " + body, "NODE", *_TRAP_LINES, "",
+            "exec " + body, "NODE", "",
             "# srun in the background: bash runs a trap only between commands, and `wait` returns for it.",
             'srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "$NODE_CMD" &',
             'SRUN_PID=$!', 'wait "$SRUN_PID"; rc=$?',
@@ -238,10 +246,9 @@ def sbatch_script(cfg: TrainConfig, run_dir, attempt=1, resume=None) -> str:
          f"# ilab_nb run {rd.name}, attempt {attempt}: written by FineTuneSession.start(); "
          f"`sbatch {rd.name}/{script_name(attempt)}` submits it by hand.",
          *[f"#SBATCH {l}" for l in sbatch_lines(cfg, rd, attempt)], "",
+         *(_trap_lines(rd, signal_lead(o)) if signal_lead(o) else []),
          *_setup_lines(cfg, rd, attempt, resume), "", *_head_lines(cfg, py)]
     if o is not None and o.requeue: s += _REQUEUE_LINES
-    if (lead := signal_lead_s(o.time if o else None)):
-        s += [f"export ILAB_NB_SIGNAL_LEAD_S={lead}   # --signal's lead: the stop's grace"]
     return "\n".join(s + _node_lines(_node_body(node_command(cfg, rd, attempt, resume), rd)))
 
 # %% ../nbs/50_slurm.ipynb #792ae320
