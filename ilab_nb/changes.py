@@ -30,6 +30,7 @@ RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_sched
 _MEANS = {   # why a field may not change on a resume: what the checkpoint holds
     "the checkpoint holds this model's weights": ("model", "trust_remote_code"),
     "the checkpoint holds adapters of this shape": ("lora",),
+    "the checkpoint's adapters learned the corrections of this base, quantized this way": ("quantization",),
     "the checkpoint's optimizer holds state for the parts of the model that train, and its adapters sit on those "
     "parts": ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model"),
     "the checkpoint's data position counts the samples of this data, split, tokenized and batched this way":

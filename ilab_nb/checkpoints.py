@@ -207,12 +207,12 @@ def write_final(paths: RunPaths, model, tokenizer, env) -> Path:
     _barrier(env)
     return tmp
 
-def seal_final(paths: RunPaths, merge: bool = False) -> Path:
-    """Rank 0 alone: the adapters of `final/`'s temporary folder merged into their base (`merge`), then the folder
-    renamed `final/`."""
+def seal_final(paths: RunPaths, merge: bool = False, quantization: dict | None = None) -> Path:
+    """Rank 0 alone: the adapters of `final/`'s temporary folder merged into their base (`merge`; a QLoRA run's into
+    its base dequantised), then the folder renamed `final/`."""
     tmp, final = paths.final_tmp, paths.final
     with writing(f"{final}/"):
-        if merge: L.merge_adapter(tmp / "adapter", tmp)              # in the base's dtype, in this one process
+        if merge: L.merge_adapter(tmp / "adapter", tmp, quantization=quantization)   # in the base's dtype, one process
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
     return final

@@ -24,7 +24,8 @@ from .config_fields import (
     _device_problems, _ExperimentFields, _MemoryFields, _ScheduleFields, EIGHT_BIT)
 from .config_machines import _MachineFields, _machine_problems, RayOptions, SlurmOptions
 from .config_methods import (
-    _AdapterFields, _GRPOFields, _lora_fields, _method_problems, _MethodFields, DPO_LOSSES, GRPO_DEFAULTS, GRPO_LOSSES)
+    _AdapterFields, _GRPOFields, _lora_fields, _method_problems, _quantization_fields, _MethodFields, DPO_LOSSES,
+    GRPO_DEFAULTS, GRPO_LOSSES)
 
 # the parts' public names, imported from here as before
 _all_ = ["ConfigError", "config_line", "DataSources", "InMemoryData", "data_sources", "SlurmOptions", "RayOptions",
@@ -150,6 +151,12 @@ def config_problems(c) -> list:
         p.append(("optim", f"bitsandbytes' 8-bit AdamW ({c.optim!r}) steps whole tensors, and FSDP gives each process "
                            "shards of them (DTensors, which it cannot step); use strategy='ddp' (or 'single' on one "
                            "process), or adamw_torch"))
+    if c.quantization and not c.lora:
+        p.append(("quantization", "a quantized base takes no gradient step: QLoRA trains LoRA adapters on it; add "
+                                  "lora=..., e.g. lora={'r': 16}, or drop quantization"))
+    if c.quantization and c.strategy == "fsdp":
+        p.append(("quantization", "FSDP cannot shard a quantized base's packed weights, so each process holds the "
+                                  "whole base: use strategy='ddp' (or 'single' on one process)"))
     return p + _method_problems(c) + _machine_problems(c)
 
 # %% ../nbs/12_config.ipynb #4fcb0529
@@ -166,6 +173,7 @@ class TrainConfig(_Fields):
     _gpus = field_validator("devices")(_distinct_gpus)
     _accelerate = field_validator("accelerate_config")(_existing_file)
     _lora = field_validator("lora", mode="before")(_lora_fields)
+    _quantization = field_validator("quantization", mode="before")(_quantization_fields)
     _rewards = field_validator("reward_funcs", "tools")(_reward_refs)
     _envs = field_validator("environment_factory")(_env_refs)
 

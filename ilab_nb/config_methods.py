@@ -16,7 +16,7 @@ from .config_fields import _FieldGroup
 # %% auto #0
 __all__ = ['GRPO_DEFAULTS', 'DPO_LOSSES', 'GRPO_LOSSES']
 
-# %% ../nbs/06_config_methods.ipynb #f029e017
+# %% ../nbs/06_config_methods.ipynb #940291c5
 class _AdapterFields(_FieldGroup):
     "Full fine-tuning or LoRA adapters, and what a LoRA run leaves as its final model."
     lora: dict[str, Any] | None = Field(None, description=(
@@ -26,6 +26,10 @@ class _AdapterFields(_FieldGroup):
     merge_lora: bool = Field(True, description=(
         "After a LoRA run, merge the adapters into the base and write the merged model as final/ (the adapters stay "
         "in final/adapter/)."))
+    quantization: dict[str, Any] | None = Field(None, description=(
+        "Keep the frozen base quantized by bitsandbytes under the LoRA adapters (QLoRA): a mapping of transformers' "
+        "BitsAndBytesConfig fields, e.g. {'load_in_4bit': True, 'bnb_4bit_quant_type': 'nf4'}, or one; None = the "
+        "base in full precision."))
     freeze_vision_tower: bool = Field(True, description=(
         "A vision-language model's image encoder neither trains nor gets adapters (LLaMA-Factory's name and "
         "default)."))
@@ -94,6 +98,50 @@ def _lora_fields(v):
     v = {k: sorted(x) if isinstance(x, set) else x for k, x in v.items()}
     try: LoraConfig(**v)
     except (TypeError, ValueError) as e: raise ValueError(f"peft.LoraConfig refuses it: {e}") from None
+    return v
+
+# %% ../nbs/06_config_methods.ipynb #71ab2f5e
+_QUANT_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
+               "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage", "llm_int8_threshold", "llm_int8_skip_modules")
+_QUANT_REFUSED = {
+    "llm_int8_enable_fp32_cpu_offload": "the whole base sits on each process's device, none of it offloaded",
+    "llm_int8_has_fp16_weight": "the quantized base is frozen: only the adapters train",
+}
+_QUANT_DTYPES = ("float32", "bfloat16", "float16")
+
+def _quantization_fields(v):
+    """A mapping of `transformers.BitsAndBytesConfig` fields (or a `BitsAndBytesConfig`) as a plain dict of the given
+    fields, checked."""
+    if v is None: return None
+    import importlib.util
+    if type(v).__name__ == "BitsAndBytesConfig":
+        d, default = v.to_dict(), type(v)().to_dict()
+        v = {k: d[k] for k in _QUANT_KEYS if k in d and d[k] != default.get(k)}
+    if not isinstance(v, dict):
+        raise ValueError("must be a mapping of transformers.BitsAndBytesConfig fields, e.g. "
+                         "quantization={'load_in_4bit': True}, or a BitsAndBytesConfig")
+    for k in v:
+        if k in _QUANT_REFUSED: raise ValueError(f"{k}: not taken ({_QUANT_REFUSED[k]})")
+        if k not in _QUANT_KEYS:
+            near = next(iter(difflib.get_close_matches(str(k), _QUANT_KEYS, n=1, cutoff=0.6)), None)
+            raise ValueError(f"unknown BitsAndBytesConfig field '{k}'" + (f" — did you mean '{near}'?" if near else
+                             f" (e.g. {', '.join(_QUANT_KEYS[:4])})"))
+    v = {k: str(x).removeprefix("torch.") if k.endswith(("_dtype", "_storage")) else x for k, x in v.items()}
+    four, eight = v.get("load_in_4bit") is True, v.get("load_in_8bit") is True
+    if four == eight:
+        raise ValueError("needs one of load_in_4bit=True (QLoRA's 4-bit base) and load_in_8bit=True (LLM.int8)")
+    if eight and (extra := [k for k in v if k.startswith("bnb_4bit_")]):
+        raise ValueError(f"{extra[0]} shapes a 4-bit base, and this one is load_in_8bit")
+    if v.get("bnb_4bit_quant_type", "fp4") not in ("nf4", "fp4"):
+        raise ValueError(f"bnb_4bit_quant_type={v['bnb_4bit_quant_type']!r}: 'nf4' or 'fp4'")
+    for k, ok in (("bnb_4bit_compute_dtype", _QUANT_DTYPES), ("bnb_4bit_quant_storage", ("uint8", *_QUANT_DTYPES))):
+        if k in v and v[k] not in ok: raise ValueError(f"{k}={v[k]!r}: one of {', '.join(ok)}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("a quantized base needs bitsandbytes, which is not installed; install it with "
+                         "pip install 'ilab_nb[qlora]', or train without quantization")
+    from transformers import BitsAndBytesConfig
+    try: BitsAndBytesConfig(**v)
+    except (TypeError, ValueError) as e: raise ValueError(f"transformers.BitsAndBytesConfig refuses it: {e}") from None
     return v
 
 # %% ../nbs/06_config_methods.ipynb #2979588a

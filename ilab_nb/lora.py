@@ -12,8 +12,8 @@ from .core import auto_class
 
 # %% auto #0
 __all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'is_adapted', 'base_of', 'adapter_modules', 'base_key',
-           'is_adapter_key', 'without_frozen', 'gathered_adapters', 'save_adapter', 'load_adapted', 'merge_adapter',
-           'finetuning_info', 'adapter_param_count', 'adapter_folder', 'load_trained']
+           'is_adapter_key', 'without_frozen', 'gathered_adapters', 'save_adapter', 'unpacked_4bit', 'dequantized_base',
+           'load_adapted', 'merge_adapter', 'finetuning_info', 'adapter_param_count', 'adapter_folder', 'load_trained']
 
 # %% ../nbs/25_lora.ipynb #9d4f539e
 LORA_DEFAULTS = dict(target_modules="all-linear")
@@ -93,11 +93,13 @@ def is_adapter_key(name: str) -> bool:
     "Whether a state-dict entry is an adapter's (peft's `lora_A`/`lora_B`, ...)."
     return bool(re.search(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.", name))
 
-# %% ../nbs/25_lora.ipynb #1c93439f
+# %% ../nbs/25_lora.ipynb #6dcc108c
 def without_frozen(model, state_dict: dict) -> dict:
-    "`state_dict` (the model's, by parameter name) less the entries of frozen parameters."
+    """`state_dict` (the model's, by parameter name) less the entries of frozen parameters, and of what a quantized
+    frozen weight adds beside it (bitsandbytes' `weight.absmax`, `weight.quant_state.*`, ...)."""
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}   # tied names too
-    return {k: v for k, v in state_dict.items() if k not in frozen}
+    return {k: v for k, v in state_dict.items()
+            if k not in frozen and not (".weight." in k and k.split(".weight.")[0] + ".weight" in frozen)}
 
 # %% ../nbs/25_lora.ipynb #0ca34a20
 def gathered_adapters(model) -> dict:
@@ -111,22 +113,44 @@ def save_adapter(model, out_dir, rank: int) -> Path:
     if rank == 0: model.save_pretrained(str(out_dir), state_dict=full)
     return Path(out_dir)
 
-# %% ../nbs/25_lora.ipynb #b1c19457
-def load_adapted(adapter_dir, base_model: str | None = None, trust_remote_code: bool = False, **kwargs):
+# %% ../nbs/25_lora.ipynb #c9f36f0c
+def unpacked_4bit(model):
+    """`model` with bitsandbytes' CPU repacking of its 4-bit weights turned off: on a CPU with AVX512-BF16, the first
+    forward in eval mode without gradients repacks a weight for a bfloat16 kernel, and every later forward, training
+    ones too, computes in bfloat16 and passes no gradient to its input (the adapters below it would stop learning)."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"): m.support_avx512bf16_for_cpu = False
+    return model
+
+def dequantized_base(base_model, quantization: dict, trust_remote_code: bool = False):
+    """The base as a QLoRA run trained on it: quantized by bitsandbytes (`BitsAndBytesConfig(**quantization)`), then
+    each quantized weight dequantised to the compute dtype (float32 unless `bnb_4bit_compute_dtype` says)."""
+    import torch
+    from transformers import AutoConfig, BitsAndBytesConfig
+    dt = getattr(torch, quantization.get("bnb_4bit_compute_dtype", "float32"))
+    auto = auto_class(AutoConfig.from_pretrained(base_model, trust_remote_code=trust_remote_code))
+    q = auto.from_pretrained(base_model, trust_remote_code=trust_remote_code, dtype=dt, device_map="cpu",
+                             quantization_config=BitsAndBytesConfig(**quantization))
+    return q.dequantize(dtype=dt)      # before any forward: bitsandbytes' CPU kernels repack a weight on its first use
+
+def load_adapted(adapter_dir, base_model: str | None = None, trust_remote_code: bool = False, quantization=None,
+                 **kwargs):
     """The base model (named in the adapter's config, or `base_model`) with the adapters of `adapter_dir`, for use: in
-    the base's dtype, or `dtype=`."""
+    the base's dtype, or `dtype=`; a QLoRA run's (`quantization`) on its base dequantised."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoConfig
     base_model = base_model or PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
-    auto = auto_class(AutoConfig.from_pretrained(base_model, trust_remote_code=trust_remote_code))
-    base = auto.from_pretrained(base_model, trust_remote_code=trust_remote_code, **kwargs)
+    if quantization: base = dequantized_base(base_model, quantization, trust_remote_code)
+    else:
+        auto = auto_class(AutoConfig.from_pretrained(base_model, trust_remote_code=trust_remote_code))
+        base = auto.from_pretrained(base_model, trust_remote_code=trust_remote_code, **kwargs)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
 def merge_adapter(adapter_dir, out_dir, base_model: str | None = None, trust_remote_code: bool = False,
-                  dtype="auto") -> Path:
+                  dtype="auto", quantization=None) -> Path:
     """Merge the adapters of `adapter_dir` into their base and write the merged model to `out_dir` (one process), in the
-    base's dtype or `dtype`."""
-    merged = load_adapted(adapter_dir, base_model, trust_remote_code, dtype=dtype).merge_and_unload()
+    base's dtype or `dtype`; a QLoRA run's (`quantization`) into its base dequantised, in the compute dtype."""
+    merged = load_adapted(adapter_dir, base_model, trust_remote_code, quantization, dtype=dtype).merge_and_unload()
     merged.config.use_cache = True
     merged.save_pretrained(str(out_dir))
     return Path(out_dir)

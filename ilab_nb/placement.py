@@ -22,7 +22,8 @@ __all__ = ['resolve_device', 'DistEnv', 'process_group_backend', 'check_world', 
            'group_timeout', 'node_name', 'machines_in_effect', 'transformer_blocks', 'checkpointing_in_effect',
            'enable_checkpointing', 'unwrap', 'local_param_count', 'tie_again', 'materialize', 'checkpoint_dir',
            'fill_from_files', 'check_filled', 'fill_from_rank0', 'run_mesh', 'fsdp_policies', 'shard_model',
-           'check_sharded', 'replicate', 'setup_record', 'setup_model', 'make_optimizer', 'make_scheduler']
+           'check_sharded', 'replicate', 'quantization_summary', 'setup_record', 'load_quantized', 'setup_model',
+           'make_optimizer', 'make_scheduler']
 
 # %% ../nbs/28_placement.ipynb #858ffa19
 def resolve_device(cfg: TrainConfig) -> str:
@@ -315,11 +316,19 @@ def replicate(model, env: DistEnv):
     return DDP(model, device_ids=[env.device.index] if env.device_type == "cuda" else None,
                find_unused_parameters=M.is_vision_model(getattr(unwrap(model), "config", None)))
 
-# %% ../nbs/28_placement.ipynb #2180599d
+# %% ../nbs/28_placement.ipynb #07fad761
+def quantization_summary(q: dict) -> str:
+    "What a `quantization` mapping makes of the base, in words: '4-bit nf4, double quantization' or '8-bit LLM.int8'."
+    if q.get("load_in_8bit"): return "8-bit LLM.int8"
+    return (f"4-bit {q.get('bnb_4bit_quant_type', 'fp4')}"
+            + (", double quantization" if q.get("bnb_4bit_use_double_quant") else ""))
+
 def setup_record(cfg: TrainConfig, env: DistEnv, blocks: int, plan=None) -> dict:
     "The header's account of the set-up: `load` (how `plan`, None for the fallback, was read), `mixed_precision`, ..."
     fsdp, bf16 = cfg.strategy == "fsdp", cfg.precision == "bf16"
-    load = (f"{'sharded' if fsdp else 'full'} read (DCP HuggingFaceStorageReader): {M.plan_summary(plan)}"
+    load = (f"from_pretrained, quantized by bitsandbytes ({quantization_summary(cfg.quantization)}), whole on each "
+            f"process" if cfg.quantization else
+            f"{'sharded' if fsdp else 'full'} read (DCP HuggingFaceStorageReader): {M.plan_summary(plan)}"
             if plan is not None else
             f"rank 0 from_pretrained{', broadcast' if env.world_size > 1 else ''} (no safetensors files)")
     mp = (dict(param_dtype="bfloat16", reduce_dtype="float32", master="float32") if fsdp
@@ -327,9 +336,32 @@ def setup_record(cfg: TrainConfig, env: DistEnv, blocks: int, plan=None) -> dict
     return dict(load=load, mixed_precision=mp if bf16 else None, cpu_offload=fsdp and cfg.cpu_offload,
                 torch_compile="per block" if cfg.torch_compile else None, blocks=blocks)
 
-# %% ../nbs/28_placement.ipynb #e48660be
+# %% ../nbs/28_placement.ipynb #b65eefac
+def load_quantized(cfg: TrainConfig, env: DistEnv, layout: str):
+    "QLoRA's model on this process: the base quantized by bitsandbytes as it is read, prepared, with the adapters."
+    from transformers import BitsAndBytesConfig
+    from peft import prepare_model_for_kbit_training
+    base, info = M.auto_class(M.model_config(cfg)).from_pretrained(
+        cfg.model, quantization_config=BitsAndBytesConfig(**cfg.quantization), dtype=torch.float32,
+        device_map={"": str(env.device)}, attn_implementation=M.attention_for(cfg, layout, env.device_type),
+        trust_remote_code=cfg.trust_remote_code, output_loading_info=True)
+    if info["missing_keys"]:
+        raise RuntimeError(f"from_pretrained found no weights for {', '.join(sorted(info['missing_keys'])[:3])} in "
+                           f"{cfg.model} and initialised them at random; the run stops before step 1")
+    base = L.unpacked_4bit(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False))
+    base.config.use_cache = False
+    if cfg.gradient_checkpointing: enable_checkpointing(base)
+    return V.set_trainable(base, cfg)
+
+# %% ../nbs/28_placement.ipynb #942e5fd4
 def setup_model(cfg: TrainConfig, env: DistEnv, layout: str) -> tuple:
     "The model to train, set up in one sequence for every strategy, and the header's account of it (`setup_record`)."
+    if cfg.quantization:                    # QLoRA: the whole quantized base on each process, adapters on it
+        model = load_quantized(cfg, env, layout)
+        if cfg.torch_compile:
+            for m in transformer_blocks(model): m.compile()
+        return (replicate(model, env) if cfg.strategy == "ddp" else model,
+                setup_record(cfg, env, len(transformer_blocks(model))))
     model = build_empty_model(cfg, M.attention_for(cfg, layout, env.device_type))
     blocks = transformer_blocks(model)
     if not blocks and (cfg.strategy == "fsdp" or cfg.torch_compile):

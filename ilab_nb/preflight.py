@@ -266,8 +266,12 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set | None:
                 None)
 
 def check_optim(cfg, kind: str, flags: set | None = None):
-    "A `PreflightError` for an 8-bit optimizer on a CPU without AVX2."
+    "A `PreflightError` for an 8-bit optimizer on a CPU without AVX2, or a quantized base under a vision model."
     from ilab_nb.config_fields import EIGHT_BIT
+    if cfg.quantization and _reads_images(cfg):
+        raise PreflightError("quantization: a vision-language model's quantized base is not supported yet (its tower "
+                             "and projector would be quantized with the blocks); train LoRA on its full-precision "
+                             "base, or drop quantization", "quantization")
     if cfg.optim not in EIGHT_BIT or kind != "cpu": return
     flags = cpu_flags() if flags is None else flags
     if flags is not None and "avx2" not in flags and "asimd" not in flags:         # x86's AVX2; ARM's NEON

@@ -10,9 +10,9 @@ from pathlib import Path
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['OPTIMIZER_STATE_BYTES', 'CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'tensor_shapes', 'tensor_sizes',
-           'count_params', 'count_params_of', 'memory_estimate', 'fit_hint', 'kv_cache_bytes', 'tokenizer_bytes',
-           'checkpoint_bytes']
+__all__ = ['OPTIMIZER_STATE_BYTES', 'QLORA', 'CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'tensor_shapes',
+           'tensor_sizes', 'count_params', 'count_params_of', 'quantized_bytes', 'memory_estimate', 'fit_hint',
+           'kv_cache_bytes', 'tokenizer_bytes', 'checkpoint_bytes']
 
 # %% ../nbs/59_sizes.ipynb #db1c9d4e
 def tensor_shapes(model_dir) -> dict:
@@ -52,15 +52,22 @@ def count_params_of(shapes: dict) -> dict:
 OPTIMIZER_STATE_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "sgd": 0, "adafactor": 0,   # per trained parameter
                          **dict.fromkeys(("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"), 2)}   # (+ block scales)
 
+def quantized_bytes(quantized: dict) -> float:
+    "Bytes a weight of the blocks takes in a base quantized by bitsandbytes as `quantized` says, its scales included."
+    if quantized.get("load_in_8bit"): return 1.0
+    return 0.5 + (1 / 64 + 4 / (64 * 256) if quantized.get("bnb_4bit_use_double_quant") else 4 / 64)
+
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False,
-                    adapters: int = 0, frozen: int = 0, optim: str = "adamw_torch") -> dict:
+                    adapters: int = 0, frozen: int = 0, optim: str = "adamw_torch",
+                    quantized: dict | None = None) -> dict:
     """Bytes per rank on the device and in host memory for training `params` (from `count_params`) with `optim`, before
     activations; `frozen` of them (a vision-language model's frozen parts, fully fine-tuned) are held as float32
-    weights alone."""
+    weights alone; a LoRA base `quantized` by bitsandbytes (QLoRA) is held whole."""
     n, w = params["total"], (world_size if strategy == "fsdp" else 1)
     compute = 2 if precision == "bf16" else 4
     trains = adapters or n - frozen                              # LoRA: only the adapters train
     base = compute * n if adapters else 4 * frozen                # the frozen base (LoRA's in the compute dtype)
+    if quantized: base = round(4 * params["root"] + quantized_bytes(quantized) * (n - params["root"]))
     state = (base + (8 + OPTIMIZER_STATE_BYTES[optim]) * trains) // w     # + fp32 weights, grads, optimizer state
     gathered = (params["root"] + 2 * params["block"]) * compute if strategy == "fsdp" else 0
     extra = (4 * trains if strategy == "ddp" else 0) + (2 * trains if precision == "bf16" and strategy != "fsdp" else 0)
@@ -73,11 +80,14 @@ def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0) -
     params = count_params_of(shapes)
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
                            adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
-                           frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim)
+                           frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim, quantized=cfg.quantization)
+
+QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}   # QLoRA's own
 
 def _lighter(cfg) -> list[tuple[str, dict]]:
     """Changes that lower what a rank holds, the ones that change the run least first: bf16, 8-bit AdamW moments
-    (not under FSDP), LoRA adapters (peft's default rank, 8), both, and FSDP's shards moved to host memory."""
+    (not under FSDP), LoRA adapters (peft's default rank, 8), both, FSDP's shards moved to host memory, and a 4-bit
+    base (QLoRA, on DDP's whole-model processes)."""
     out = [("precision='bf16'", dict(precision="bf16"))] if cfg.precision != "bf16" else []
     if cfg.strategy != "fsdp" and cfg.optim in ("adamw_torch", "adamw_torch_fused"):
         out.append(("optim='adamw_8bit'", dict(optim="adamw_8bit")))
@@ -86,6 +96,11 @@ def _lighter(cfg) -> list[tuple[str, dict]]:
         if cfg.precision != "bf16": out.append(("lora={'r': 8} and precision='bf16'", dict(lora={"r": 8},
                                                                                            precision="bf16")))
     if cfg.strategy == "fsdp" and not cfg.cpu_offload: out.append(("cpu_offload=True", dict(cpu_offload=True)))
+    if cfg.quantization is None:
+        q = dict(quantization=QLORA, lora=cfg.lora or {"r": 8})
+        if cfg.strategy == "fsdp": q.update(strategy="ddp" if cfg.num_processes > 1 else "single", cpu_offload=False)
+        out.append((f"{'' if cfg.lora else 'lora={' + repr('r') + ': 8} and '}quantization={QLORA}"
+                    + (f" with strategy={q['strategy']!r}" if "strategy" in q else ""), q))
     return out
 
 def fit_hint(cfg, shapes: dict, cap: int) -> str:

@@ -544,7 +544,7 @@ def finish(self:Attempt, end: dict) -> str:
             if _AS_RANK: gc.unfreeze()                    # frozen by a rank's `_train`: collectable again
             gc.collect()
             if self.env.device_type == "cuda": torch.cuda.empty_cache()
-        seal_final(self.paths, merge)
+        seal_final(self.paths, merge, self.cfg.quantization)
     self.metrics.write("event", event=Event.completed, step=total, **seen)
     return Event.completed
 
