@@ -9,7 +9,7 @@ import json
 from .config import ConfigError, TrainConfig, _show
 
 # %% auto #0
-__all__ = ['RESUME_CHANGEABLE', 'RESUME_REFUSED', 'with_changes']
+__all__ = ['RESUME_CHANGEABLE', 'RESUME_REFUSED', 'WHOLE_MODEL', 'with_changes']
 
 # %% ../nbs/17_changes.ipynb #38c897bc
 RESUME_CHANGEABLE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps",
@@ -44,6 +44,11 @@ _MEANS = {   # why a field may not change on a resume: what the checkpoint holds
     "a run keeps the backend that runs its processes": ("backend",),
 }
 RESUME_REFUSED = {f: why for why, fs in _MEANS.items() for f in fs}
+WHOLE_MODEL = ("ddp", "single")   # strategies whose every process holds the whole model and optimizer state, alike
+
+def _may_change(field: str, diff: dict) -> bool:
+    "Whether a change in `diff` of the refused `field` keeps what the checkpoint holds: from DDP to one process, or back."
+    return field == "strategy" and all(s in WHOLE_MODEL for s in diff[field])
 
 # %% ../nbs/17_changes.ipynb #54bf4d23
 def _global_batch_problem(old: TrainConfig, new: TrainConfig, changes: dict, what: str) -> dict | None:
@@ -77,6 +82,6 @@ def with_changes(cfg: TrainConfig, changes: dict, what: str = "resume", refused=
         raise
     dumped = new.model_dump(mode="json")
     diff = {k: [old[k], dumped[k]] for k in changes if old[k] != dumped[k]}
-    refuse([k for k in diff if k in refused])
+    refuse([k for k in diff if k in refused and not _may_change(k, diff)])
     if p := _global_batch_problem(cfg, new, changes, what): raise ConfigError([p])
     return new, diff

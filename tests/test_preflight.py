@@ -207,6 +207,8 @@ def test_locks_dir_read_only_after_construction_fails_the_run_with_the_reason(de
         s.start()
         assert s.wait(timeout=60) == "failed"          # was: queued, then "it died without recording how the run ended"
         assert f"its device locks in {d / 'locks'} cannot be written (OSError: [Errno 30] Read-only file system" in s.reason, s.reason
-        assert "set ILAB_NB_LOCKS to a writable directory" in s.reason and not run_processes_under(runs_root)
+        assert "set ILAB_NB_LOCKS to a writable directory" in s.reason
+        # the supervisor records the end, then exits: none of the run's processes outlives that
+        wait_until(lambda: not run_processes_under(runs_root), 60, what="every process of the run gone")
     finally:
         subprocess.run(["umount", str(d)], check=True)
