@@ -47,7 +47,7 @@ RESUME_REFUSED = {f: why for why, fs in _MEANS.items() for f in fs}
 WHOLE_MODEL = ("ddp", "single")   # strategies whose every process holds the whole model and optimizer state, alike
 
 def _may_change(field: str, diff: dict) -> bool:
-    "Whether a change in `diff` of the refused `field` keeps what the checkpoint holds: from DDP to one process, or back."
+    "Whether the change in `diff` of the refused `field` keeps what the checkpoint holds: DDP to one process, or back."
     return field == "strategy" and all(s in WHOLE_MODEL for s in diff[field])
 
 # %% ../nbs/17_changes.ipynb #54bf4d23
