@@ -9,16 +9,20 @@ processes, DDP, fp32 compute, one epoch over the same rows), one run each:
   peft `LoraConfig`, on two processes as `accelerate launch` runs it.
 
 Per run: rows/s over the training loop (ilab_nb: its `elapsed_s` at the last step; TRL: its `train_runtime`), rank 0's
-peak resident set (ru_maxrss: it keeps what the allocator freed, and holds the libraries, so compare differences), and
-the per-rank training state the memory estimate gives (`ilab_nb.sizes.memory_estimate`: the base, adapters, gradients,
+peak resident set (ru_maxrss: it keeps what the allocator freed, the libraries, and the model file's pages read while
+loading, so compare differences), the largest private memory (USS, sampled twice a second) of any of the run's
+processes while it trains: what a rank holds of its own, without the file pages the ranks share), and the per-rank
+training state the memory estimate gives (`ilab_nb.sizes.memory_estimate`: the base, adapters, gradients,
 optimizer state, DDP's buckets; no activations) beside it. ilab_nb batches by a token budget per rank and TRL by rows,
 so their step counts differ; both see every row once.
 
     .venv/bin/python bench/bench_qlora.py           # ~5 minutes on 2 cores; writes bench/results_qlora.md
     .venv/bin/python bench/bench_qlora.py --big     # the ~1B shape (~15 minutes); writes bench/results_qlora_1b.md
 """
-import argparse, datetime, json, os, platform, statistics, sys, tempfile, textwrap
+import argparse, datetime, json, os, platform, statistics, sys, tempfile, textwrap, threading
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "bench"))
@@ -56,11 +60,27 @@ TRL_SCRIPT = textwrap.dedent('''
 ''')
 
 
+class PeakUSS(threading.Thread):
+    "The largest private memory (USS, MiB) of any process whose command line holds `marker`, sampled until `stop`."
+    def __init__(self, marker: str):
+        super().__init__(daemon=True); self.marker, self.peak, self.done = marker, 0.0, threading.Event()
+    def run(self):
+        while not self.done.wait(0.5):
+            for p in psutil.process_iter(["cmdline"]):
+                try:
+                    if self.marker in " ".join(p.info["cmdline"] or ()):
+                        self.peak = max(self.peak, p.memory_full_info().uss / MiB)
+                except psutil.Error: pass
+    def stop(self) -> float:
+        self.done.set(); self.join(); return self.peak
+
+
 def run_trl(model, data, root, bs, max_len) -> dict:
     script = root / "trl_qlora.py"; script.write_text(TRL_SCRIPT)
     out = Path(tempfile.mkdtemp(dir=root, prefix="trl-"))
+    uss = PeakUSS(str(out)); uss.start()
     _, res = launch_trl(script, [model, data, out, bs, max_len], out)
-    return res
+    return {**res, "uss_mb": uss.stop()}
 
 
 def main():
@@ -82,25 +102,29 @@ def main():
         data.write_text("".join(open(demo.train_file).readlines()[:n]))
         base = dict(num_processes=2, strategy="ddp", device="cpu", precision="fp32", num_train_epochs=1, logging_steps=1,
                     save_steps=None, learning_rate=1e-3, lr_scheduler_type="constant", max_tokens_per_batch=per_rank
-                    * 32, max_seq_len=max_len, batching="bucketed", seed=0)
+                    * 32, max_seq_len=max_len, batching="bucketed", seed=0, merge_lora=False)   # training only
         choices = ([] if a.big else [("full fine-tune", {})]) + [
             ("LoRA r=16", dict(lora=LORA)), ("LoRA r=16 + adamw_8bit", dict(lora=LORA, optim="adamw_8bit")),
             ("QLoRA r=16 (nf4, double quant)", dict(lora=LORA, quantization=QLORA)),
             ("QLoRA r=16 + adamw_8bit", dict(lora=LORA, quantization=QLORA, optim="adamw_8bit"))]
         rows = []
         for name, extra in choices:
-            s = run(model, data, root / "runs", **base, **extra)
+            runs = root / f"runs-{len(rows)}"
+            uss = PeakUSS(str(runs)); uss.start()
+            s = run(model, data, runs, **base, **extra)
+            peak_uss = uss.stop()
             train = s.metrics(kinds=("train",)); head = s.metrics(kinds=("header",))[0]
             lora = head["trainable_params"] if extra.get("lora") else 0
             est = memory_estimate(params, "ddp", 2, "fp32", adapters=lora, optim=extra.get("optim", "adamw_torch"),
                                   quantized=extra.get("quantization"))
             rows.append(dict(name=name, rows_per_s=n / train[-1]["elapsed_s"], steps=len(train),
-                             peak_mb=max(r["peak_mem_mb"] for r in train), est_mb=est["device_bytes"] / MiB,
+                             peak_mb=max(r["peak_mem_mb"] for r in train), uss_mb=peak_uss,
+                             est_mb=est["device_bytes"] / MiB,
                              loss=train[-1]["loss"]))
             print(rows[-1], flush=True)
         res = run_trl(model, data, root, per_rank, max_len)
         trl = dict(name="TRL SFTTrainer, QLoRA r=16 (nf4, double quant)", rows_per_s=n / res["loop"], steps=res["steps"],
-                   peak_mb=res["peak_mb"], est_mb=None, loss=res["losses"][-1])
+                   peak_mb=res["peak_mb"], uss_mb=res["uss_mb"], est_mb=None, loss=res["losses"][-1])
         print(trl, flush=True)
     import bitsandbytes, peft, torch, transformers, trl as trl_mod
     ref = next(r for r in rows if r["name"] == "LoRA r=16")
@@ -113,15 +137,18 @@ def main():
              f"torch {torch.__version__}, "
              f"transformers {transformers.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}, "
              f"trl {trl_mod.__version__}.", "",
-             "| | steps | rows/s | x LoRA's | rank 0 peak RSS MiB | - LoRA's | estimate MiB | - LoRA's | loss at the last "
-             "step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| | steps | rows/s | x LoRA's | rank 0 peak RSS MiB | - LoRA's | peak private MiB | - LoRA's | x LoRA's | "
+             "estimate MiB | - LoRA's | loss at the last step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows + [trl]:
         est = (f"{r['est_mb']:,.0f} | {r['est_mb'] - ref['est_mb']:+,.0f}" if r["est_mb"] is not None else "- | -")
         lines.append(f"| {r['name']} | {r['steps']} | {r['rows_per_s']:.1f} | {r['rows_per_s'] / ref['rows_per_s']:.2f} | "
-                     f"{r['peak_mb']:,.0f} | {r['peak_mb'] - ref['peak_mb']:+,.0f} | {est} | {r['loss']:.3f} |")
+                     f"{r['peak_mb']:,.0f} | {r['peak_mb'] - ref['peak_mb']:+,.0f} | {r['uss_mb']:,.0f} | "
+                     f"{r['uss_mb'] - ref['uss_mb']:+,.0f} | {r['uss_mb'] / ref['uss_mb']:.2f} | {est} | {r['loss']:.3f} |")
     lines += ["", f"ilab_nb's QLoRA against TRL's: rows/s x{q['rows_per_s'] / trl['rows_per_s']:.2f}, rank 0 "
-                  f"peak RSS x{q['peak_mb'] / trl['peak_mb']:.2f}. QLoRA's peak RSS against LoRA's: "
-                  f"x{q['peak_mb'] / ref['peak_mb']:.2f} (the estimate's training state: "
+                  f"peak RSS x{q['peak_mb'] / trl['peak_mb']:.2f}, peak private memory x{q['uss_mb'] / trl['uss_mb']:.2f}. "
+                  f"QLoRA against LoRA: peak RSS x{q['peak_mb'] / ref['peak_mb']:.2f}, peak private memory "
+                  f"x{q['uss_mb'] / ref['uss_mb']:.2f} (the estimate's training state: "
                   f"x{q['est_mb'] / ref['est_mb']:.2f})."]
     text = "\n".join(lines) + "\n"
     print(text)
