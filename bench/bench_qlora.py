@@ -10,8 +10,9 @@ processes, DDP, fp32 compute, one epoch over the same rows), one run each:
 
 Per run: rows/s over the training loop (ilab_nb: its `elapsed_s` at the last step; TRL: its `train_runtime`), rank 0's
 peak resident set (ru_maxrss: it keeps what the allocator freed, the libraries, and the model file's pages read while
-loading, so compare differences), the largest private memory (USS, sampled twice a second) of any of the run's
-processes while it trains: what a rank holds of its own, without the file pages the ranks share), and the per-rank
+loading, so compare differences), the largest anonymous resident memory (RssAnon, sampled twice a second) of any of
+the run's processes: what a rank holds of its own (tensors, the allocator's heap, libraries' data), without the model
+file's pages), and the per-rank
 training state the memory estimate gives (`ilab_nb.sizes.memory_estimate`: the base, adapters, gradients,
 optimizer state, DDP's buckets; no activations) beside it. ilab_nb batches by a token budget per rank and TRL by rows,
 so their step counts differ; both see every row once.
@@ -60,8 +61,15 @@ TRL_SCRIPT = textwrap.dedent('''
 ''')
 
 
-class PeakUSS(threading.Thread):
-    "The largest private memory (USS, MiB) of any process whose command line holds `marker`, sampled until `stop`."
+def rss_anon_mb(pid: int) -> float:
+    "The process's anonymous resident memory (`RssAnon` of /proc/PID/status), MiB."
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("RssAnon:"): return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class PeakAnon(threading.Thread):
+    "The largest anonymous resident memory (MiB) of any process whose command line holds `marker`, until `stop`."
     def __init__(self, marker: str):
         super().__init__(daemon=True); self.marker, self.peak, self.done = marker, 0.0, threading.Event()
     def run(self):
@@ -69,8 +77,8 @@ class PeakUSS(threading.Thread):
             for p in psutil.process_iter(["cmdline"]):
                 try:
                     if self.marker in " ".join(p.info["cmdline"] or ()):
-                        self.peak = max(self.peak, p.memory_full_info().uss / MiB)
-                except psutil.Error: pass
+                        self.peak = max(self.peak, rss_anon_mb(p.pid))
+                except (psutil.Error, OSError): pass
     def stop(self) -> float:
         self.done.set(); self.join(); return self.peak
 
@@ -78,7 +86,7 @@ class PeakUSS(threading.Thread):
 def run_trl(model, data, root, bs, max_len) -> dict:
     script = root / "trl_qlora.py"; script.write_text(TRL_SCRIPT)
     out = Path(tempfile.mkdtemp(dir=root, prefix="trl-"))
-    uss = PeakUSS(str(out)); uss.start()
+    uss = PeakAnon(str(out)); uss.start()
     _, res = launch_trl(script, [model, data, out, bs, max_len], out)
     return {**res, "uss_mb": uss.stop()}
 
@@ -98,11 +106,12 @@ def main():
         params = count_params(model)
         # the same n rows, once, for both tools; about `per_rank` of them a micro-batch (TRL: exactly)
         per_rank, max_len = (2, 128) if a.big else (8, 128)
+        budget = max(per_rank * 32, max_len)
         data = root / "train.jsonl"
         data.write_text("".join(open(demo.train_file).readlines()[:n]))
         base = dict(num_processes=2, strategy="ddp", device="cpu", precision="fp32", num_train_epochs=1, logging_steps=1,
-                    save_steps=None, learning_rate=1e-3, lr_scheduler_type="constant", max_tokens_per_batch=per_rank
-                    * 32, max_seq_len=max_len, batching="bucketed", seed=0, merge_lora=False)   # training only
+                    save_steps=None, learning_rate=1e-3, lr_scheduler_type="constant", max_tokens_per_batch=budget,
+                    max_seq_len=max_len, batching="bucketed", seed=0, merge_lora=False)   # training only
         choices = ([] if a.big else [("full fine-tune", {})]) + [
             ("LoRA r=16", dict(lora=LORA)), ("LoRA r=16 + adamw_8bit", dict(lora=LORA, optim="adamw_8bit")),
             ("QLoRA r=16 (nf4, double quant)", dict(lora=LORA, quantization=QLORA)),
@@ -110,7 +119,7 @@ def main():
         rows = []
         for name, extra in choices:
             runs = root / f"runs-{len(rows)}"
-            uss = PeakUSS(str(runs)); uss.start()
+            uss = PeakAnon(str(runs)); uss.start()
             s = run(model, data, runs, **base, **extra)
             peak_uss = uss.stop()
             train = s.metrics(kinds=("train",)); head = s.metrics(kinds=("header",))[0]
@@ -133,11 +142,11 @@ def main():
              f"`python bench/bench_qlora.py{' --big' if a.big else ''}` on {platform.node()} ({os.cpu_count()} CPUs), "
              f"{datetime.date.today()}: a {params['total'] / 1e6:,.0f}M-parameter Llama (random weights, the demo's "
              f"tokenizer), 2 CPU processes, DDP, fp32 compute, one epoch over {n} demo rows (ilab_nb: a budget of "
-             f"{per_rank * 32} tokens a micro-batch; TRL: {per_rank} rows), lr 1e-3 constant, one run per choice; "
+             f"{budget} tokens a micro-batch; TRL: {per_rank} rows), lr 1e-3 constant, one run per choice; "
              f"torch {torch.__version__}, "
              f"transformers {transformers.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}, "
              f"trl {trl_mod.__version__}.", "",
-             "| | steps | rows/s | x LoRA's | rank 0 peak RSS MiB | - LoRA's | peak private MiB | - LoRA's | x LoRA's | "
+             "| | steps | rows/s | x LoRA's | rank 0 peak RSS MiB | - LoRA's | peak anonymous MiB | - LoRA's | x LoRA's | "
              "estimate MiB | - LoRA's | loss at the last step |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows + [trl]:
@@ -146,8 +155,8 @@ def main():
                      f"{r['peak_mb']:,.0f} | {r['peak_mb'] - ref['peak_mb']:+,.0f} | {r['uss_mb']:,.0f} | "
                      f"{r['uss_mb'] - ref['uss_mb']:+,.0f} | {r['uss_mb'] / ref['uss_mb']:.2f} | {est} | {r['loss']:.3f} |")
     lines += ["", f"ilab_nb's QLoRA against TRL's: rows/s x{q['rows_per_s'] / trl['rows_per_s']:.2f}, rank 0 "
-                  f"peak RSS x{q['peak_mb'] / trl['peak_mb']:.2f}, peak private memory x{q['uss_mb'] / trl['uss_mb']:.2f}. "
-                  f"QLoRA against LoRA: peak RSS x{q['peak_mb'] / ref['peak_mb']:.2f}, peak private memory "
+                  f"peak RSS x{q['peak_mb'] / trl['peak_mb']:.2f}, peak anonymous memory x{q['uss_mb'] / trl['uss_mb']:.2f}. "
+                  f"QLoRA against LoRA: peak RSS x{q['peak_mb'] / ref['peak_mb']:.2f}, peak anonymous memory "
                   f"x{q['uss_mb'] / ref['uss_mb']:.2f} (the estimate's training state: "
                   f"x{q['est_mb'] / ref['est_mb']:.2f})."]
     text = "\n".join(lines) + "\n"
