@@ -221,7 +221,7 @@ def from_validation_error(cls:ConfigError, err: ValidationError, source: str | N
                             input=e.get("input")))
         elif e["type"] == "config_conflict":   # raised by TrainConfig._check_combinations: one entry per problem
             out += [dict(field=f, type="conflict", msg=m, input=None) for f, m in e["ctx"]["problems"]]
-        elif e["type"] == "lora_field":       # a key inside lora=: its own line in a file
+        elif e["type"] == "lora_field":       # a key inside lora= or quantization=: its own line in a file
             out.append(dict(field=field, at=f"{field}.{e['ctx']['key']}", type=e["type"], msg=e["ctx"]["msg"],
                             input=None))
         elif e["type"] == "missing":

@@ -121,21 +121,21 @@ def _quantization_fields(v):
         raise ValueError("must be a mapping of transformers.BitsAndBytesConfig fields, e.g. "
                          "quantization={'load_in_4bit': True}, or a BitsAndBytesConfig")
     for k in v:
-        if k in _QUANT_REFUSED: raise ValueError(f"{k}: not taken ({_QUANT_REFUSED[k]})")
+        if k in _QUANT_REFUSED: raise _lora_problem(k, f"{k}: not taken ({_QUANT_REFUSED[k]})")
         if k not in _QUANT_KEYS:
             near = next(iter(difflib.get_close_matches(str(k), _QUANT_KEYS, n=1, cutoff=0.6)), None)
-            raise ValueError(f"unknown BitsAndBytesConfig field '{k}'" + (f" — did you mean '{near}'?" if near else
-                             f" (e.g. {', '.join(_QUANT_KEYS[:4])})"))
+            raise _lora_problem(k, f"unknown BitsAndBytesConfig field '{k}'" + (f" — did you mean '{near}'?" if near
+                                   else f" (e.g. {', '.join(_QUANT_KEYS[:4])})"))
     v = {k: str(x).removeprefix("torch.") if k.endswith(("_dtype", "_storage")) else x for k, x in v.items()}
     four, eight = v.get("load_in_4bit") is True, v.get("load_in_8bit") is True
     if four == eight:
         raise ValueError("needs one of load_in_4bit=True (QLoRA's 4-bit base) and load_in_8bit=True (LLM.int8)")
     if eight and (extra := [k for k in v if k.startswith("bnb_4bit_")]):
-        raise ValueError(f"{extra[0]} shapes a 4-bit base, and this one is load_in_8bit")
+        raise _lora_problem(extra[0], f"{extra[0]} shapes a 4-bit base, and this one is load_in_8bit")
     if v.get("bnb_4bit_quant_type", "fp4") not in ("nf4", "fp4"):
-        raise ValueError(f"bnb_4bit_quant_type={v['bnb_4bit_quant_type']!r}: 'nf4' or 'fp4'")
+        raise _lora_problem("bnb_4bit_quant_type", f"bnb_4bit_quant_type={v['bnb_4bit_quant_type']!r}: 'nf4' or 'fp4'")
     for k, ok in (("bnb_4bit_compute_dtype", _QUANT_DTYPES), ("bnb_4bit_quant_storage", ("uint8", *_QUANT_DTYPES))):
-        if k in v and v[k] not in ok: raise ValueError(f"{k}={v[k]!r}: one of {', '.join(ok)}")
+        if k in v and v[k] not in ok: raise _lora_problem(k, f"{k}={v[k]!r}: one of {', '.join(ok)}")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError("a quantized base needs bitsandbytes, which is not installed; install it with "
                          "pip install 'ilab_nb[qlora]', or train without quantization")

@@ -116,6 +116,10 @@ def test_config_file_errors_name_the_key_and_its_line_before_anything_runs(demo,
     (tmp_path / "layers.yaml").write_text(base + "lora:\n  r: 4\n  layers_to_transform: [0, 1]\n")
     with pytest.raises(ConfigError, match="lora: layers_to_transform needs target_modules as a list of layer names.*\\(line 7\\)"):
         FineTuneSession(config=tmp_path / "layers.yaml", runs_root=tmp_path / "runs")
+    (tmp_path / "q.yaml").write_text(base + "lora:\n  r: 4\nquantization:\n  load_in_4bit: true\n  bnb_4bit_quant_typ: nf4\n")
+    with pytest.raises(ConfigError, match="quantization: unknown BitsAndBytesConfig field 'bnb_4bit_quant_typ' — did you mean "
+                                          "'bnb_4bit_quant_type'\\? \\(line 9\\)"):     # the key's own line
+        FineTuneSession(config=tmp_path / "q.yaml", runs_root=tmp_path / "runs")
     (tmp_path / "layers9.yaml").write_text(base + "lora:\n  r: 4\n  target_modules: [q_proj]\n  layers_to_transform: [9]\n")
     r = ilab("run", tmp_path / "layers9.yaml", "--runs-root", tmp_path / "runs", check=2)
     assert ("lora.layers_to_transform: LlamaForCausalLM has layers 0..3; [9] are not among them "
