@@ -108,15 +108,16 @@ test-fast: sync-check bytecode
 
 # The GPU check (tools/gpu_check.py: CUDA tests, a short run of each CUDA option, bench/bench_gpu.py, one summary).
 # The GPU machine to plan for has no network and lacks these packages, so their wheels are fetched here, for its
-# Python, into an ignored folder that travels with the working tree; the versions are this venv's.
+# Python, into an ignored folder that travels with the working tree; the versions are this venv's. bitsandbytes'
+# wheel (43 MB, its CUDA kernels inside, tagged manylinux_2_24) is for the QLoRA stage: about 46 MB in all.
 GPU_WHEELS := .gpu-wheels
 GPU_PY_VERSION ?= 3.12
-GPU_PKGS := pydantic pydantic_core annotated_types typing_inspection datasets dill multiprocess
+GPU_PKGS := pydantic pydantic_core annotated_types typing_inspection datasets dill multiprocess bitsandbytes
 
 gpu-wheels: setup
 	@rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
-	  --platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $$($(BIN)/python -c "import importlib.metadata as m; \
+	  --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 -d $(GPU_WHEELS) $$($(BIN)/python -c "import importlib.metadata as m; \
 	  print(' '.join(f'{p}=={m.version(p)}' for p in '$(GPU_PKGS)'.split()))")
 	@ls $(GPU_WHEELS)
 

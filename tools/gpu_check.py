@@ -61,6 +61,10 @@ RUNS = [
          expect=dict(method="dpo", finetuning="lora", data_kind="preference", layout="packed"), final_dtype="BF16"),
     dict(name="fsdp plain text bf16", data="text_", fields=dict(strategy="fsdp", precision="bf16", batching="auto"),
          expect=dict(method="sft", data_kind="text", layout="packed")),
+    dict(name="single QLoRA 4-bit + paged 8-bit AdamW", fields=dict(strategy="single", lora=dict(r=8, lora_alpha=16),
+         quantization=dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16"),
+         optim="paged_adamw_8bit"),
+         expect=dict(finetuning="lora", load=lambda v: str(v).startswith("from_pretrained, quantized by bitsandbytes (4-bit nf4)"))),
     dict(name="fsdp on 2 CPU ranks on a GPU machine", cpu=True, fields=dict(strategy="fsdp", device="cpu", num_processes=2),
          expect=dict(device_type="cpu", backend="gloo", world_size=2)),
 ]
