@@ -338,12 +338,23 @@ def test_dashboard_in_jupyterlab_with_chromium(demo, small_train, lab):
 
 
 CHAT_NOTEBOOK = """\
-import ipywidgets as W
+import threading, ipywidgets as W
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from ilab_nb.chat import ChatBox
 def box(path, **kw): return ChatBox(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), **kw)
+def paced(b, hold_at=300):
+    # the untrained model's answer streams a token each 0.1 s and is held at its 300th until Stop is pressed: it is
+    # still streaming when the test presses Stop, however fast this machine generates
+    real, n = b.chat.model.forward, [0]
+    def forward(*a, **k):
+        n[0] += 1
+        if n[0] > 1: threading.Event().wait(0.1)
+        if n[0] > hold_at: b.chat.stop_event.wait(300)
+        return real(*a, **k)
+    b.chat.model.forward = forward
+    return b
 W.VBox([box({trained!r}, title="after the demo's run", system={system!r}, max_new_tokens=16),
-        box({untrained!r}, title="the untrained demo model", max_new_tokens=400)])
+        paced(box({untrained!r}, title="the untrained demo model", max_new_tokens=400))])
 """
 
 

@@ -109,6 +109,12 @@ def test_chat_box_streams_and_stops(tracked_run, demo):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(demo.model_dir)
     long = ChatBox(AutoModelForCausalLM.from_pretrained(demo.model_dir), tok, max_new_tokens=400)
+    forward, calls = long.chat.model.forward, []
+    def held(*a, **k):      # the answer is held at its 300th token until Stop: Stop always comes while it streams
+        calls.append(1)
+        if len(calls) > 300: long.chat.stop_event.wait(300)
+        return forward(*a, **k)
+    long.chat.model.forward = held
     partial = []
     long.transcript.observe(lambda ch: partial.append(ch["new"]) if "▌" in ch["new"] else None, names="value")
     long.send("Tell me everything.")
