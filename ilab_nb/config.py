@@ -32,8 +32,9 @@ _all_ = ["ConfigError", "config_line", "DataSources", "InMemoryData", "data_sour
          "GRPO_DEFAULTS", "DPO_LOSSES", "GRPO_LOSSES"]
 
 # %% auto #0
-__all__ = ['config_problems', 'TrainConfig', 'fields_table', 'load_config', 'ConfigError', 'config_line', 'DataSources',
-           'InMemoryData', 'data_sources', 'SlurmOptions', 'RayOptions', 'GRPO_DEFAULTS', 'DPO_LOSSES', 'GRPO_LOSSES']
+__all__ = ['config_problems', 'uses_bitsandbytes', 'TrainConfig', 'fields_table', 'load_config', 'ConfigError', 'config_line',
+           'DataSources', 'InMemoryData', 'data_sources', 'SlurmOptions', 'RayOptions', 'GRPO_DEFAULTS', 'DPO_LOSSES',
+           'GRPO_LOSSES']
 
 # %% ../nbs/12_config.ipynb #5d3fd8ba
 class _Fields(_GRPOFields, _MethodFields, _AdapterFields, _ExperimentFields, _MachineFields, _MemoryFields,
@@ -158,6 +159,11 @@ def config_problems(c) -> list:
         p.append(("quantization", "FSDP cannot shard a quantized base's packed weights, so each process holds the "
                                   "whole base: use strategy='ddp' (or 'single' on one process)"))
     return p + _method_problems(c) + _machine_problems(c)
+
+# %% ../nbs/12_config.ipynb #95b56185
+def uses_bitsandbytes(c) -> bool:
+    "Whether a run of config `c` needs bitsandbytes: a quantized base (`quantization`) or an 8-bit `optim`."
+    return bool(c.quantization) or c.optim in EIGHT_BIT
 
 # %% ../nbs/12_config.ipynb #4fcb0529
 class TrainConfig(_Fields):

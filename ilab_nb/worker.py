@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
-from .core import patch, require_torch
+from .config import TrainConfig, uses_bitsandbytes
+from .core import leave_out, patch, require_torch
 from .rundir import (TRAINER_STATE, Event, RankState, RunPaths, complete_checkpoints,
                             open_append, gate, Action)
 from .rankfiles import MetricsWriter, is_collective_error, record_rank       # 19_rankfiles
@@ -569,6 +569,7 @@ def _train(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics
 def run(paths: RunPaths, resume: str | None = None, attempt: int = 1) -> str:
     "Train the run whose directory is `paths` to completion or to a stop request; returns `completed` or `stopped`."
     cfg = TrainConfig.read_json(paths.config_for(attempt))   # config.json, or the attempt's changed config
+    if _AS_RANK and not uses_bitsandbytes(cfg): leave_out("bitsandbytes")   # see below
     rank = int(os.environ.get("RANK", "0"))            # known before the process group exists
     metrics = MetricsWriter(paths.metrics, paths.run_id, attempt, enabled=rank == 0, log=paths.rank_log(rank))
     record_rank(paths, rank, attempt, RankState.running)
