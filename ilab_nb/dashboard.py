@@ -191,6 +191,8 @@ def _header_html(run_id, attempt, h: dict) -> str:
             # a Mixture of Experts' fused experts and router
             if tp := (h.get("lora") or {}).get("target_parameters"):
                 bits[-1] += " incl. " + ", ".join(map(str, tp))
+            if h.get("quantized"):                    # QLoRA: the frozen base as bitsandbytes holds it
+                bits[-1] += f" on a {h['quantized']} base"
         if h.get("method") == "dpo":
             bits.append("DPO (preference pairs)")
         elif h.get("data_kind") == "text":

@@ -20,10 +20,10 @@ from .models import build_empty_model, tied_duplicates     # the model and its f
 # %% auto #0
 __all__ = ['resolve_device', 'DistEnv', 'process_group_backend', 'check_world', 'check_precision', 'init_distributed',
            'group_timeout', 'node_name', 'machines_in_effect', 'transformer_blocks', 'checkpointing_in_effect',
-           'enable_checkpointing', 'unwrap', 'local_param_count', 'tie_again', 'materialize', 'checkpoint_dir',
-           'fill_from_files', 'check_filled', 'fill_from_rank0', 'run_mesh', 'fsdp_policies', 'shard_model',
-           'check_sharded', 'replicate', 'quantization_summary', 'setup_record', 'load_quantized', 'setup_model',
-           'make_optimizer', 'make_scheduler']
+           'enable_checkpointing', 'unwrap', 'param_numel', 'local_param_count', 'tie_again', 'materialize',
+           'checkpoint_dir', 'fill_from_files', 'check_filled', 'fill_from_rank0', 'run_mesh', 'fsdp_policies',
+           'shard_model', 'check_sharded', 'replicate', 'quantization_summary', 'setup_record', 'load_quantized',
+           'setup_model', 'make_optimizer', 'make_scheduler']
 
 # %% ../nbs/28_placement.ipynb #858ffa19
 def resolve_device(cfg: TrainConfig) -> str:
@@ -157,9 +157,15 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 # %% ../nbs/28_placement.ipynb #f0bfd5be
+def param_numel(p, local: bool = False) -> int:
+    """The values parameter `p` stands for: a bitsandbytes 4-bit weight's own shape's (its storage packs two to a byte
+    and is flat), or with `local` this rank's shard of a DTensor."""
+    if (qs := getattr(p, "quant_state", None)) is not None: return qs.shape.numel()
+    return (p.to_local() if local and hasattr(p, "to_local") else p).numel()
+
 def local_param_count(model) -> int:
     "Parameters this rank holds (its shard under FSDP)."
-    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return sum(param_numel(p, local=True) for p in model.parameters())
 
 # %% ../nbs/28_placement.ipynb #d39fd627
 def tie_again(model, tied: dict[str, str]):
@@ -334,7 +340,8 @@ def setup_record(cfg: TrainConfig, env: DistEnv, blocks: int, plan=None) -> dict
     mp = (dict(param_dtype="bfloat16", reduce_dtype="float32", master="float32") if fsdp
           else dict(autocast="bfloat16", master="float32"))
     return dict(load=load, mixed_precision=mp if bf16 else None, cpu_offload=fsdp and cfg.cpu_offload,
-                torch_compile="per block" if cfg.torch_compile else None, blocks=blocks)
+                torch_compile="per block" if cfg.torch_compile else None, blocks=blocks,
+                **({"quantized": quantization_summary(cfg.quantization)} if cfg.quantization else {}))
 
 # %% ../nbs/28_placement.ipynb #b65eefac
 def load_quantized(cfg: TrainConfig, env: DistEnv, layout: str):
