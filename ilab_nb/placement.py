@@ -158,8 +158,8 @@ def unwrap(model):
 
 # %% ../nbs/28_placement.ipynb #f0bfd5be
 def param_numel(p, local: bool = False) -> int:
-    """The values parameter `p` stands for: a bitsandbytes 4-bit weight's own shape's (its storage packs two to a byte
-    and is flat), or with `local` this rank's shard of a DTensor."""
+    """How many values parameter `p` stands for: a bitsandbytes 4-bit weight counts by its original shape (its flat
+    storage packs two values to a byte); with `local`, a DTensor counts by this rank's shard."""
     if (qs := getattr(p, "quant_state", None)) is not None: return qs.shape.numel()
     return (p.to_local() if local and hasattr(p, "to_local") else p).numel()
 
