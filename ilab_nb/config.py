@@ -32,9 +32,9 @@ _all_ = ["ConfigError", "config_line", "DataSources", "InMemoryData", "data_sour
          "GRPO_DEFAULTS", "DPO_LOSSES", "GRPO_LOSSES"]
 
 # %% auto #0
-__all__ = ['config_problems', 'uses_bitsandbytes', 'TrainConfig', 'fields_table', 'load_config', 'ConfigError', 'config_line',
-           'DataSources', 'InMemoryData', 'data_sources', 'SlurmOptions', 'RayOptions', 'GRPO_DEFAULTS', 'DPO_LOSSES',
-           'GRPO_LOSSES']
+__all__ = ['config_problems', 'uses_bitsandbytes', 'shards_quantized', 'TrainConfig', 'fields_table', 'load_config',
+           'ConfigError', 'config_line', 'DataSources', 'InMemoryData', 'data_sources', 'SlurmOptions', 'RayOptions',
+           'GRPO_DEFAULTS', 'DPO_LOSSES', 'GRPO_LOSSES']
 
 # %% ../nbs/12_config.ipynb #5d3fd8ba
 class _Fields(_GRPOFields, _MethodFields, _AdapterFields, _ExperimentFields, _MachineFields, _MemoryFields,
@@ -120,7 +120,7 @@ def _existing_file(v):
                          f"YAML")
     return v
 
-# %% ../nbs/12_config.ipynb #58707bde
+# %% ../nbs/12_config.ipynb #3d0202ff
 def config_problems(c) -> list:
     "Cross-field problems of config `c`: `[(field, message)]`."
     p = []
@@ -155,15 +155,23 @@ def config_problems(c) -> list:
     if c.quantization and not c.lora:
         p.append(("quantization", "a quantized base takes no gradient step: QLoRA trains LoRA adapters on it; add "
                                   "lora=..., e.g. lora={'r': 16}, or drop quantization"))
-    if c.quantization and c.strategy == "fsdp":
-        p.append(("quantization", "FSDP cannot shard a quantized base's packed weights, so each process holds the "
-                                  "whole base: use strategy='ddp' (or 'single' on one process)"))
     return p + _method_problems(c) + _machine_problems(c)
 
 # %% ../nbs/12_config.ipynb #95b56185
 def uses_bitsandbytes(c) -> bool:
     "Whether a run of config `c` needs bitsandbytes: a quantized base (`quantization`) or an 8-bit `optim`."
     return bool(c.quantization) or c.optim in EIGHT_BIT
+
+# %% ../nbs/12_config.ipynb #7a5f4366
+def shards_quantized(c) -> bool:
+    """Whether FSDP shards the packed weights of `c`'s 4-bit base (False: each process holds them whole): when asked
+    by a floating `bnb_4bit_quant_storage` that FSDP's mixed precision leaves as it is (`bfloat16` under bf16; any
+    under fp32); an 8-bit base never (each int8 weight keeps its row scales on itself, which a shard would not
+    carry)."""
+    q = c.quantization or {}
+    storage = q.get("bnb_4bit_quant_storage", "uint8")
+    return (bool(q) and not q.get("load_in_8bit") and c.strategy == "fsdp" and storage != "uint8"
+            and (c.precision != "bf16" or storage == "bfloat16"))
 
 # %% ../nbs/12_config.ipynb #4fcb0529
 class TrainConfig(_Fields):

@@ -127,11 +127,8 @@ def _quantization_fields(v):
             raise _lora_problem(k, f"unknown BitsAndBytesConfig field '{k}'" + (f" — did you mean '{near}'?" if near
                                    else f" (e.g. {', '.join(_QUANT_KEYS[:4])})"))
     v = {k: str(x).removeprefix("torch.") if k.endswith(("_dtype", "_storage")) else x for k, x in v.items()}
-    if v.get("load_in_8bit"):
-        raise _lora_problem("load_in_8bit", "load_in_8bit: an 8-bit (LLM.int8) base is not supported yet: torch's "
-                            "distributed checkpoint cannot write a run's checkpoint beside its layers' scales; use "
-                            "load_in_4bit=True")
-    if v.get("load_in_4bit") is not True: raise ValueError("needs load_in_4bit=True (QLoRA's 4-bit base)")
+    if v.get("load_in_4bit") is not True and v.get("load_in_8bit") is not True:
+        raise ValueError("needs load_in_4bit=True (QLoRA's 4-bit base) or load_in_8bit=True (LLM.int8)")
     if v.get("bnb_4bit_quant_type", "fp4") not in ("nf4", "fp4"):
         raise _lora_problem("bnb_4bit_quant_type", f"bnb_4bit_quant_type={v['bnb_4bit_quant_type']!r}: 'nf4' or 'fp4'")
     for k, ok in (("bnb_4bit_compute_dtype", _QUANT_DTYPES), ("bnb_4bit_quant_storage", ("uint8", *_QUANT_DTYPES))):

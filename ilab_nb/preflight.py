@@ -306,7 +306,9 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
             f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU "
             f"before activations (strategy={cfg.strategy!r}, {cfg.num_processes} processes, "
             f"precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: {est['per_rank_state'] / G:.1f} GiB of "
-            f"weights, gradients and {cfg.optim} state, {est['gathered'] / G:.1f} GiB gathered, "
+            f"weights, gradients and {cfg.optim} state"
+            + (f" (the 4-bit base {est['quantized_base']})" if "quantized_base" in est else "")
+            + f", {est['gathered'] / G:.1f} GiB gathered, "
             f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB: "
             f"{fit_hint(cfg, shapes, cap)}; more processes under strategy='fsdp' divide it too; or set "
             f"ignore_memory_estimate=True to start anyway.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, math
 from pathlib import Path
 
+from .config import shards_quantized
 from .lora import adapter_param_count
 
 # %% auto #0
@@ -59,35 +60,43 @@ def quantized_bytes(quantized: dict) -> float:
 
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False,
                     adapters: int = 0, frozen: int = 0, optim: str = "adamw_torch",
-                    quantized: dict | None = None) -> dict:
+                    quantized: dict | None = None, base_sharded: bool = True) -> dict:
     """Bytes per rank on the device and in host memory for training `params` (from `count_params`) with `optim`, before
     activations; `frozen` of them (a vision-language model's frozen parts, fully fine-tuned) are held as float32
-    weights alone; a LoRA base `quantized` by bitsandbytes (QLoRA) is held whole."""
+    weights alone; a LoRA base `quantized` by bitsandbytes (QLoRA) is sharded by FSDP unless `base_sharded` is False
+    (`quantized_base` says which)."""
     n, w = params["total"], (world_size if strategy == "fsdp" else 1)
     compute = 2 if precision == "bf16" else 4
     trains = adapters or n - frozen                              # LoRA: only the adapters train
     base = compute * n if adapters else 4 * frozen                # the frozen base (LoRA's in the compute dtype)
-    if quantized: base = round(4 * params["root"] + quantized_bytes(quantized) * (n - params["root"]))
-    state = (base + (8 + OPTIMIZER_STATE_BYTES[optim]) * trains) // w     # + fp32 weights, grads, optimizer state
-    gathered = (params["root"] + 2 * params["block"]) * compute if strategy == "fsdp" else 0
+    packed = round(quantized_bytes(quantized) * (n - params["root"])) if quantized else 0
+    if quantized: base = 4 * params["root"] + packed
+    whole = packed if strategy == "fsdp" and not base_sharded else 0     # the packed weights FSDP leaves whole
+    state = (base - whole + (8 + OPTIMIZER_STATE_BYTES[optim]) * trains) // w + whole   # + fp32 weights, grads, moments
+    block = 0 if whole else quantized_bytes(quantized) if quantized else compute     # a gathered block's weights
+    gathered = round(params["root"] * compute + 2 * params["block"] * block) if strategy == "fsdp" else 0
     extra = (4 * trains if strategy == "ddp" else 0) + (2 * trains if precision == "bf16" and strategy != "fsdp" else 0)
     device = gathered + extra + (0 if cpu_offload else state)
+    if quantized: device = max(device, base)          # each process reads the whole base as it quantizes it
     return dict(params=n, trainable=trains, per_rank_state=state, gathered=gathered, extra=extra, device_bytes=device,
-                host_bytes=state if cpu_offload else 0)
+                host_bytes=state if cpu_offload else 0,
+                **({"quantized_base": "whole on each process" if strategy != "fsdp" or whole else "sharded"}
+                   if quantized else {}))
 
 # %% ../nbs/59_sizes.ipynb #bdf95708
 def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0) -> dict:
     params = count_params_of(shapes)
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
                            adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
-                           frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim, quantized=cfg.quantization)
+                           frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim, quantized=cfg.quantization,
+                           base_sharded=shards_quantized(cfg))
 
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}   # QLoRA's own
 
 def _lighter(cfg) -> list[tuple[str, dict]]:
     """Changes that lower what a rank holds, the ones that change the run least first: bf16, 8-bit AdamW moments
     (not under FSDP), LoRA adapters (peft's default rank, 8), both, FSDP's shards moved to host memory, and a 4-bit
-    base (QLoRA, on DDP's whole-model processes)."""
+    base (QLoRA, with the run's strategy)."""
     out = [("precision='bf16'", dict(precision="bf16"))] if cfg.precision != "bf16" else []
     if cfg.strategy != "fsdp" and cfg.optim in ("adamw_torch", "adamw_torch_fused"):
         out.append(("optim='adamw_8bit'", dict(optim="adamw_8bit")))
@@ -97,10 +106,8 @@ def _lighter(cfg) -> list[tuple[str, dict]]:
                                                                                            precision="bf16")))
     if cfg.strategy == "fsdp" and not cfg.cpu_offload: out.append(("cpu_offload=True", dict(cpu_offload=True)))
     if cfg.quantization is None:
-        q = dict(quantization=QLORA, lora=cfg.lora or {"r": 8})
-        if cfg.strategy == "fsdp": q.update(strategy="ddp" if cfg.num_processes > 1 else "single", cpu_offload=False)
-        out.append((f"{'' if cfg.lora else 'lora={' + repr('r') + ': 8} and '}quantization={QLORA}"
-                    + (f" with strategy={q['strategy']!r}" if "strategy" in q else ""), q))
+        out.append((f"{'' if cfg.lora else 'lora={' + repr('r') + ': 8} and '}quantization={QLORA}",
+                    dict(quantization=QLORA, lora=cfg.lora or {"r": 8})))
     return out
 
 def fit_hint(cfg, shapes: dict, cap: int) -> str:

@@ -34,7 +34,7 @@ from .vision import (IMAGE_INPUTS, VisionDPO, VisionSFT, has_images, load_proces
                              images_of)
 # 28_placement
 from .placement import (DistEnv, init_distributed, group_timeout, machines_in_effect, checkpointing_in_effect,
-                               unwrap, local_param_count, param_numel, setup_model, make_optimizer, make_scheduler)
+                               unwrap, local_param_count, param_count, setup_model, make_optimizer, make_scheduler)
 # 29_checkpoints
 from .checkpoints import (save_checkpoint, prune_checkpoints, load_checkpoint, retarget_schedule, write_final,
                                  seal_final, checkpoint_method_state)
@@ -356,7 +356,7 @@ def write_header(self:Attempt):
                        num_eval_samples=len(self.eval_ds) if self.eval_ds is not None else 0,
                        # > 1: over
                        resumed_from_step=self.start if self.resumed else (0 if self.metrics.attempt > 1 else None),
-                       params_total=sum(param_numel(p) for p in model.parameters()),
+                       params_total=param_count(model),
                        params_per_rank=params_per_rank(model, env), num_machines=env.num_machines,
                        nodes=list(env.nodes), gradient_checkpointing=checkpointing_in_effect(model),
                        plan=B.plan_stats(plan, self.lengths, self.layout, self.real, self.method.rows(self.layout)),

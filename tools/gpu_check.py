@@ -65,6 +65,11 @@ RUNS = [
          quantization=dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16"),
          optim="paged_adamw_8bit"),
          expect=dict(finetuning="lora", load=lambda v: str(v).startswith("from_pretrained, quantized by bitsandbytes (4-bit nf4)"))),
+    dict(name="fsdp QLoRA 4-bit bf16 (the base sharded)", fields=dict(strategy="fsdp", precision="bf16",
+         lora=dict(r=8, lora_alpha=16), quantization=dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                          bnb_4bit_compute_dtype="bfloat16",
+                                                          bnb_4bit_quant_storage="bfloat16")),
+         expect=dict(finetuning="lora", load=lambda v: str(v).endswith("(4-bit nf4), sharded by FSDP"))),
     dict(name="fsdp on 2 CPU ranks on a GPU machine", cpu=True, fields=dict(strategy="fsdp", device="cpu", num_processes=2),
          expect=dict(device_type="cpu", backend="gloo", world_size=2)),
 ]
