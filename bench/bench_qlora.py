@@ -1,10 +1,12 @@
 """QLoRA beside LoRA and a full fine-tune, and beside TRL's QLoRA, side by side in one run, through FineTuneSession
 (the product's own path): the same model (a Llama on the demo's tokenizer, random weights: bench_lora's ~60M shape, or
 with --big a ~1B shape, hidden 2304 x 14 layers, where the base's bytes dominate), data, steps and ranks (2 CPU
-processes, DDP, fp32 compute, one epoch over the same rows), one run each:
+processes, DDP unless FSDP is named, fp32 compute, one epoch over the same rows), one run each:
 
 - full fine-tune (AdamW; not with --big: 16 bytes a parameter do not fit this machine twice), LoRA r=16 on every linear
-  layer, LoRA + 8-bit AdamW, QLoRA (the base 4-bit NF4 with double quantization, bitsandbytes), QLoRA + 8-bit AdamW;
+  layer, LoRA + 8-bit AdamW, QLoRA (the base 4-bit NF4 with double quantization, bitsandbytes), QLoRA + 8-bit AdamW,
+  QLoRA on FSDP, the 4-bit weights whole on each process (the default) and sharded (a float32 storage): their loss
+  should be DDP's QLoRA's to the last bit;
 - TRL's SFTTrainer on the same model and rows, QLoRA through `model_init_kwargs={"quantization_config": ...}` and a
   peft `LoraConfig`, on two processes as `accelerate launch` runs it.
 
@@ -115,17 +117,21 @@ def main():
         choices = ([] if a.big else [("full fine-tune", {})]) + [
             ("LoRA r=16", dict(lora=LORA)), ("LoRA r=16 + adamw_8bit", dict(lora=LORA, optim="adamw_8bit")),
             ("QLoRA r=16 (nf4, double quant)", dict(lora=LORA, quantization=QLORA)),
-            ("QLoRA r=16 + adamw_8bit", dict(lora=LORA, quantization=QLORA, optim="adamw_8bit"))]
+            ("QLoRA r=16 + adamw_8bit", dict(lora=LORA, quantization=QLORA, optim="adamw_8bit")),
+            ("QLoRA r=16, FSDP (the 4-bit base whole)", dict(lora=LORA, quantization=QLORA, strategy="fsdp")),
+            ("QLoRA r=16, FSDP (the 4-bit base sharded)", dict(lora=LORA, strategy="fsdp",
+                                                               quantization={**QLORA, "bnb_4bit_quant_storage": "float32"}))]
         rows = []
         for name, extra in choices:
             runs = root / f"runs-{len(rows)}"
             uss = PeakAnon(str(runs)); uss.start()
-            s = run(model, data, runs, **base, **extra)
+            s = run(model, data, runs, **{**base, **extra})
             peak_uss = uss.stop()
             train = s.metrics(kinds=("train",)); head = s.metrics(kinds=("header",))[0]
             lora = head["trainable_params"] if extra.get("lora") else 0
-            est = memory_estimate(params, "ddp", 2, "fp32", adapters=lora, optim=extra.get("optim", "adamw_torch"),
-                                  quantized=extra.get("quantization"))
+            est = memory_estimate(params, extra.get("strategy", "ddp"), 2, "fp32", adapters=lora,
+                                  optim=extra.get("optim", "adamw_torch"), quantized=extra.get("quantization"),
+                                  base_sharded="bnb_4bit_quant_storage" in (extra.get("quantization") or {}))
             rows.append(dict(name=name, rows_per_s=n / train[-1]["elapsed_s"], steps=len(train),
                              peak_mb=max(r["peak_mem_mb"] for r in train), uss_mb=peak_uss,
                              est_mb=est["device_bytes"] / MiB,
@@ -141,7 +147,7 @@ def main():
     lines = [f"# QLoRA beside LoRA, a full fine-tune and TRL (`bench/bench_qlora.py{' --big' if a.big else ''}`)", "",
              f"`python bench/bench_qlora.py{' --big' if a.big else ''}` on {platform.node()} ({os.cpu_count()} CPUs), "
              f"{datetime.date.today()}: a {params['total'] / 1e6:,.0f}M-parameter Llama (random weights, the demo's "
-             f"tokenizer), 2 CPU processes, DDP, fp32 compute, one epoch over {n} demo rows (ilab_nb: a budget of "
+             f"tokenizer), 2 CPU processes, DDP unless FSDP is named, fp32 compute, one epoch over {n} demo rows (ilab_nb: a budget of "
              f"{budget} tokens a micro-batch; TRL: {per_rank} rows), lr 1e-3 constant, one run per choice; "
              f"torch {torch.__version__}, "
              f"transformers {transformers.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}, "
