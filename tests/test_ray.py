@@ -4,10 +4,10 @@ Ray run does: a 2-machine run of the demo model places one machine on each node 
 local 2-process run (which trains beside it); a second run, started while the first holds every CPU of the cluster,
 is queued saying for what and is stopped while it waits; `ilab-nb status` and the dashboard name each machine's
 node; then the added node is killed and the first run ends `failed` naming it; `resume()` on the head alone (one
-machine of both processes) goes on from its last checkpoint, `stop()` while it trains saves a checkpoint first, and
-one more `resume()` completes it; no process is left behind. Every other method on the same cluster, one step each:
-a LoRA DPO run, a plain-text run and a GRPO run, all three at once; the DPO run's fork sweep runs on Ray too, and
-the finished run is evaluated and exported. A run too large for the cluster, and an address nobody answers, are
+machine of both processes) goes on from its last checkpoint, and `stop()` while it trains saves a checkpoint first;
+no process is left behind. Every other method on the same cluster, one step each: a LoRA DPO run and a GRPO run, both
+at once; the DPO run's fork sweep runs on Ray too, and the finished run is evaluated and exported. (A plain-text run
+differs from a chat run only in what its ranks read: tests/test_slurm.py runs one on a cluster.) A run too large for the cluster, and an address nobody answers, are
 refused before anything is written."""
 import json, os, socket, time
 from pathlib import Path
@@ -130,14 +130,8 @@ def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_sto
     stopped = [r["step"] for r in a.metrics(kinds=("event",)) if r["event"] == "stopped" and r["attempt"] == 2]
     assert stopped == [train_steps(a, attempt=2)[-1]], stopped                 # the step it stopped after ...
     assert a.checkpoints[-1]["step"] == stopped[0], a.checkpoints                # ... is its last checkpoint
-    # and resume() once more, asked for one step more, completes it from the stop's checkpoint on the same node
-    a.resume(max_steps=stopped[0] + 1)
-    assert a.wait(timeout=240) == "completed", a.reason
-    assert train_steps(a, attempt=3) == [stopped[0] + 1] and a.state["resumed_from_step"] == stopped[0]
-    assert [m["node_id"] for m in a.state["ray"]["machines"]] == [head_id]
     assert schema_problems(a.state, "state") == []
-    print(f"resume: its first step {resumed:.1f} s after resume(), from step {last}; stopped after step {stopped[0]}, "
-          f"then resumed to the end (step {stopped[0] + 1})")
+    print(f"resume: its first step {resumed:.1f} s after resume(), from step {last}; stopped after step {stopped[0]}")
 
     assert local.wait(timeout=300) == "completed", local.reason
     first_local = next(r["time"] for r in local.metrics(as_frame=False)
@@ -152,9 +146,9 @@ def test_a_ray_run_trains_as_locally_queues_fails_naming_a_lost_node_resumes_sto
 
 
 def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ray_cluster, runs_root, demo, tmp_path):
-    """SFT is the scenario above; here a LoRA DPO run, a plain-text run and a GRPO run with an environment (the agent
-    demo's vault, its tool called in the rank's user-code process on a Ray worker), one process each (half a CPU: all
-    three at once), one step each; then the DPO run's fork sweep (on Ray, as its parent), evaluation and export."""
+    """SFT is the scenario above; here a LoRA DPO run and a GRPO run with an environment (the agent demo's vault, its
+    tool called in the rank's user-code process on a Ray worker), one process each (half a CPU: both at once), one step
+    each; then the DPO run's fork sweep (on Ray, as its parent), evaluation and export."""
     from ilab_nb.agent_demo import agent_assets
     from test_agents import AGENT_RUN
     from test_dpo import DPO
@@ -168,7 +162,6 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
     held.write_text("".join(Path(demo.pref_eval_file).read_text().splitlines(keepends=True)[:4]))
     runs = {"dpo": FineTuneSession(**ray_cfg(demo, pairs, ray_cluster, **{**DPO, **one, "save_steps": 1}, lora=LORA,
                                              eval_data=str(held)), name="dpo"),
-            "text": FineTuneSession(**ray_cfg(demo, demo.text_train_file, ray_cluster, **one), name="text"),
             "grpo": FineTuneSession(**ray_cfg(demo, agent.train_file, ray_cluster, **{**AGENT_RUN, **one,
                                               "max_completion_length": 32}, model=str(agent.model_dir),
                                               environment_factory="ilab_nb.agent_demo:AgentVault"), name="grpo")}
@@ -176,7 +169,7 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
     for k, s in runs.items():
         assert s.wait(timeout=300) == "completed", (k, s.reason)
         assert s.state["backend"] == "ray" and len(s.state["ray"]["machines"]) == 1, (k, s.state)
-    print(f"LoRA DPO, plain-text and GRPO-with-tools runs on Ray: {time.time() - t0:.1f} s")
+    print(f"LoRA DPO and GRPO-with-tools runs on Ray: {time.time() - t0:.1f} s")
     train = {k: [r for r in s.metrics() if r["kind"] == "train"] for k, s in runs.items()}
     head = {k: s.monitor.header for k, s in runs.items()}
     assert all([r["step"] for r in t] == [1] for t in train.values()), train
@@ -186,7 +179,6 @@ def test_every_method_runs_on_ray_and_its_runs_fork_sweep_evaluate_and_export(ra
     assert (dpo.final / "adapter" / "adapter_model.safetensors").is_file()
     assert (dpo.checkpoint(1) / "adapter_model.safetensors").is_file()
     assert not list(dpo.checkpoint(1).glob("model*.safetensors"))           # the adapters, no copy of the base
-    assert (head["text"]["method"], head["text"]["data_kind"]) == ("sft", "text")
     assert head["grpo"]["method"] == "grpo" and {"reward", "rewards/AgentVault/mean"} <= set(train["grpo"][0])
     assert train["grpo"][0]["tools/call_frequency"] > 0 and train["grpo"][0]["tools/failure_frequency"] == 0
     (comp,) = runs["grpo"].metrics(kinds=("completions",))
