@@ -192,7 +192,7 @@ def _header_html(run_id, attempt, h: dict) -> str:
             if tp := (h.get("lora") or {}).get("target_parameters"):
                 bits[-1] += " incl. " + ", ".join(map(str, tp))
             if h.get("quantized"):                    # QLoRA: the frozen base as bitsandbytes holds it
-                bits[-1] += f" on a {h['quantized']} base"
+                bits[-1] += f" on {'an' if h['quantized'].startswith('8') else 'a'} {h['quantized']} base"
         if h.get("method") == "dpo":
             bits.append("DPO (preference pairs)")
         elif h.get("data_kind") == "text":

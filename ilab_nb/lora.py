@@ -96,14 +96,10 @@ def is_adapter_key(name: str) -> bool:
 # %% ../nbs/25_lora.ipynb #6dcc108c
 def without_frozen(model, state_dict: dict) -> dict:
     """`state_dict` (the model's, by parameter name) less the entries of frozen parameters, and of what a quantized
-    frozen weight adds beside it (bitsandbytes' 4-bit `weight.absmax`, `weight.quant_state.*`, ...; 8-bit `SCB`,
-    `weight_format`)."""
+    frozen weight adds beside it (bitsandbytes' `weight.absmax`, `weight.quant_state.*`, ...)."""
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}   # tied names too
-    def of_frozen(k):
-        if ".weight." in k: return k.split(".weight.")[0] + ".weight" in frozen
-        owner, _, name = k.rpartition(".")
-        return name in ("SCB", "weight_format") and owner + ".weight" in frozen
-    return {k: v for k, v in state_dict.items() if k not in frozen and not of_frozen(k)}
+    return {k: v for k, v in state_dict.items()
+            if k not in frozen and not (".weight." in k and k.split(".weight.")[0] + ".weight" in frozen)}
 
 # %% ../nbs/25_lora.ipynb #0ca34a20
 def gathered_adapters(model) -> dict:

@@ -309,8 +309,8 @@ def quantized_weights(model) -> set:
     return {p for p in model.parameters() if type(p).__name__ in ("Params4bit", "Int8Params")}
 
 def shard_model(model, blocks: list, cfg: TrainConfig, env: DistEnv):
-    """FSDP2 on each transformer block, then on the root, with the policies `cfg` asks for; a 4-bit base's packed
-    weights whole on each process where FSDP's mixed precision would cast them (`shards_quantized`)."""
+    """FSDP2 on each transformer block, then on the root, with the policies `cfg` asks for; a quantized base's weights
+    whole on each process (FSDP's `ignored_params`) unless `shards_quantized`."""
     from torch.distributed.fsdp import fully_shard
     mesh, policies = run_mesh(env), fsdp_policies(cfg)
     if cfg.quantization and not shards_quantized(cfg): policies["ignored_params"] = quantized_weights(model)
