@@ -20,7 +20,7 @@ from .config import TrainConfig
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'LOSS_CHUNK_BYTES', 'PACKED_ATTENTION', 'VARLEN_KERNELS', 'ATTENTIONS', 'batch_cost', 'plan_epoch',
-           'plan_stats', 'collate', 'token_loss_sum', 'linear_token_loss_sum', 'sequence_of_tokens',
+           'plan_stats', 'collate', 'token_loss_sum', 'chunked_ce_sum', 'linear_token_loss_sum', 'sequence_of_tokens',
            'linear_sequence_logps', 'packed_seq_info', 'reference_varlen_attn', 'varlen_signature_ok', 'varlen_kernel',
            'varlen_available', 'packed_attention', 'register_packed_attention', 'generation_attention',
            'packed_refusal', 'choose_layout', 'attention_refusal', 'attn_implementation_for', 'plan_steps']
@@ -225,18 +225,21 @@ def _chunk_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> tor
     return F.cross_entropy((h @ weight.t()).float(), y, reduction="sum")
 
 # %% ../nbs/21_batching.ipynb #d1a347ba
+def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_tokens: int | None = None):
+    """The summed cross-entropy of `h @ weight.T` (`[N, hidden]`) against `y` (`[N]`), a chunk of tokens at a time,
+    each chunk's logits recomputed in the backward pass rather than kept."""
+    n = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    if len(y) <= n: return _chunk_ce_sum(h, weight, y)                 # one chunk: nothing to recompute
+    return sum(_checkpoint(_chunk_ce_sum, h[i:i + n], weight, y[i:i + n], use_reentrant=False)
+               for i in range(0, len(y), n))
+
 def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           chunk_tokens: int | None = None) -> torch.Tensor:
     "`token_loss_sum(hidden @ weight.T, labels)` a chunk of loss-bearing tokens at a time, never all logits at once."
     h, y = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1).to(hidden.device)
     keep = (y != -100).nonzero().squeeze(1)
-    h, y = h.index_select(0, keep), y.index_select(0, keep)
-    n = chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
     total = hidden.sum().float() * 0                   # keeps the graph connected when no token bears a loss
-    if len(y) <= n: return total + _chunk_ce_sum(h, weight, y)      # one chunk: nothing to recompute
-    for i in range(0, len(y), n):
-        total = total + _checkpoint(_chunk_ce_sum, h[i:i + n], weight, y[i:i + n], use_reentrant=False)
-    return total
+    return total + chunked_ce_sum(h.index_select(0, keep), weight, y.index_select(0, keep), chunk_tokens)
 
 # %% ../nbs/21_batching.ipynb #bdbcb6c8
 def sequence_of_tokens(position_ids: torch.Tensor, packed: bool) -> torch.Tensor:

@@ -13,7 +13,7 @@ from .lora import adapter_param_count
 # %% auto #0
 __all__ = ['OPTIMIZER_STATE_BYTES', 'QLORA', 'CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'tensor_shapes',
            'tensor_sizes', 'count_params', 'count_params_of', 'quantized_bytes', 'memory_estimate', 'fit_hint',
-           'kv_cache_bytes', 'tokenizer_bytes', 'checkpoint_bytes']
+           'kv_cache_bytes', 'kept_for_backward', 'activation_bytes', 'tokenizer_bytes', 'checkpoint_bytes']
 
 # %% ../nbs/59_sizes.ipynb #db1c9d4e
 def tensor_shapes(model_dir) -> dict:
@@ -49,7 +49,7 @@ def count_params_of(shapes: dict) -> dict:
         else: root += n
     return dict(total=sum(sizes.values()), block=max(blocks.values(), default=0), root=root)
 
-# %% ../nbs/59_sizes.ipynb #a4502997
+# %% ../nbs/59_sizes.ipynb #2fb5404b
 OPTIMIZER_STATE_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "sgd": 0, "adafactor": 0,   # per trained parameter
                          **dict.fromkeys(("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"), 2)}   # (+ block scales)
 
@@ -60,10 +60,11 @@ def quantized_bytes(quantized: dict) -> float:
 
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False,
                     adapters: int = 0, frozen: int = 0, optim: str = "adamw_torch",
-                    quantized: dict | None = None, base_sharded: bool = True) -> dict:
-    """Bytes per rank on the device and in host memory for training `params` (from `count_params`) with `optim`, before
-    activations; `frozen` of them (a vision-language model's frozen parts, fully fine-tuned) are held as float32
-    weights alone; a LoRA base `quantized` by bitsandbytes (QLoRA) is sharded by FSDP unless `base_sharded` is False
+                    quantized: dict | None = None, base_sharded: bool = True, activations: int = 0) -> dict:
+    """Bytes per rank on the device and in host memory for training `params` (from `count_params`) with `optim`, and
+    `activations` bytes of a micro-batch; `frozen` of them (a vision-language model's frozen parts, fully
+    fine-tuned) are held as float32 weights alone; a LoRA base `quantized` by bitsandbytes (QLoRA) is sharded by FSDP
+    unless `base_sharded` is False
     (`quantized_base` says which)."""
     n, w = params["total"], (world_size if strategy == "fsdp" else 1)
     compute = 2 if precision == "bf16" else 4
@@ -76,28 +77,34 @@ def memory_estimate(params: dict, strategy: str, world_size: int, precision: str
     block = 0 if whole else quantized_bytes(quantized) if quantized else compute     # a gathered block's weights
     gathered = round(params["root"] * compute + 2 * params["block"] * block) if strategy == "fsdp" else 0
     extra = (4 * trains if strategy == "ddp" else 0) + (2 * trains if precision == "bf16" and strategy != "fsdp" else 0)
-    device = gathered + extra + (0 if cpu_offload else state)
+    device = gathered + extra + (0 if cpu_offload else state) + activations
     if quantized: device = max(device, base)          # each process reads the whole base as it quantizes it
-    return dict(params=n, trainable=trains, per_rank_state=state, gathered=gathered, extra=extra, device_bytes=device,
+    return dict(params=n, trainable=trains, per_rank_state=state, gathered=gathered, extra=extra,
+                activations=activations, device_bytes=device,
                 host_bytes=state if cpu_offload else 0,
                 **({"quantized_base": "whole on each process" if strategy != "fsdp" or whole else "sharded"}
                    if quantized else {}))
 
-# %% ../nbs/59_sizes.ipynb #bdf95708
-def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0) -> dict:
+# %% ../nbs/59_sizes.ipynb #eb5781cd
+def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0, activations: dict | None = None) -> dict:
+    "`activations`: `activation_bytes` of the run's model, its `checkpointed` figure under gradient checkpointing."
     params = count_params_of(shapes)
+    act = (activations["checkpointed" if cfg.gradient_checkpointing else "bytes"]) if activations else 0
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
                            adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
                            frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim, quantized=cfg.quantization,
-                           base_sharded=shards_quantized(cfg))
+                           base_sharded=shards_quantized(cfg), activations=act)
 
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}   # QLoRA's own
 
-def _lighter(cfg) -> list[tuple[str, dict]]:
-    """Changes that lower what a rank holds, the ones that change the run least first: bf16, 8-bit AdamW moments
-    (not under FSDP), LoRA adapters (peft's default rank, 8), both, FSDP's shards moved to host memory, and a 4-bit
-    base (QLoRA, with the run's strategy)."""
-    out = [("precision='bf16'", dict(precision="bf16"))] if cfg.precision != "bf16" else []
+def _lighter(cfg, traced: bool = False) -> list[tuple[str, dict]]:
+    """Changes that lower what a rank holds, the ones that change the run least first: gradient checkpointing (the
+    same numbers, slower; when the activations were `traced`), bf16, 8-bit AdamW moments (not under FSDP), LoRA
+    adapters (peft's default rank, 8), both, FSDP's shards moved to host memory, and a 4-bit base (QLoRA, with the
+    run's strategy)."""
+    out = [("gradient_checkpointing=True", dict(gradient_checkpointing=True))] if traced and not \
+        cfg.gradient_checkpointing else []
+    if cfg.precision != "bf16": out.append(("precision='bf16'", dict(precision="bf16")))
     if cfg.strategy != "fsdp" and cfg.optim in ("adamw_torch", "adamw_torch_fused"):
         out.append(("optim='adamw_8bit'", dict(optim="adamw_8bit")))
     if cfg.lora is None:
@@ -110,14 +117,14 @@ def _lighter(cfg) -> list[tuple[str, dict]]:
                     dict(quantization=QLORA, lora=cfg.lora or {"r": 8})))
     return out
 
-def fit_hint(cfg, shapes: dict, cap: int) -> str:
+def fit_hint(cfg, shapes: dict, cap: int, activations: dict | None = None) -> str:
     """The first of the `_lighter` changes whose estimate fits in 90% of `cap` bytes, with its numbers (or that none
-    does), as the memory refusal says it."""
-    G = 2**30
-    for said, change in _lighter(cfg):
-        need = _estimate(cfg.model_copy(update=change), shapes)["device_bytes"]
+    does), as the memory refusal says it; `activations` as the run's (`activation_bytes`) for each change."""
+    G, lighter = 2**30, _lighter(cfg, traced=activations is not None)
+    for said, change in lighter:
+        need = _estimate(cfg.model_copy(update=change), shapes, activations=activations)["device_bytes"]
         if need <= 0.9 * cap: return f"{said} fits: about {need / G:.1f} GiB of {cap / G:.1f}"
-    return f"none of {', '.join(s for s, _ in _lighter(cfg)) or 'the lighter settings'} alone fits"
+    return f"none of {', '.join(s for s, _ in lighter) or 'the lighter settings'} alone fits"
 
 # %% ../nbs/59_sizes.ipynb #ad917291
 def kv_cache_bytes(model_config: dict, tokens: int, precision: str) -> int:
@@ -127,6 +134,75 @@ def kv_cache_bytes(model_config: dict, tokens: int, precision: str) -> int:
     head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // heads
     return 2 * (c.get("num_hidden_layers") or 0) * (c.get("num_key_value_heads") or heads) * head_dim * tokens * (2
             if precision == "bf16" else 4)
+
+# %% ../nbs/59_sizes.ipynb #4fa1ced5
+def _kept_tensors(params: set):
+    "A pack hook for `saved_tensors_hooks`, and the dict it fills: each saved tensor's base by id, parameters left out."
+    seen = {}
+    def pack(t):
+        b = t._base if t._base is not None else t
+        if id(b) not in params: seen[id(b)] = b
+        return t
+    return seen, pack
+
+def _nbytes(tensors, tokens: int) -> int:
+    "Their bytes, an attention mask (`[..., tokens, tokens]`, no gradient) left out."
+    return sum(t.numel() * t.element_size() for t in tensors
+               if not (t.dim() >= 2 and tuple(t.shape[-2:]) == (tokens, tokens) and not t.requires_grad))
+
+def kept_for_backward(model, tokens: int, autocast=None, blocks=()) -> tuple[int, list]:
+    """Bytes autograd keeps after `model`'s forward and loss on one row of `tokens` token ids, every one bearing a loss,
+    and for each of `blocks` `(its own, its input's)`; real or fake tensors alike. The loss is the rank's: through
+    the output embedding a chunk of tokens at a time where the head is a plain linear map (21_batching), else the
+    model's."""
+    import contextlib, torch
+    from ilab_nb.batching import chunked_ce_sum
+    from ilab_nb.collectives import chunked_loss_head, hidden_states_out
+    seen, pack = _kept_tensors({id(p) for p in model.parameters()})
+    spans, hooks = [], []
+    def enter(mod, args, kw):
+        h = args[0] if args else kw["hidden_states"]
+        spans.append([set(seen), h.numel() * h.element_size(), set()])
+    def leave(mod, args, kw, out): spans[-1][2] = set(seen)
+    for b in blocks:
+        hooks += [b.register_forward_pre_hook(enter, with_kwargs=True),
+                  b.register_forward_hook(leave, with_kwargs=True)]
+    ids, head = torch.zeros(1, tokens, dtype=torch.long), chunked_loss_head(model)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast or contextlib.nullcontext():
+            if head is None: model(input_ids=ids, labels=ids, use_cache=False)
+            else:
+                with hidden_states_out(head): hidden = model(input_ids=ids, use_cache=False).logits
+                h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+                every = torch.arange(len(h))                   # every token bears a loss: the fullest micro-batch
+                chunked_ce_sum(h.index_select(0, every), head.weight, torch.zeros(len(h), dtype=torch.long))
+    finally:
+        for h in hooks: h.remove()
+    return _nbytes(seen.values(), tokens), [(_nbytes([seen[k] for k in after - before], tokens), inp)
+                                            for before, inp, after in spans]
+
+# %% ../nbs/59_sizes.ipynb #db38a789
+def activation_bytes(model, tokens: int, precision: str = "fp32", strategy: str = "single") -> dict:
+    """What one micro-batch of `tokens` tokens keeps for the backward pass on a rank, traced through `model`'s forward
+    on fake tensors (`model`, on the meta device as the preflight builds it, is left as it was): `kept` after the
+    forward pass, and at the peak of the backward pass `bytes`, or `checkpointed` under gradient checkpointing;
+    `blocks` and `per_block` (the largest block's)."""
+    import copy, torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ilab_nb.placement import transformer_blocks
+    class NoDeviceInit(FakeTensorMode):         # FakeTensorMode would ask torch.cuda whether to avoid initializing it:
+        avoid_device_init = property(lambda self: True)     # the trace is on CPU, and the caller's process never asks
+    m = copy.deepcopy(model)
+    if precision == "bf16" and strategy == "fsdp": m = m.to(torch.bfloat16)     # FSDP's bfloat16 parameters
+    if getattr(m.config, "_attn_implementation", "sdpa") not in ("eager", "sdpa"): m.set_attn_implementation("sdpa")
+    with NoDeviceInit(allow_non_fake_inputs=True):
+        m = m.to_empty(device="cpu").train()
+        cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" and strategy != "fsdp" else None
+        total, per = kept_for_backward(m, tokens, cast, transformer_blocks(m))
+    block = max((b for b, _ in per), default=0)
+    inside, inputs = sum(b for b, _ in per), sum(i for _, i in per)
+    return dict(tokens=tokens, kept=total, bytes=total + block, checkpointed=total - inside + inputs + 2 * block,
+                blocks=len(per), per_block=block)
 
 # %% ../nbs/59_sizes.ipynb #cb2fb255
 CKPT_TENSOR_BYTES = 8_300   # per trained tensor: its 4 entries (weight, 2 moments, step) in distributed/ and .metadata
