@@ -40,6 +40,7 @@ setuptools.setup(
     install_requires=requirements,
     extras_require={'dev': dev_requirements, 'tensorboard': cfg.get('tensorboard_requirements', '').split(),
                     'mlflow': cfg.get('mlflow_requirements', '').split(), 'wandb': cfg.get('wandb_requirements', '').split(),
+                    'trackio': cfg.get('trackio_requirements', '').split(),
                     'eval': cfg.get('eval_requirements', '').split(),
                     'export': cfg.get('export_requirements', '').split(),
                     'ray': cfg.get('ray_requirements', '').split(),

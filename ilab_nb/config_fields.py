@@ -134,15 +134,15 @@ class _ExperimentFields(_FieldGroup):
         "Evaluate the final model beside the starting one when the run completes: lm-eval task names, or the run's "
         "own 'heldout' (its held-out chat turns) and 'heldout_preference' (its held-out pairs); see "
         "FineTuneSession.evaluate."))
-    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field([], description=(
-        "Trackers that also get the train/eval records: none, tensorboard, mlflow, wandb, or a list (as in "
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field([], description=(
+        "Trackers that also get the train/eval records: none, tensorboard, mlflow, wandb, trackio, or a list (as in "
         "TrainingArguments)."))
     logging_dir: str | None = Field(None, description=(
         "TensorBoard's event-file directory; None = `tensorboard/` in the run directory."))
 
 # %% ../nbs/04_config_fields.ipynb #80cc7be9
 _TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
-                    "wandb": ("wandb", "wandb")}
+                    "wandb": ("wandb", "wandb"), "trackio": ("trackio", "trackio")}
 
 def _check_optim_installed(name: str) -> str:
     "`name` if its optimizer's package is importable, else a ValueError saying which extra to install."

@@ -292,8 +292,8 @@ EVAL_ROWS = 20
 
 @pytest.fixture(scope="session")
 def tracked_run(demo, small_train, tmp_path_factory):
-    """One finished 2-rank FSDP run with eval prompts (PROMPTS), evaluations every 2 steps, TensorBoard, MLflow and W&B
-    (offline),
+    """One finished 2-rank FSDP run with eval prompts (PROMPTS), evaluations every 2 steps, TensorBoard, MLflow, W&B
+    (offline) and trackio (local),
     trained from a pandas DataFrame (small_train's rows and LONG_ROW) with eval_data a list of EVAL_ROWS held-out
     rows: the trackers', the samples', the chat's, the schema's and the in-memory data's tests read it."""
     import pandas as pd
@@ -303,11 +303,12 @@ def tracked_run(demo, small_train, tmp_path_factory):
     for k, v in runs_env(root).items(): mp.setenv(k, v)
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     mp.setenv("WANDB_MODE", "offline"); mp.setenv("WANDB_SILENT", "true"); mp.delenv("WANDB_DIR", raising=False)
+    mp.delenv("TRACKIO_DIR", raising=False); mp.delenv("TRACKIO_SPACE_ID", raising=False)
     try:
         df = pd.DataFrame([{"messages": r["messages"]} for r in load_chat_records(small_train)] + [LONG_ROW])
         evals = [{"messages": r["messages"]} for r in load_chat_records(demo.eval_file)[:EVAL_ROWS]]
         s = make_session(demo, df, root / "runs", eval_data=evals, max_steps=4, eval_steps=2, eval_prompts=PROMPTS,
-                         eval_max_new_tokens=6, report_to=["tensorboard", "mlflow", "wandb"])
+                         eval_max_new_tokens=6, report_to=["tensorboard", "mlflow", "wandb", "trackio"])
         s.start()
         del df, evals                                           # the run does not need the objects any more
         assert s.wait(timeout=300) == "completed", s.logs()

@@ -2,7 +2,7 @@
 evaluation under FSDP, and chatting with a run's model. The finished run they read is conftest's `tracked_run`
 (2-rank FSDP, eval prompts, TensorBoard and MLflow), shared with tests/test_schema.py. (A real sweep through the
 device queue, attached from another process: the tutorial's, in tests/test_notebooks_headless.py.)"""
-import json, sys
+import json, os, subprocess, sys
 
 import pytest
 
@@ -75,6 +75,24 @@ def test_wandb_offline_run_holds_the_metrics_under_the_dashboards_names(tracked_
     config = next(r.run.config for r in recs if r.WhichOneof("record_type") == "run")
     assert {i.key: json.loads(i.value_json) for i in config.update}["learning_rate"] == 0.001
     assert [r.exit.exit_code for r in recs if r.WhichOneof("record_type") == "exit"] == [0]
+
+
+@pytest.mark.processes
+def test_trackio_storage_holds_the_metrics_read_back_by_trackio(tracked_run):
+    "trackio's own storage (what its dashboard reads), in a process of its own: trackio reads TRACKIO_DIR once."
+    read = ("import json; from trackio.sqlite_storage import SQLiteStorage as S; "
+            "print(json.dumps(dict(runs=S.get_runs('ilab_nb'), logs=S.get_logs('ilab_nb', S.get_runs('ilab_nb')[0]), "
+            "config=S.get_run_config('ilab_nb', S.get_runs('ilab_nb')[0])), default=str))")
+    out = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "TRACKIO_DIR": str(tracked_run.run_dir / "trackio")})
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["runs"] == [tracked_run.run_id]
+    for tag, kind, key in (("train/loss", "train", "loss"), ("eval/loss", "eval", "eval_loss")):
+        want = [(r["step"], r[key]) for r in _jsonl(tracked_run, kind)]
+        assert [(l["step"], l[tag]) for l in got["logs"] if tag in l] == want
+    samples = [l for l in got["logs"] if "samples" in l]
+    assert [l["step"] for l in samples] == [0, 2, 4] and samples[0]["samples"]["_value"][0]["prompt"] == PROMPTS[0]
+    assert got["config"]["learning_rate"] == "0.001" and got["config"]["num_processes"] == "2"
 
 
 @pytest.mark.processes
