@@ -185,7 +185,7 @@ def kept_for_backward(model, tokens: int, autocast=None, blocks=()) -> tuple[int
 def activation_bytes(model, tokens: int, precision: str = "fp32", strategy: str = "single") -> dict:
     """What one micro-batch of `tokens` tokens keeps for the backward pass on a rank, traced through `model`'s forward
     on fake tensors (`model`, on the meta device as the preflight builds it, is left as it was): `kept` after the
-    forward pass, and at the peak of the backward pass `bytes`, or `checkpointed` under gradient checkpointing;
+    forward pass; `bytes` at the peak of the backward pass (`kept`), or `checkpointed` under gradient checkpointing;
     `blocks` and `per_block` (the largest block's)."""
     import copy, torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -201,8 +201,8 @@ def activation_bytes(model, tokens: int, precision: str = "fp32", strategy: str 
         total, per = kept_for_backward(m, tokens, cast, transformer_blocks(m))
     block = max((b for b, _ in per), default=0)
     inside, inputs = sum(b for b, _ in per), sum(i for _, i in per)
-    return dict(tokens=tokens, kept=total, bytes=total + block, checkpointed=total - inside + inputs + 2 * block,
-                blocks=len(per), per_block=block)
+    return dict(tokens=tokens, kept=total, bytes=total, checkpointed=total - inside + inputs + block, blocks=len(per),
+                per_block=block)
 
 # %% ../nbs/59_sizes.ipynb #cb2fb255
 CKPT_TENSOR_BYTES = 8_300   # per trained tensor: its 4 entries (weight, 2 moments, step) in distributed/ and .metadata
