@@ -149,6 +149,10 @@ def test_eval_prompts_are_bounded_by_the_model_at_construction(demo, small_train
     assert "eval_prompts[1] is " in str(e.value) and "past max_seq_len=256: shorten the prompt" in str(e.value), str(e.value)
     s = make_session(demo, small_train, runs_root, eval_steps=1, eval_prompts=["Hi"], eval_max_new_tokens=8)
     assert s.preflight["memory"]["generation_bytes"] > 0 and s.preflight["eval_prompts"]["generation_tokens"] > 8
+    # the activations of a full micro-batch, traced through the model as built, are in the estimate (59_sizes)
+    mem, act = s.preflight["memory"], s.preflight["model"]["activations"]
+    assert act["tokens"] == s.config.max_tokens_per_batch and mem["activations"] == act["bytes"] > 0
+    assert mem["activation_tokens"] == act["tokens"] and act["checkpointed"] < act["bytes"]
     assert not runs_root.exists()
 
 
