@@ -15,7 +15,8 @@ Stages:
             dropout, DPO on preference pairs, LoRA + DPO, plain text (packed), a CPU fsdp run on the GPU machine, and a
             resume from a checkpoint (the trajectory after it against the uninterrupted run's). Every run with a process
             group must have logged its timeout as ddp_timeout's; the LoRA runs train on a bf16 copy of the demo model,
-            and their final/ (merged after the group is gone) must be bf16
+            and their final/ (merged after the group is gone) must be bf16. Each run's summary has its peak memory (the
+            CUDA allocator's) beside the preflight's per-rank estimate, activations included
   bench     bench/bench_gpu.py (a ~1B Llama, FSDP2 bf16, packed vs bucketed): tokens/s, MFU, peak memory; and
             bench/bench_lora.py --cuda (LoRA against a full fine-tune: tokens/s, peak memory, checkpoint size)
 
@@ -195,7 +196,11 @@ def one_run(spec, a, demo, data, runs_root, n_gpus):
     train = s.metrics(kinds=("train",))
     out = dict(run_id=s.run_id, status_of_run=status, steps=len(train), loss=[round(r["loss"], 4) for r in train],
                tokens_per_s=round(train[-1]["tokens_per_s"]) if train else None,
-               peak_mem_mb=train[-1].get("peak_mem_mb") if train else None,
+               peak_mem_mb=max(r.get("peak_mem_mb") or 0 for r in train) if train else None,
+               # the preflight's per-rank estimate (weights, state, gathered blocks, a full micro-batch's activations)
+               # beside that peak (CUDA: the allocator's), to see how far the estimate is from a GPU's own count
+               estimate_mb=round(mem["device_bytes"] / 2**20) if (mem := s.preflight.get("memory")) else None,
+               activations_mb=round(mem["activations"] / 2**20) if mem else None,
                header={k: head.get(k) for k in ("world_size", "backend", "strategy", "device_type", "precision", "layout",
                                                "attn_implementation", "mixed_precision", "cpu_offload", "torch_compile",
                                                "gradient_checkpointing", "load")})
