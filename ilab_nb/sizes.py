@@ -87,9 +87,12 @@ def memory_estimate(params: dict, strategy: str, world_size: int, precision: str
 
 # %% ../nbs/59_sizes.ipynb #eb5781cd
 def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0, activations: dict | None = None) -> dict:
-    "`activations`: `activation_bytes` of the run's model, its `checkpointed` figure under gradient checkpointing."
+    """`activations`: `activation_bytes` of the run's model, its `checkpointed` figure under gradient checkpointing,
+    in proportion to `cfg.max_tokens_per_batch` where it was traced for another budget (not GRPO's)."""
     params = count_params_of(shapes)
     act = (activations["checkpointed" if cfg.gradient_checkpointing else "bytes"]) if activations else 0
+    if act and activations.get("tokens") and cfg.method != "grpo":
+        act = act * cfg.max_tokens_per_batch // activations["tokens"]
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
                            adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
                            frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim, quantized=cfg.quantization,
@@ -99,11 +102,16 @@ QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_doubl
 
 def _lighter(cfg, traced: bool = False) -> list[tuple[str, dict]]:
     """Changes that lower what a rank holds, the ones that change the run least first: gradient checkpointing (the
-    same numbers, slower; when the activations were `traced`), bf16, 8-bit AdamW moments (not under FSDP), LoRA
+    same numbers, slower; when the activations were `traced`), half the micro-batch with twice the accumulation (the
+    same tokens a step; traced activations too), bf16, 8-bit AdamW moments (not under FSDP), LoRA
     adapters (peft's default rank, 8), both, FSDP's shards moved to host memory, and a 4-bit base (QLoRA, with the
     run's strategy)."""
     out = [("gradient_checkpointing=True", dict(gradient_checkpointing=True))] if traced and not \
         cfg.gradient_checkpointing else []
+    half, ga = cfg.max_tokens_per_batch // 2, 2 * cfg.gradient_accumulation_steps     # the same tokens a step
+    if traced and cfg.method != "grpo" and half >= cfg.max_seq_len:
+        out.append((f"max_tokens_per_batch={half} and gradient_accumulation_steps={ga}",
+                    dict(max_tokens_per_batch=half, gradient_accumulation_steps=ga)))
     if cfg.precision != "bf16": out.append(("precision='bf16'", dict(precision="bf16")))
     if cfg.strategy != "fsdp" and cfg.optim in ("adamw_torch", "adamw_torch_fused"):
         out.append(("optim='adamw_8bit'", dict(optim="adamw_8bit")))
