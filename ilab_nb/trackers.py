@@ -12,8 +12,8 @@ from .rundir import Event, RunPaths
 
 # %% auto #0
 __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'completions_of', 'completion_markdown',
-           'mlflow_tracking_uri', 'MLflowTracker', 'wandb_dir', 'WandbTracker', 'trackio_dir', 'TrackioTracker',
-           'TrackedWriter', 'record_tracker_error', 'tracker_notes', 'open_trackers']
+           'mlflow_tracking_uri', 'MLflowTracker', 'wandb_dir', 'WandbTracker', 'logged_with_tables', 'trackio_dir',
+           'TrackioTracker', 'TrackedWriter', 'record_tracker_error', 'tracker_notes', 'open_trackers']
 
 # %% ../nbs/30_trackers.ipynb #d84537eb
 _DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -185,15 +185,19 @@ class WandbTracker:
                               settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
 
 # %% ../nbs/30_trackers.ipynb #37e7861d
-@patch
-def log(self:WandbTracker, rec: dict):
+def logged_with_tables(rec: dict, Table) -> dict:
+    """A record's scalars, its sample answers as a `Table(columns=, data=)` (`samples`) and a GRPO step's completions as
+    TRL's (`completions`): what W&B and trackio, whose tables take the same arguments, log at its step."""
     data = dict(record_scalars(rec))
     if rec.get("kind") == "samples" and rec.get("samples"):
-        data["samples"] = self.wandb.Table(columns=["prompt", "answer"],
-                                           data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
+        data["samples"] = Table(columns=["prompt", "answer"], data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
     if (table := completions_of(rec)) is not None:            # TRL's table, under TRL's key
-        data["completions"] = self.wandb.Table(columns=table[0], data=table[1])
-    if data: self.run.log(data, step=int(rec.get("step") or 0))
+        data["completions"] = Table(columns=table[0], data=table[1])
+    return data
+
+@patch
+def log(self:WandbTracker, rec: dict):
+    if data := logged_with_tables(rec, self.wandb.Table): self.run.log(data, step=int(rec.get("step") or 0))
 
 @patch
 def finish(self:WandbTracker, status: str, final_path=None):
@@ -226,13 +230,7 @@ class TrackioTracker:
 # %% ../nbs/30_trackers.ipynb #3d0967a2
 @patch
 def log(self:TrackioTracker, rec: dict):
-    data = dict(record_scalars(rec))
-    if rec.get("kind") == "samples" and rec.get("samples"):
-        data["samples"] = self.trackio.Table(columns=["prompt", "answer"],
-                                             data=[[s["prompt"], s["answer"]] for s in rec["samples"]])
-    if (table := completions_of(rec)) is not None:            # TRL's table, under TRL's key
-        data["completions"] = self.trackio.Table(columns=table[0], data=table[1])
-    if data: self.run.log(data, step=int(rec.get("step") or 0))
+    if data := logged_with_tables(rec, self.trackio.Table): self.run.log(data, step=int(rec.get("step") or 0))
 
 @patch
 def finish(self:TrackioTracker, status: str, final_path=None):
