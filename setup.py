@@ -44,7 +44,8 @@ setuptools.setup(
                     'eval': cfg.get('eval_requirements', '').split(),
                     'export': cfg.get('export_requirements', '').split(),
                     'ray': cfg.get('ray_requirements', '').split(),
-                    'qlora': cfg.get('qlora_requirements', '').split()},
+                    'qlora': cfg.get('qlora_requirements', '').split(),
+                    'search': cfg.get('search_requirements', '').split()},
     entry_points={
         'console_scripts': cfg.get('console_scripts', '').split(),
         'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
