@@ -34,7 +34,8 @@ _all_ = ["run_curves", "smooth_ema", "LRFormatter", "nice_ceiling", "LossPlot", 
 # %% ../nbs/40_dashboard.ipynb #f41ab6c6
 STATUS_COLOURS = {
     State.created: "#5f6368", State.queued: "#5f6368", State.starting: "#b06000", State.running: "#1a73e8",
-    State.completed: "#188038", State.failed: "#d93025", State.cancelled: "#9334e6", State.unreadable: "#d93025",
+    State.completed: "#188038", State.failed: "#d93025", State.cancelled: "#9334e6", State.pruned: "#9334e6",
+    State.unreadable: "#d93025",
     State.incomplete: "#5f6368",
 }
 
@@ -78,8 +79,9 @@ def _pre(lines) -> str:
 def _cancelled_html(state: dict, resumable: bool) -> str:
     reason = str(state.get("reason") or "stopped").rstrip(".")
     more = " Resume continues from the latest complete checkpoint." if resumable else ""
+    what = "Run pruned" if state.get("status") == State.pruned else "Run stopped"
     return html_of('<div style="border-left:5px solid #9334e6;background:#f3e8fd;padding:6px 12px;border-radius:4px;'
-                   'color:#202124;font-size:13px"><b style="color:#9334e6">Run stopped:</b> {}.{}</div>', reason, more)
+                   'color:#202124;font-size:13px"><b style="color:#9334e6">{}:</b> {}.{}</div>', what, reason, more)
 
 # %% ../nbs/40_dashboard.ipynb #57e4d884
 def _failure_html(state: dict) -> str:
@@ -203,7 +205,7 @@ def _header_html(run_id, attempt, h: dict) -> str:
 @patch
 def _show_buttons(self:Dashboard, status: str) -> bool:
     ch = self._set(self.stop_button.layout, "" if status in ACTIVE and self.on_stop else "none", "display")
-    resumable = status in (State.failed, State.cancelled) and self.on_resume is not None
+    resumable = status in (State.failed, State.cancelled, State.pruned) and self.on_resume is not None
     return self._set(self.resume_button.layout, "" if resumable else "none", "display") | ch
 
 # %% ../nbs/40_dashboard.ipynb #882e8b3c
@@ -211,7 +213,7 @@ def _show_buttons(self:Dashboard, status: str) -> bool:
 def _show_failure(self:Dashboard, status: str, state: dict) -> bool:
     if status == State.failed:
         return self._set(self.failure, _failure_html(state)) | self._set(self.failure.layout, "", "display")
-    if status == State.cancelled:
+    if status in (State.cancelled, State.pruned):
         resumable = self.on_resume is not None
         return self._set(self.failure, _cancelled_html(state, resumable)) | self._set(self.failure.layout, "",
                 "display")
@@ -238,7 +240,8 @@ def _show_status(self:Dashboard, status: str, state: dict) -> bool:
     ch |= self._show_buttons(status)
     ch |= self._show_failure(status, state)
     if status in ACTIVE or status in TERMINAL:
-        style = {State.completed: "success", State.failed: "danger", State.cancelled: "warning"}.get(status, "info")
+        style = {State.completed: "success", State.failed: "danger", State.cancelled: "warning",
+                 State.pruned: "warning"}.get(status, "info")
         ch |= self._set(self.progress, style, "bar_style")
     return ch
 

@@ -117,8 +117,8 @@ def record_html(monitor, status: str | None = None, png: bytes | None = None, st
     parts = [html_of('<div style="display:flex;gap:10px;align-items:center">{}</div>', top)]
     cks = monitor.checkpoints()
     if status == State.failed: parts.append(D._failure_html(state))
-    elif status == State.cancelled: parts.append(D._cancelled_html(state, resumable=False))
-    if status in (State.failed, State.cancelled) and cks:
+    elif status in (State.cancelled, State.pruned): parts.append(D._cancelled_html(state, resumable=False))
+    if status in (State.failed, State.cancelled, State.pruned) and cks:
         parts.append(html_of('<div style="font-size:12.5px;margin:4px '
                              '0"><code>FineTuneSession.attach("{}").resume()</code> goes on from its latest complete '
                              'checkpoint (step {}).</div>', monitor.run_id, cks[-1].get("step", "?")))

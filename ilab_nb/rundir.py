@@ -35,13 +35,14 @@ class State(Name):
     completed = auto()
     failed = auto()
     cancelled = auto()
+    pruned = auto()      # stopped by its search (66_search) for a worse value than its peers': kept, not resumed by it
     created = auto()     # reported, never written: no state.json yet
     unreadable = auto()  # reported, never written: state.json could not be parsed or rebuilt
     incomplete = auto()  # reported by `list_runs`, never written: a run directory that never got a state
 
 # %% ../nbs/11_rundir.ipynb #c0684a8e
-STATES = (State.queued, State.starting, State.running, State.completed, State.failed, State.cancelled)
-TERMINAL = frozenset({State.completed, State.failed, State.cancelled})
+STATES = (State.queued, State.starting, State.running, State.completed, State.failed, State.cancelled, State.pruned)
+TERMINAL = frozenset({State.completed, State.failed, State.cancelled, State.pruned})
 ACTIVE = tuple(s for s in STATES if s not in TERMINAL)
 
 # %% ../nbs/11_rundir.ipynb #9d2bb6f8
@@ -61,6 +62,7 @@ class Event(Name):
     completed = auto()
     failed = auto()
     cancelled = auto()
+    pruned = auto()      # its search pruned it (a stop request with `prune`)
     submitted = auto()   # a SLURM job was submitted for the attempt
     scancel = auto()     # its SLURM job was cancelled
     checkpoint = auto()
@@ -68,7 +70,7 @@ class Event(Name):
     skipped = auto()     # a step whose loss or gradient norm was not finite, skipped (skip_nonfinite_steps)
 
 # %% ../nbs/11_rundir.ipynb #a0294aad
-LIFECYCLE_EVENTS = tuple(Event)[:10]
+LIFECYCLE_EVENTS = tuple(Event)[:11]
 METRICS_EVENTS = (Event.checkpoint, Event.stopped, Event.completed, Event.failed, Event.skipped)
 
 # %% ../nbs/11_rundir.ipynb #3d024cb2

@@ -20,7 +20,8 @@ from .rundir import (STATES, TERMINAL, Event, RunPaths, State, no_follow, read_j
 __all__ = ['HEARTBEAT_S', 'STALE_S', 'SPAWN_GRACE_S', 'RUN_ID_RE', 'RUN_ENV', 'ATTEMPT_ENDING', 'SUPERVISED', 'StateError',
            'default_runs_root', 'validate_run_id', 'new_run_id', 'start_ticks', 'ProcessRef', 'write_json_atomic',
            'ends_mid_line', 'append_jsonl', 'dir_lock', 'run_processes', 'kill_run_processes', 'RunStore',
-           'unchecked_refs', 'typed_fields', 'checked_state', 'next_attempt', 'rebuild_state', 'refresh_local']
+           'unchecked_refs', 'typed_fields', 'checked_state', 'next_attempt', 'pruned_by', 'rebuild_state',
+           'refresh_local']
 
 # %% ../nbs/13_runstore.ipynb #cc84988d
 HEARTBEAT_S = 2.0       # the supervisor writes a heartbeat this often
@@ -248,7 +249,15 @@ def next_attempt(st: dict) -> dict:
     return {**{k: v for k, v in st.items() if k not in ATTEMPT_ENDING}, "attempts": st.get("attempts", []) + [prev]
             if st else []}
 
-# %% ../nbs/13_runstore.ipynb #c7c67729
+# %% ../nbs/13_runstore.ipynb #c8a59c39
+def pruned_by(paths: RunPaths) -> dict | None:
+    "The `prune` record of the run's stop request (its search pruned it), or None."
+    if not paths.stop.exists(): return None
+    body = read_json(paths.stop, {})
+    pr = body.get("prune") if isinstance(body, dict) else None
+    return pr if isinstance(pr, dict) else None
+
+# %% ../nbs/13_runstore.ipynb #8e9ed5ce
 @patch
 def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fields) -> dict:
     """Merge `fields` into the run's state atomically; returns the new state. Raises `StateError` out of a terminal
@@ -258,6 +267,8 @@ def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fiel
     if "status" in fields and fields["status"] not in STATES:
         raise ValueError(f"Unknown status {fields['status']!r}; expected one of {STATES}")
     p = RunPaths(self.run_dir(run_id))
+    if fields.get("status") == State.cancelled and (pr := pruned_by(p)):     # whoever writes the ending: pruned
+        fields = {**fields, "status": State.pruned, "reason": pr.get("reason") or "pruned by its search", "pruned": pr}
     with dir_lock(p.state_lock):
         st = self.read_state(run_id)
         now = time.time()
@@ -286,10 +297,11 @@ def write_state(self:RunStore, run_id, *, new_attempt=False, expect=None, **fiel
         write_json_atomic(p.state, st)
     return st
 
-# %% ../nbs/13_runstore.ipynb #dd515ed7
+# %% ../nbs/13_runstore.ipynb #bd494ae5
 @patch
 def append_event(self:RunStore, run_id, event, **fields) -> dict:
-    "Append a lifecycle event `{time, event, ...}` to the run's `events.jsonl`."
+    "Append a lifecycle event `{time, event, ...}` to the run's `events.jsonl` (`cancelled` by its search: `pruned`)."
+    if event == Event.cancelled and pruned_by(RunPaths(self.run_dir(run_id))): event = Event.pruned
     rec = {"time": time.time(), "event": event, **fields}
     append_jsonl(RunPaths(self.run_dir(run_id)).events, rec)
     return rec
@@ -318,10 +330,10 @@ def list_runs(self:RunStore) -> list:
     return sorted(d.name for d in self.root.iterdir()
                   if RUN_ID_RE.fullmatch(d.name) and not d.name.endswith(".") and d.is_dir())
 
-# %% ../nbs/13_runstore.ipynb #5794d589
+# %% ../nbs/13_runstore.ipynb #32f1eb3b
 _EVENT_STATUS = {Event.created: State.queued, Event.resumed: State.queued, Event.starting: State.starting,
                  Event.running: State.running, Event.completed: State.completed, Event.failed: State.failed,
-                 Event.cancelled: State.cancelled}
+                 Event.cancelled: State.cancelled, Event.pruned: State.pruned}
 
 # %% ../nbs/13_runstore.ipynb #7e70ea92
 def _status_events(path) -> list:

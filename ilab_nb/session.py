@@ -376,9 +376,9 @@ def _resume_point(self:FineTuneSession, st: dict, changes: dict) -> dict:
     """The checkpoint a resume of the run in state `st` goes on from (its latest complete one; none: from the start), or
     why not."""
     status = st.get("status")
-    if status not in (State.failed, State.cancelled, State.completed):
-        raise RuntimeError(f"Run {self.run_id} is {status or 'not started'}; only a cancelled, failed or completed run "
-                           f"can be resumed.")
+    if status not in (State.failed, State.cancelled, State.pruned, State.completed):
+        raise RuntimeError(f"Run {self.run_id} is {status or 'not started'}; only a cancelled, pruned, failed or "
+                           f"completed run can be resumed.")
     ckpts = self.checkpoints
     if not ckpts and status != State.completed:   # ended before its first checkpoint
         return dict(step=0, epoch=0.0, path=None)
@@ -436,7 +436,7 @@ def resume(self:FineTuneSession, *, trust_owner: bool = False, **changes) -> Fin
                    num_processes=cfg.num_processes, devices=cfg.devices)
     try:     # the claim: under the state's lock the run must still be this ended attempt, so one caller of many wins
         self.store.write_state(self.run_id, new_attempt=True, expect={"status": (State.failed, State.cancelled,
-                State.completed),
+                State.pruned, State.completed),
                                                                       "attempt": (attempt - 1,)},
                                status=State.queued, attempt=attempt, resume_from=ck["path"],
                                resumed_from_step=ck["step"], claimed_by=f"resumed by {by}", **upd)
