@@ -431,15 +431,20 @@ def run(self:Driver) -> int:
                 self.beat()
                 time.sleep(self.poll_s)
             status = "stopped" if self.paths.stop.exists() else "completed"
+            self._report(status)                  # before the status: whoever sees it ended finds the report
             self.beat(status=status, ended_at=time.time())
             self.log(f"search {status}")
         except BaseException as e:
             self.beat(status="failed", ended_at=time.time(), reason=f"its driver crashed: {type(e).__name__}: {e}")
             self.log(traceback.format_exc())
             return 1
-    try: Search(self.spec["search_id"], self.store.root).report()
-    except Exception as e: self.log(f"search-report.html not written: {type(e).__name__}: {e}")
     return 0
+
+@patch
+def _report(self:Driver, status: str):
+    "The search's `search-report.html`, showing `status` (never fails the driver)."
+    try: Search(self.spec["search_id"], self.store.root).report(status)
+    except Exception as e: self.log(f"search-report.html not written: {type(e).__name__}: {e}")
 
 def main(argv=None) -> int:
     "Drive the search in the directory `argv[0]`."
@@ -627,8 +632,8 @@ def importance_html(search: Search) -> str:
                    ", ".join(f"{k} {v:.2f}" for k, v in imp.items()))
 
 # %% ../nbs/66_search.ipynb #063bedb7
-def search_head_html(search: Search) -> str:
-    "The search's title line: id, status, counts, the best so far."
+def search_head_html(search: Search, status: str | None = None) -> str:
+    "The search's title line: id, status (default: its status now), counts, the best so far."
     ts, sp, b = search.trials(), search.spec, search.best_trial
     counts = {}
     for t in ts: counts[t["state"]] = counts.get(t["state"], 0) + 1
@@ -636,16 +641,17 @@ def search_head_html(search: Search) -> str:
             + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in b["values"].items())
             + ")") if b else ""
     return html_of("<div style='font-size:14px;margin-bottom:6px'><b>Search {}</b> — {} · {} of {} trials ({}){} · "
-                   "from any kernel: <code>Search.attach(\"{}\")</code></div>", search.search_id, search.status,
+                   "from any kernel: <code>Search.attach(\"{}\")</code></div>", search.search_id,
+                   status or search.status,
                    len(ts), sp.get("n_trials"), ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none yet",
                    best, search.search_id)
 
-def search_record_html(search: Search) -> str:
+def search_record_html(search: Search, status: str | None = None) -> str:
     "The search's record as one HTML fragment."
     from ilab_nb.record import _img
     png = search_curves_png(search)
     return html_of("<div class='ilab-search-record' style='max-width:940px;font-family:system-ui,sans-serif'>"
-                   "{}{}{}{}</div>", search_head_html(search), search_table_html(search),
+                   "{}{}{}{}</div>", search_head_html(search, status), search_table_html(search),
                    _img(png, f"{search.spec['metric']} of search {search.search_id}") if png else "",
                    importance_html(search))
 
@@ -655,11 +661,11 @@ def record_bundle(self:Search) -> dict:
     return {"text/html": search_record_html(self), "text/plain": repr(self)}
 
 @patch
-def report(self:Search):
-    "Write the search's `search-report.html` now; returns it."
+def report(self:Search, status: str | None = None):
+    "Write the search's `search-report.html` now (showing `status`, default its status now); returns it."
     from ilab_nb.record import Report, _write_atomic, report_page
     _write_atomic(self.paths.report, report_page(f"ilab_nb search {self.search_id}",
-                                                  search_record_html(self)).encode())
+                                                  search_record_html(self, status)).encode())
     return Report(self.paths.report)
 
 # %% ../nbs/66_search.ipynb #3a999b7d

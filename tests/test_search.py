@@ -1,0 +1,74 @@
+"""Issue 55, with real processes: a pruning search (66_search) started by a kernel that is then killed, its driver
+killed too and a new one started by another process, then extended. Every trial is an ordinary one-process run of the
+demo model; the pruned one ends `pruned` with its checkpoint kept. Three short runs in all."""
+import json, subprocess, sys, textwrap
+
+import optuna
+import pytest
+
+from ilab_nb.runstore import ProcessRef, RunStore
+from ilab_nb.search import Search
+from ilab_nb.session import FineTuneSession
+from conftest import wait_until
+
+pytestmark = pytest.mark.timeout(400)
+
+# The kernel: it starts the search and would go on working; the test kills it. Trial 0 and 2 learn at 3e-3, trial 1
+# at 1e-6: after trial 0 has completed, trial 1's first evaluation is worse than trial 0's at that step, so Optuna's
+# MedianPruner (n_startup_trials=1) prunes it there whatever the timing.
+KERNEL = textwrap.dedent("""
+    import sys, time, optuna
+    from ilab_nb import FineTuneSession
+    model, data, root = sys.argv[1:4]
+    def space(trial): return {"learning_rate": [3e-3, 1e-6, 3e-3][trial.number % 3]}
+    s = FineTuneSession.search(model, data, space=space, n_trials=2, runs_root=root,
+                               pruner=optuna.pruners.MedianPruner(n_startup_trials=1), num_processes=1,
+                               strategy="single", device="cpu", max_steps=20, eval_split=0.1, eval_steps=5,
+                               logging_steps=5, save_steps=5, max_tokens_per_batch=1024, max_seq_len=256, seed=0)
+    print(s.search_id, flush=True)
+    time.sleep(3600)
+""")
+
+
+@pytest.mark.processes
+def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train, runs_root):
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(demo.model_dir), str(small_train), str(runs_root)],
+                              stdout=subprocess.PIPE, text=True)
+    try: sid = kernel.stdout.readline().strip()
+    finally:
+        if not sid: kernel.kill()
+    s = Search.attach(sid, runs_root)
+    wait_until(lambda: s.trials() and s.trials()[0]["state"] == "running" and s.state.get("driver"), 120,
+               what="trial 0's run started by the driver")
+    kernel.kill(); kernel.wait()                                     # the kernel dies: the search goes on
+    ProcessRef.from_dict(s.state["driver"]).process().kill()         # and so does its driver, mid-trial
+    wait_until(lambda: s.status == "driver gone", 30, what="the dead driver seen")
+
+    s = Search.attach(sid, runs_root)                                # another process takes it up
+    assert s.resume().wait(timeout=300) == "completed", (s, (s.dir / "driver.log").read_text()[-3000:])
+    ts = s.trials()
+    assert [t["state"] for t in ts] == ["complete", "pruned"], ts
+    assert [t.state.name for t in s.study.trials] == ["COMPLETE", "PRUNED"]      # Optuna's record, in its database
+    store = RunStore(runs_root)
+    t0, t1 = (store.read_state(t["run_id"]) for t in ts)
+    assert t0["status"] == "completed" and t1["status"] == "pruned", (t0.get("reason"), t1.get("reason"))
+    assert t1["pruned"]["trial"] == 1 and "pruned by search" in t1["reason"] and t1["pruned"]["step"] < 20
+    assert t0["attempt"] == t1["attempt"] == 1                       # no run was started twice by the second driver
+    assert t1["search"] == dict(search_id=sid, trial=1, values={"learning_rate": 1e-6})     # its lineage
+    pruned = FineTuneSession.attach(ts[1]["run_id"], runs_root)
+    assert pruned.checkpoints and pruned.checkpoints[-1]["step"] < 20           # it stopped early, checkpoint kept
+    res = s.results()
+    assert res.rank_seconds[1] < res.rank_seconds[0], res              # pruning saved compute
+    assert s.best.run_id == ts[0]["run_id"] and s.best_trial["value"] == ts[0]["value"]
+    assert (s.dir / "search-report.html").exists() and "pruned" in (s.dir / "search-report.html").read_text()
+
+    assert s.extend(1).wait(timeout=300) == "completed"              # one more trial, a new driver
+    assert [t["state"] for t in s.trials()] == ["complete", "pruned", "complete"]
+    assert len(s.study.trials) == 3
+
+    with pytest.raises(ValueError, match="already in storage"):     # a second search on the same study: refused
+        FineTuneSession.search(demo.model_dir, small_train, space={"learning_rate": [1e-3]}, n_trials=1,
+                               runs_root=runs_root, storage=s.spec["storage"], study_name=s.spec["study"],
+                               num_processes=1, strategy="single", device="cpu", max_steps=2, eval_split=0.1,
+                               eval_steps=1)
+    assert Search.list_searches(runs_root) == [sid]
