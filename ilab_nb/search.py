@@ -203,7 +203,8 @@ def _spawn_driver(d: Path) -> ProcessRef:
 @patch(cls_method=True)
 def create(cls:Search, model=None, data=None, *, space, n_trials: int, metric: str = "eval_loss",
            direction: str | None = None, sampler="tpe", pruner="median", parallel: int = 1, storage: str | None = None,
-           study_name: str | None = None, config=None, runs_root=None, name=None, **fields) -> Search:
+           study_name: str | None = None, config=None, runs_root=None, name=None, trust_owner: bool = False,
+           **fields) -> Search:
     "Check everything, write the search's directory and start its driver; returns the `Search` (see `search`)."
     import cloudpickle, optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -227,7 +228,8 @@ def create(cls:Search, model=None, data=None, *, space, n_trials: int, metric: s
             raise ValueError(f"search: study {study_name!r} is already in storage={storage!r}: another search "
                              f"drives it; attach to that search (Search.attach) or give another study_name")
     rid = trial_run_id(search_id, 0)        # the fixed fields' config, paths resolved, then a point of the space's
-    base = FineTuneSession(model, data, config=config, runs_root=runs_root, run_id=rid, **fields).config
+    base = FineTuneSession(model, data, config=config, runs_root=runs_root, run_id=rid, trust_owner=trust_owner,
+                           **fields).config
     probe = optuna.create_study(direction=direction, sampler=optuna.samplers.RandomSampler(seed=0))
     FineTuneSession(config=base, runs_root=runs_root, run_id=rid, **trial_fields(base, trial_values(space,
                                                                                                  probe.ask())))
@@ -265,13 +267,15 @@ def _start_driver(self:Search):
 @patch(cls_method=True)
 def search(cls:FineTuneSession, model=None, data=None, *, space, n_trials: int, metric: str = "eval_loss",
            direction: str | None = None, sampler="tpe", pruner="median", parallel: int = 1, storage: str | None = None,
-           config=None, runs_root=None, name=None, **fields) -> Search:
+           study_name: str | None = None, config=None, runs_root=None, name=None, trust_owner: bool = False,
+           **fields) -> Search:
     """Search `space` with `n_trials` background runs, pruning those whose `metric` is worse than their peers' at the
     same step (`pruner`), `parallel` at a time; returns the `Search`. `direction` defaults to minimize (maximize for a
-    reward or an accuracy). `storage`: an Optuna database URL (default SQLite in the search's directory)."""
+    reward or an accuracy). `storage`: an Optuna database URL (default SQLite in the search's directory), and
+    `study_name` the study's name in it (default the search's id)."""
     return Search.create(model, data, space=space, n_trials=n_trials, metric=metric, direction=direction,
-                         sampler=sampler, pruner=pruner, parallel=parallel, storage=storage, config=config,
-                         runs_root=runs_root, name=name, **fields)
+                         sampler=sampler, pruner=pruner, parallel=parallel, storage=storage, study_name=study_name,
+                         config=config, runs_root=runs_root, name=name, trust_owner=trust_owner, **fields)
 
 # %% ../nbs/66_search.ipynb #fb7c2024
 class Driver:

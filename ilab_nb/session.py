@@ -90,6 +90,10 @@ def attach(cls:FineTuneSession, run_id, runs_root=None) -> FineTuneSession:
     return self
 
 # %% ../nbs/61_session.ipynb #c309d898
+def _search_of(s) -> str | None:
+    "A search's trial, as `search#trial` (None for a run no search started)."
+    return f"{s.get('search_id')}#{s.get('trial')}" if isinstance(s, dict) and s.get("search_id") else None
+
 def _lineage(fork: dict | None) -> str | None:
     "A fork's parent, as `run@step` (None for none, or for a lineage written by hand without a parent)."
     return f"{fork['run_id']}@{fork.get('step', '?')}" if isinstance(fork, dict) and fork.get("run_id") else None
@@ -103,8 +107,8 @@ def _changed_fields(changes) -> dict:
 @patch(cls_method=True)
 def list_runs(cls:FineTuneSession, runs_root=None) -> list:
     """Every run under the runs root, oldest first: `{run_id, status, attempt, step, total_steps, loss, created_at,
-    reason,
-    forked_from, changed}`: a fork's parent as `run@step`, and the attempts that changed settings with their fields."""
+    reason, forked_from, changed, search}`: a fork's parent as `run@step`, the attempts that changed settings with
+    their fields, a search's trial as `search#trial`."""
     store, out = RunStore(runs_root), []
     for rid in store.list_runs():
         try: st = store.refresh(rid)
@@ -116,7 +120,8 @@ def list_runs(cls:FineTuneSession, runs_root=None) -> list:
                     "step": pr["step"],
                     "total_steps": pr["total_steps"], "loss": pr["loss"], "created_at": st.get("created_at"),
                     "reason": st.get("reason"), "forked_from": _lineage(st.get("forked_from")),
-                    "changed": _changed_fields(st.get("changes")), "note": m.note})
+                    "changed": _changed_fields(st.get("changes")), "note": m.note,
+                    "search": _search_of(st.get("search"))})
     return out
 
 # %% ../nbs/61_session.ipynb #fbc34ad5

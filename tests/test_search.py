@@ -9,7 +9,7 @@ import pytest
 from ilab_nb.runstore import ProcessRef, RunStore
 from ilab_nb.search import Search
 from ilab_nb.session import FineTuneSession
-from conftest import wait_until
+from conftest import ilab, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -71,4 +71,16 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
                                runs_root=runs_root, storage=s.spec["storage"], study_name=s.spec["study"],
                                num_processes=1, strategy="single", device="cpu", max_steps=2, eval_split=0.1,
                                eval_steps=1)
+    assert Search.list_searches(runs_root) == [sid]
+
+    # the command line: the trials table, the list, the runs' lineage; a bad space refused before anything starts
+    out = ilab("search-status", sid, "--runs-root", runs_root, check=0).stdout
+    assert "completed: 3 of 3 trials, 2 complete, 1 pruned" in out and " pruned " in out.splitlines()[3], out
+    assert sid in ilab("searches", "--runs-root", runs_root, check=0).stdout
+    assert f"trial 1 of search {sid}" in ilab("ls", "--runs-root", runs_root, check=0).stdout
+    cfg = runs_root.parent / "search.yaml"
+    cfg.write_text(json.dumps(dict(model=str(demo.model_dir), data=str(small_train), num_processes=1, device="cpu",
+                                   strategy="single", eval_split=0.1, eval_steps=5)))
+    r = ilab("search", cfg, "--space", "learning_rate=log:0:1e-2", "--trials", "2", "--runs-root", runs_root, check=2)
+    assert "space['learning_rate'] = ('log', 0, 0.01): a log range needs low > 0" in r.stderr, r.stderr
     assert Search.list_searches(runs_root) == [sid]
