@@ -50,7 +50,8 @@ def grid(a, root):
     finals = [final_eval(store, r) for r in sw.run_ids]
     best = min(range(len(finals)), key=lambda i: finals[i])
     return dict(what="grid (Sweep, 12 points)", trials=len(finals), pruned=0, best=finals[best],
-                best_at=sw.spec["runs"][best]["values"], rank_s=sum(rank_seconds(store.read_state(r)) for r in sw.run_ids),
+                best_at=sw.spec["runs"][best]["values"],
+                rank_s=sum(rank_seconds(store.read_state(r)) for r in sw.run_ids),
                 wall=time.time() - t0)
 
 
@@ -124,7 +125,8 @@ def main():
         "# A pruning search against the grid and the unpruned search (bench/bench_search.py)", "",
         f"{datetime.date.today()}, {platform.node()}, {os.cpu_count()} CPUs; the demo model and data, 120 steps a run, "
         "1 CPU process a run, 2 runs at a time, held-out eval_loss on the demo's eval file at each run's end.", "",
-        "| what | trials | pruned | best held-out eval_loss | at | rank-seconds | wall s |", "|---|---|---|---|---|---|---|"]
+        "| what | trials | pruned | best held-out eval_loss | at | rank-seconds | wall s |",
+        "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['what']} | {r['trials']} | {r['pruned']} | {r['best']:.4f} | {fmt(r['best_at'])} | "
                      f"{r['rank_s']:.0f} | {r['wall']:.0f} |")

@@ -8,8 +8,8 @@ __all__ = ['FineTuneSession', 'Sweep', 'Search', 'PreflightError', 'DevicesBusyE
 
 # %% ../nbs/69_package.ipynb #b78b032c
 _PUBLIC = {"FineTuneSession": "ilab_nb.session", "Sweep": "ilab_nb.sweep", "Search": "ilab_nb.search",
-           "PreflightError": "ilab_nb.preflight", "DevicesBusyError": "ilab_nb.session", "TrainConfig": "ilab_nb.config",
-           "ConfigError": "ilab_nb.config", "DataError": "ilab_nb.data"}
+           "PreflightError": "ilab_nb.preflight", "DevicesBusyError": "ilab_nb.session",
+           "TrainConfig": "ilab_nb.config", "ConfigError": "ilab_nb.config", "DataError": "ilab_nb.data"}
 # nbdev's __all__
 _all_ = ["FineTuneSession", "Sweep", "Search", "PreflightError", "DevicesBusyError", "TrainConfig", "ConfigError",
          "DataError"]

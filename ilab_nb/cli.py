@@ -47,7 +47,9 @@ def _fmt_s(s):
 def _lineage_cell(r) -> str:
     "Where a run comes from and what its attempts changed: `fork of RUN@STEP; attempt 2: max_steps, num_processes`."
     parts = [f"fork of {r['forked_from']}"] if r.get("forked_from") else []
-    parts += [f"trial {r['search'].rpartition('#')[2]} of search {r['search'].rpartition('#')[0]}"] if r.get("search") else []
+    if r.get("search"):
+        sid, _, n = r["search"].rpartition("#")
+        parts.append(f"trial {n} of search {sid}")
     parts += [f"attempt {a}: {', '.join(fs)}" for a, fs in sorted((r.get("changed") or {}).items())]
     return "; ".join(parts)
 

@@ -571,7 +571,8 @@ def run(self:Supervisor) -> int:
     cfg = read_json(self.paths.config_for(self.attempt), {}) or {}   # config.json, or the attempt's changed config
     request = st.get("request") or device_request("cpu", int(launch_config(cfg).num_processes))
     slots = self._devices(request)
-    if slots is None: return 0 if self.store.read_state(self.run_id).get("status") in (State.cancelled, State.pruned) else 1
+    if slots is None:
+        return 0 if self.store.read_state(self.run_id).get("status") in (State.cancelled, State.pruned) else 1
     try: return self._launch_and_watch(cfg, request, slots)
     finally: self.slots.release()
 

@@ -617,7 +617,11 @@ def search_curves_png(search: Search, width_in: float = 8.0, height_in: float = 
                 alpha=1.0 if is_best else 0.75, label=f"trial {t['number']}" + (" (best)" if is_best else ""))
         drawn += 1
     if not drawn: return None
-    ax.set_xlabel("step"); ax.set_ylabel(m); ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel(m)
+    ax.grid(alpha=0.3)
     ax.set_title(f"search {search.search_id}: {m} per trial (dashed: pruned)", fontsize=10)
     if drawn <= 12: ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
