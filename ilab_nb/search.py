@@ -326,14 +326,14 @@ def _start(self:Driver, t: dict):
         self._tell(t, "fail", reason=f"its run could not start: {type(e).__name__}: {e}")
 
 @patch
-def _tell(self:Driver, t: dict, state: str, value=None, reason=None):
-    "Tell Optuna how trial `t` ended and record it."
+def _tell(self:Driver, t: dict, state: str, value=None, reason=None, shown: str | None = None):
+    "Tell Optuna how trial `t` ended and record it (as `shown`, default `state`)."
     from optuna.trial import TrialState
     st = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "fail": TrialState.FAIL}[state]
     try: self.study.tell(t["number"], value if state == "complete" else None, state=st, skip_if_finished=True)
     except Exception as e: reason = f"{reason or ''} (Optuna refused the result: {type(e).__name__}: {e})"
-    t.update(state=state, value=value, reason=reason, ended_at=time.time())
-    self.log(f"trial {t['number']}: {state}" + (f" {self.spec['metric']}={value:.6g}" if value is not None else "")
+    t.update(state=shown or state, value=value, reason=reason, ended_at=time.time())
+    self.log(f"trial {t['number']}: {shown or state}" + (f" {self.spec['metric']}={value:.6g}" if value is not None else "")
              + (f": {reason}" if reason else ""))
 
 # %% ../nbs/66_search.ipynb #e897265a
@@ -377,7 +377,8 @@ def _ended(self:Driver, t: dict, status: str, reason, vals: list):
         if vals: self._tell(t, "complete", vals[-1][1])
         else: self._tell(t, "fail", reason=f"its run completed without logging {self.spec['metric']}")
     elif status == State.pruned: self._tell(t, "pruned", t.get("last_value"), reason)
-    else: self._tell(t, "fail", reason=f"its run ended {status}" + (f": {reason}" if reason else ""))
+    else: self._tell(t, "fail", reason=f"its run ended {status}" + (f": {reason}" if reason else ""),
+                     shown="stopped" if status == State.cancelled else None)    # Optuna's FAIL: it did not finish
 
 # %% ../nbs/66_search.ipynb #37b17194
 @patch
@@ -485,7 +486,8 @@ def status(self:Search) -> str:
 
 @patch
 def trials(self:Search) -> list:
-    "Each trial: `{number, run_id, values, state, value, reason, ...}` (state: asked, running, complete, pruned, fail)."
+    """Each trial: `{number, run_id, values, state, value, reason, ...}` (state: asked, running, complete, pruned,
+    stopped, fail)."""
     return read_json(self.paths.trials, []) or []
 
 @patch
@@ -576,7 +578,7 @@ def resume(self:Search) -> Search:
 
 # %% ../nbs/66_search.ipynb #0ad89e30
 SEARCH_COLOURS = {"complete": "#188038", "pruned": "#9334e6", "fail": "#d93025", "running": "#1a73e8",
-                  "asked": "#5f6368"}
+                  "asked": "#5f6368", "stopped": "#b06000"}
 
 def search_table_html(search: Search) -> str:
     "The trials table as HTML."
