@@ -422,10 +422,12 @@ def _add_search(sub):
                        ("search-resume", "start a new driver for a search whose driver died (or that was stopped)")):
         c = _command(sub, name, help, run_arg=False)
         c.add_argument("search", metavar="SEARCH", help="search id (see: ilab-nb searches)")
+        if name != "search-status": c.add_argument("--trust-owner", action="store_true", help=_TRUST)
     c = _command(sub, "search-extend", "add trials to a search (its driver started again if it had ended)",
                  run_arg=False)
     c.add_argument("search", metavar="SEARCH", help="search id (see: ilab-nb searches)")
     c.add_argument("n", type=count_arg, metavar="N", help="how many more trials")
+    c.add_argument("--trust-owner", action="store_true", help=_TRUST)
 
 # %% ../nbs/67_cli.ipynb #4647fb8a
 def _search_cls():
@@ -461,16 +463,16 @@ def _cmd_search_status(a) -> int:
 
 def _cmd_search_stop(a) -> int:
     se = _search_cls().attach(a.search, a.runs_root)
-    print(f"{se.search_id}: {se.stop()}")
+    print(f"{se.search_id}: {se.stop(trust_owner=a.trust_owner)}")
     return 0
 
 def _cmd_search_extend(a) -> int:
-    se = _search_cls().attach(a.search, a.runs_root).extend(a.n)
+    se = _search_cls().attach(a.search, a.runs_root).extend(a.n, trust_owner=a.trust_owner)
     print(f"{se.search_id}: {se.spec['n_trials']} trials, {se.status}")
     return 0
 
 def _cmd_search_resume(a) -> int:
-    se = _search_cls().attach(a.search, a.runs_root).resume()
+    se = _search_cls().attach(a.search, a.runs_root).resume(trust_owner=a.trust_owner)
     print(f"{se.search_id}: {se.status}")
     return 0
 

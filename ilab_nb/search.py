@@ -13,7 +13,7 @@ from .config import TrainConfig, load_config
 from .core import html_join, html_of, patch
 from .live import Refresher, in_kernel, show_live
 from .monitor import RunMonitor
-from .rundir import Action, RunPaths, State, TERMINAL, gate, read_json
+from .rundir import Action, RunPaths, State, TERMINAL, gate, gated, read_json
 from .runstore import ProcessRef, RunStore, StateError, new_run_id, validate_run_id, write_json_atomic
 from .session import FineTuneSession, saved_rewards, write_memory_data
 from .sweep import run_fields
@@ -256,8 +256,10 @@ def create(cls:Search, model=None, data=None, *, space, n_trials: int, metric: s
     return s
 
 @patch
-def _start_driver(self:Search):
-    "Mark the search running and start its driver (which writes its own process into the state)."
+def _start_driver(self:Search, trust_owner: bool = False):
+    """Mark the search running and start its driver (which writes its own process into the state). The search's
+    directory is gated as a run's is before its code runs (11_rundir): no link in it, its code and pickles yours."""
+    gate(self.dir, Action.code, "start its driver", trust_owner, also=[self.paths.objects])
     self.paths.stop.unlink(missing_ok=True)
     write_json_atomic(self.paths.state, {**self.state, "status": "running", "started_at": time.time(),
                                          "reason": None, "driver": None})
@@ -286,7 +288,7 @@ class Driver:
         self.paths, self.poll_s = SearchPaths(d), poll_s
         self.spec = read_json(self.paths.spec)
         self.store = RunStore(Path(d).parent.parent)
-        gate(None, Action.code, "run its search", False, also=[self.paths.objects, self.paths.config])
+        gate(d, Action.code, "drive it", True, also=[self.paths.objects])   # links (owners: judged by its starter)
         objs = cloudpickle.loads(self.paths.objects.read_bytes())
         self.space = objs["space"]
         self.storage = open_storage(self.spec["storage"])
@@ -333,8 +335,8 @@ def _tell(self:Driver, t: dict, state: str, value=None, reason=None, shown: str 
     try: self.study.tell(t["number"], value if state == "complete" else None, state=st, skip_if_finished=True)
     except Exception as e: reason = f"{reason or ''} (Optuna refused the result: {type(e).__name__}: {e})"
     t.update(state=shown or state, value=value, reason=reason, ended_at=time.time())
-    self.log(f"trial {t['number']}: {shown or state}" + (f" {self.spec['metric']}={value:.6g}" if value is not None else "")
-             + (f": {reason}" if reason else ""))
+    said = f" {self.spec['metric']}={value:.6g}" if value is not None else ""
+    self.log(f"trial {t['number']}: {shown or state}{said}" + (f": {reason}" if reason else ""))
 
 # %% ../nbs/66_search.ipynb #e897265a
 @patch
@@ -553,7 +555,8 @@ def wait(self:Search, timeout=None, poll_s: float = 1.0) -> str:
     return st
 
 @patch
-def stop(self:Search, wait: bool = True, timeout=None) -> str:
+@gated(Action.write, doing="stop it", where=lambda self: self.dir, unless=lambda self: self.status != "running")
+def stop(self:Search, wait: bool = True, timeout=None, *, trust_owner: bool = False) -> str:
     "Stop the search: no new trial; running trials are asked to stop (they checkpoint). Its status."
     if self.status not in ("running",): return self.status
     self.paths.stop.parent.mkdir(exist_ok=True)
@@ -561,19 +564,20 @@ def stop(self:Search, wait: bool = True, timeout=None) -> str:
     return self.wait(timeout) if wait else self.status
 
 @patch
-def extend(self:Search, n: int) -> Search:
+def extend(self:Search, n: int, *, trust_owner: bool = False) -> Search:
     "`n` more trials; an ended search's driver is started again."
     if not (isinstance(n, int) and n >= 1): raise ValueError(f"extend: n={n!r}: give >= 1")
+    gate(self.dir, Action.write, "extend it", trust_owner)
     sp = self.spec
     write_json_atomic(self.paths.spec, {**sp, "n_trials": max(sp["n_trials"], len(self.trials())) + n})
-    if self.status != "running": self._start_driver()
+    if self.status != "running": self._start_driver(trust_owner)
     return self
 
 @patch
-def resume(self:Search) -> Search:
+def resume(self:Search, *, trust_owner: bool = False) -> Search:
     "Start a new driver for a search whose driver is gone (or that was stopped), going on from its study."
     if self.status == "running": raise RuntimeError(f"Search {self.search_id} is running; its driver is alive.")
-    self._start_driver()
+    self._start_driver(trust_owner)
     return self
 
 # %% ../nbs/66_search.ipynb #0ad89e30

@@ -109,7 +109,8 @@ CLI = {"status": ["status"], "logs": ["logs"], "watch": ["watch"], "stop": ["sto
        "export": ["export", "--dtype", "f32"]}
 CLI_KIND = {"status": "status", "logs": "logs", "watch": "wait", "stop": "stop", "resume": "resume", "fork": "fork", "chat": "chat",
             "report": "report", "eval": "evaluate", "export": "export"}
-NOT_ON_A_RUN = {"start", "attach", "list_runs", "compare", "sweep"}       # make a run, find one, or read many (list_runs: below)
+NOT_ON_A_RUN = {"start", "attach", "list_runs", "compare", "sweep", "search"}   # make runs, find one, read many (list_runs: below)
+ON_A_SEARCH = {"search", "searches", "search-status", "search-stop", "search-extend", "search-resume"}  # its directory's gate: 66_search
 HTML = ("record", "snapshot", "dashboard", "evaluations", "report")
 FROM_FOLDER = {   # each entry point that loads a model, given a model folder as its checkpoint
     "load_model": lambda s, m: s.load_model(m), "chat": lambda s, m: s.chat(m),
@@ -134,7 +135,7 @@ def test_every_entry_point_is_gated_and_swept():
     takes_a_model = {n for n in public if callable(f := getattr(FineTuneSession, n)) and acts(n)
                      and "checkpoint" in inspect.signature(f).parameters}
     assert takes_a_model == set(FROM_FOLDER), "loads a model from a folder: add it to FROM_FOLDER"
-    assert set(COMMANDS) - {"run", "ls", "demo"} - set(CLI) == set(), "a command on a run that the sweep does not run"
+    assert set(COMMANDS) - {"run", "ls", "demo"} - ON_A_SEARCH - set(CLI) == set(), "a command on a run the sweep does not run"
     assert ENTRY_POINTS["Evaluation.stop"] == (Action.write,)
     assert rules_applied_outside_the_gate() == [], "applies the gate's rules itself: call ilab_nb.rundir.gate"
 
