@@ -1,7 +1,9 @@
 """Issue 55, with real processes: a pruning search (66_search) started by a kernel that is then killed, its driver
 killed too and a new one started by another process, then extended. Every trial is an ordinary one-process run of the
-demo model; the pruned one ends `pruned` with its checkpoint kept. Three short runs in all."""
-import json, subprocess, sys, textwrap
+demo model; the pruned one ends `pruned` with its checkpoint kept. Two short runs in all: the extended trial is refused
+by its preflight (a trial that cannot start fails, the search goes on), and the command line is called in this
+process, as its own notebook calls it."""
+import contextlib, io, json, subprocess, sys, textwrap
 
 import optuna
 import pytest
@@ -9,21 +11,24 @@ import pytest
 from ilab_nb.runstore import ProcessRef, RunStore
 from ilab_nb.search import Search
 from ilab_nb.session import FineTuneSession
-from conftest import ilab, wait_until
+from ilab_nb.cli import main as cli
+from conftest import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
-# The kernel: it starts the search and would go on working; the test kills it. Trial 0 and 2 learn at 3e-3, trial 1
-# at 1e-6: after trial 0 has completed, trial 1's first evaluation is worse than trial 0's at that step, so Optuna's
-# MedianPruner (n_startup_trials=1) prunes it there whatever the timing.
+# The kernel: it starts the search and would go on working; the test kills it. Trial 0 learns at 3e-3 for 20 steps,
+# trial 1 at 1e-6 for 2,000 (trial 2, added by extend, asks for a negative learning rate: refused before it runs): after trial 0 has completed, trial 1's first evaluation is worse than trial 0's at
+# that step, so Optuna's MedianPruner (n_startup_trials=1) prunes it there. Its 2,000 steps (minutes) leave the
+# driver, however loaded the machine, far more time than it needs to see that evaluation before the run could end.
 KERNEL = textwrap.dedent("""
     import sys, time, optuna
     from ilab_nb import FineTuneSession
     model, data, root = sys.argv[1:4]
-    def space(trial): return {"learning_rate": [3e-3, 1e-6, 3e-3][trial.number % 3]}
+    def space(trial): return {"learning_rate": [3e-3, 1e-6, -1.0][trial.number % 3],
+                              "max_steps": [20, 2000, 20][trial.number % 3]}
     s = FineTuneSession.search(model, data, space=space, n_trials=2, runs_root=root,
                                pruner=optuna.pruners.MedianPruner(n_startup_trials=1), num_processes=1,
-                               strategy="single", device="cpu", max_steps=20, eval_split=0.1, eval_steps=5,
+                               strategy="single", device="cpu", eval_split=0.1, eval_steps=5,
                                logging_steps=5, save_steps=5, max_tokens_per_batch=1024, max_seq_len=256, seed=0)
     print(s.search_id, flush=True)
     time.sleep(3600)
@@ -52,19 +57,21 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
     store = RunStore(runs_root)
     t0, t1 = (store.read_state(t["run_id"]) for t in ts)
     assert t0["status"] == "completed" and t1["status"] == "pruned", (t0.get("reason"), t1.get("reason"))
-    assert t1["pruned"]["trial"] == 1 and "pruned by search" in t1["reason"] and t1["pruned"]["step"] < 20
+    assert t1["pruned"]["trial"] == 1 and "pruned by search" in t1["reason"] and t1["pruned"]["step"] < 2000
     assert t0["attempt"] == t1["attempt"] == 1                       # no run was started twice by the second driver
-    assert t1["search"] == dict(search_id=sid, trial=1, values={"learning_rate": 1e-6})     # its lineage
+    assert t1["search"] == dict(search_id=sid, trial=1, values={"learning_rate": 1e-6, "max_steps": 2000})  # lineage
     pruned = FineTuneSession.attach(ts[1]["run_id"], runs_root)
-    assert pruned.checkpoints and pruned.checkpoints[-1]["step"] < 20           # it stopped early, checkpoint kept
+    assert pruned.checkpoints and pruned.checkpoints[-1]["step"] < 2000         # it stopped early, checkpoint kept
     res = s.results()
-    assert res.rank_seconds[1] < res.rank_seconds[0], res              # pruning saved compute
+    assert list(res.state) == ["complete", "pruned"] and res.rank_seconds[1] > 0 and res.step[1] < 2000, res
     assert s.best.run_id == ts[0]["run_id"] and s.best_trial["value"] == ts[0]["value"]
     assert (s.dir / "search-report.html").exists() and "pruned" in (s.dir / "search-report.html").read_text()
 
     assert s.extend(1).wait(timeout=300) == "completed"              # one more trial, a new driver
-    assert [t["state"] for t in s.trials()] == ["complete", "pruned", "complete"]
-    assert len(s.study.trials) == 3
+    assert [t["state"] for t in s.trials()] == ["complete", "pruned", "fail"]
+    assert "its run could not start" in s.trials()[2]["reason"] and "learning_rate" in s.trials()[2]["reason"]
+    assert [t.state.name for t in s.study.trials] == ["COMPLETE", "PRUNED", "FAIL"]
+    assert not RunStore(runs_root).run_dir(s.trials()[2]["run_id"]).exists()    # refused: nothing made
 
     with pytest.raises(ValueError, match="already in storage"):     # a second search on the same study: refused
         FineTuneSession.search(demo.model_dir, small_train, space={"learning_rate": [1e-3]}, n_trials=1,
@@ -74,13 +81,17 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
     assert Search.list_searches(runs_root) == [sid]
 
     # the command line: the trials table, the list, the runs' lineage; a bad space refused before anything starts
-    out = ilab("search-status", sid, "--runs-root", runs_root, check=0).stdout
-    assert "completed: 3 of 3 trials, 2 complete, 1 pruned" in out and " pruned " in out.splitlines()[3], out
-    assert sid in ilab("searches", "--runs-root", runs_root, check=0).stdout
-    assert f"trial 1 of search {sid}" in ilab("ls", "--runs-root", runs_root, check=0).stdout
+    def run_cli(*args):
+        with contextlib.redirect_stdout(out := io.StringIO()), contextlib.redirect_stderr(err := io.StringIO()):
+            code = cli([*map(str, args), "--runs-root", str(runs_root)])
+        return code, out.getvalue(), err.getvalue()
+    code, out, _ = run_cli("search-status", sid)
+    assert code == 0 and "completed: 3 of 3 trials, 1 complete, 1 fail, 1 pruned" in out, out
+    assert " pruned " in out.splitlines()[3], out
+    assert sid in run_cli("searches")[1] and f"trial 1 of search {sid}" in run_cli("ls")[1]
     cfg = runs_root.parent / "search.yaml"
     cfg.write_text(json.dumps(dict(model=str(demo.model_dir), data=str(small_train), num_processes=1, device="cpu",
                                    strategy="single", eval_split=0.1, eval_steps=5)))
-    r = ilab("search", cfg, "--space", "learning_rate=log:0:1e-2", "--trials", "2", "--runs-root", runs_root, check=2)
-    assert "space['learning_rate'] = ('log', 0, 0.01): a log range needs low > 0" in r.stderr, r.stderr
+    code, _, err = run_cli("search", cfg, "--space", "learning_rate=log:0:1e-2", "--trials", "2")
+    assert code == 2 and "space['learning_rate'] = ('log', 0, 0.01): a log range needs low > 0" in err, err
     assert Search.list_searches(runs_root) == [sid]
