@@ -19,9 +19,9 @@ from .session import FineTuneSession, saved_rewards, write_memory_data
 from .sweep import run_fields
 
 # %% auto #0
-__all__ = ['RANGES', 'SEARCHES_DIR', 'DRIVER_START_S', 'SEARCH_COLOURS', 'check_space', 'trial_values', 'trial_fields',
-           'metric_problem', 'searches_dir', 'trial_run_id', 'SearchPaths', 'make_sampler', 'make_pruner',
-           'open_storage', 'new_study', 'metric_values', 'Search', 'Driver', 'main', 'rank_seconds',
+__all__ = ['RANGES', 'SEARCHES_DIR', 'LOCK_WAIT_S', 'DRIVER_START_S', 'SEARCH_COLOURS', 'check_space', 'trial_values',
+           'trial_fields', 'metric_problem', 'searches_dir', 'trial_run_id', 'SearchPaths', 'make_sampler',
+           'make_pruner', 'open_storage', 'new_study', 'metric_values', 'Search', 'Driver', 'main', 'rank_seconds',
            'search_table_html', 'search_curves_png', 'importance_html', 'search_head_html', 'search_record_html',
            'SearchDashboard']
 
@@ -426,8 +426,12 @@ def run(self:Driver) -> int:
     "Drive the search to its end (one driver at a time); the exit code."
     import fcntl
     with open(self.paths.lock, "a") as lock:
-        try: fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        for _ in range(int(LOCK_WAIT_S)):     # a driver that just ended may still hold it for a moment
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError: time.sleep(1.0)
+        else:
             self.log("another driver drives this search; leaving")
             return 0
         self.beat(status="running", driver=ProcessRef.of().to_dict())
@@ -452,6 +456,8 @@ def _report(self:Driver, status: str):
     "The search's `search-report.html`, showing `status` (never fails the driver)."
     try: Search(self.spec["search_id"], self.store.root).report(status)
     except Exception as e: self.log(f"search-report.html not written: {type(e).__name__}: {e}")
+
+LOCK_WAIT_S = 30.0   # how long a new driver waits for the lock before leaving the search to the driver that holds it
 
 def main(argv=None) -> int:
     "Drive the search in the directory `argv[0]`."
