@@ -1,8 +1,8 @@
 """Issue 55, with real processes: a pruning search (66_search) started by a kernel that is then killed, its driver
 killed too and a new one started by another process, then extended. Every trial is an ordinary one-process run of the
-demo model; the pruned one ends `pruned` with its checkpoint kept. Two short runs in all: the extended trial is refused
-by its preflight (a trial that cannot start fails, the search goes on), and the command line is called in this
-process, as its own notebook calls it."""
+demo model; the pruned one ends `pruned` with its checkpoint kept. Two short runs and two drivers in all: the trial added
+by `extend` is refused by its preflight (a trial that cannot start fails, the search goes on), and the command line is
+called in this process, as its own notebook calls it."""
 import contextlib, io, json, subprocess, sys, textwrap
 
 import optuna
@@ -50,12 +50,15 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
     wait_until(lambda: s.status == "driver gone", 30, what="the dead driver seen")
 
     s = Search.attach(sid, runs_root)                                # another process takes it up
-    assert s.resume().wait(timeout=300) == "completed", (s, (s.dir / "driver.log").read_text()[-3000:])
+    s.resume().extend(1)                   # and asks for one more trial: the new driver, running, takes it on
+    assert s.wait(timeout=300) == "completed", (s, (s.dir / "driver.log").read_text()[-3000:])
     ts = s.trials()
-    assert [t["state"] for t in ts] == ["complete", "pruned"], ts
-    assert [t.state.name for t in s.study.trials] == ["COMPLETE", "PRUNED"]      # Optuna's record, in its database
+    assert [t["state"] for t in ts] == ["complete", "pruned", "fail"], ts
+    assert [t.state.name for t in s.study.trials] == ["COMPLETE", "PRUNED", "FAIL"]   # Optuna's record, its database
+    assert "its run could not start" in ts[2]["reason"] and "learning_rate" in ts[2]["reason"]
     store = RunStore(runs_root)
-    t0, t1 = (store.read_state(t["run_id"]) for t in ts)
+    assert not store.run_dir(ts[2]["run_id"]).exists()           # the trial its preflight refused: nothing made
+    t0, t1 = (store.read_state(t["run_id"]) for t in ts[:2])
     assert t0["status"] == "completed" and t1["status"] == "pruned", (t0.get("reason"), t1.get("reason"))
     assert t1["pruned"]["trial"] == 1 and "pruned by search" in t1["reason"] and t1["pruned"]["step"] < 2000
     assert t0["attempt"] == t1["attempt"] == 1                       # no run was started twice by the second driver
@@ -63,15 +66,10 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
     pruned = FineTuneSession.attach(ts[1]["run_id"], runs_root)
     assert pruned.checkpoints and pruned.checkpoints[-1]["step"] < 2000         # it stopped early, checkpoint kept
     res = s.results()
-    assert list(res.state) == ["complete", "pruned"] and res.rank_seconds[1] > 0 and res.step[1] < 2000, res
+    assert list(res.state) == ["complete", "pruned", "fail"] and res.rank_seconds[1] > 0 and res.step[1] < 2000, res
     assert s.best.run_id == ts[0]["run_id"] and s.best_trial["value"] == ts[0]["value"]
     assert (s.dir / "search-report.html").exists() and "pruned" in (s.dir / "search-report.html").read_text()
 
-    assert s.extend(1).wait(timeout=300) == "completed"              # one more trial, a new driver
-    assert [t["state"] for t in s.trials()] == ["complete", "pruned", "fail"]
-    assert "its run could not start" in s.trials()[2]["reason"] and "learning_rate" in s.trials()[2]["reason"]
-    assert [t.state.name for t in s.study.trials] == ["COMPLETE", "PRUNED", "FAIL"]
-    assert not RunStore(runs_root).run_dir(s.trials()[2]["run_id"]).exists()    # refused: nothing made
 
     with pytest.raises(ValueError, match="already in storage"):     # a second search on the same study: refused
         FineTuneSession.search(demo.model_dir, small_train, space={"learning_rate": [1e-3]}, n_trials=1,
