@@ -351,6 +351,7 @@ class Driver:
                                        pruner=objs["pruner"])
         self.study_id = self.storage.get_study_id_from_name(self.spec["study"])
         self.trials = read_json(self.paths.trials, []) or []
+        self.sessions = {}        # run id -> its attached session: its monitor reads on from where it stopped
 
     def log(self, msg: str): print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -363,8 +364,10 @@ class Driver:
 # %% ../nbs/66_search.ipynb #10fa4880
 @patch
 def _session(self:Driver, t: dict):
-    "The trial's run, attached, or None when it has no directory yet."
-    return FineTuneSession.attach(t["run_id"], self.store.root) if self.store.run_dir(t["run_id"]).is_dir() else None
+    "The trial's run, attached once (None while it has no directory)."
+    if t["run_id"] not in self.sessions and self.store.run_dir(t["run_id"]).is_dir():
+        self.sessions[t["run_id"]] = FineTuneSession.attach(t["run_id"], self.store.root)
+    return self.sessions.get(t["run_id"])
 
 @patch
 def _start(self:Driver, t: dict):
