@@ -22,7 +22,8 @@ from .diagnosis import (LAUNCHER_SIGNALS, classify_exit, describe_exit, failing_
 # %% auto #0
 __all__ = ['ACCELERATE_CONFIG', 'STOP_GRACE_S', 'TERM_GRACE_S', 'RESERVE_BYTES', 'launch_config', 'machine_args', 'free_ports',
            'free_port', 'accelerate_command', 'launches_directly', 'launch_command', 'run_env', 'launch_env',
-           'write_accelerate_config', 'log_note', 'Supervisor', 'disk_full_reason', 'spawn_supervisor']
+           'write_accelerate_config', 'log_note', 'Supervisor', 'disk_full_reason', 'spawn_detached',
+           'spawn_supervisor']
 
 # %% ../nbs/35_launcher.ipynb #c0458f6a
 def launch_config(cfg) -> TrainConfig:
@@ -576,7 +577,19 @@ def run(self:Supervisor) -> int:
     try: return self._launch_and_watch(cfg, request, slots)
     finally: self.slots.release()
 
-# %% ../nbs/35_launcher.ipynb #ac3578bc
+# %% ../nbs/35_launcher.ipynb #ac082a97
+def spawn_detached(args: list, log, cwd, env: dict, what: str) -> ProcessRef:
+    """Start `args` detached (a new session, stdin from /dev/null, stdout and stderr appended to `log`) so that it
+    outlives this process and is never its zombie; its `ProcessRef`. `what` names it when it exits at once."""
+    sh = f"{shlex.join(args)} </dev/null >>{shlex.quote(str(log))} 2>&1 & echo $!"
+    out = subprocess.run(["/bin/sh", "-c", sh], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, cwd=cwd, env=env,
+                         start_new_session=True, timeout=30, check=True, text=True).stdout
+    pid = int(out.strip().splitlines()[-1])
+    try: return ProcessRef.of(pid)
+    except psutil.NoSuchProcess:
+        raise RuntimeError(f"{what} exited at once; see {log}:\n" + "\n".join(tail_lines(log, 20))) from None
+
+# %% ../nbs/35_launcher.ipynb #08fd3a09
 def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, locks=None,
                      worker_module=None, backend="local") -> ProcessRef:
     "Start the detached supervisor of one attempt of the run in `run_dir` (`backend`: its kind); its `ProcessRef`."
@@ -592,16 +605,8 @@ def spawn_supervisor(run_dir, attempt=1, resume=None, queue=True, grace_s=None, 
     if grace_s is not None: args += ["--grace", str(grace_s)]
     if worker_module: args += ["--worker-module", worker_module]
     if backend != "local": args += ["--backend", backend]
-    log = RunPaths(run_dir).supervisor_log
-    sh = f"{shlex.join(args)} </dev/null >>{shlex.quote(str(log))} 2>&1 & echo $!"
-    env = run_env(run_dir)
-    out = subprocess.run(["/bin/sh", "-c", sh], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, cwd=run_dir, env=env,
-                         start_new_session=True, timeout=30, check=True, text=True).stdout
-    pid = int(out.strip().splitlines()[-1])
-    try: return ProcessRef.of(pid)
-    except psutil.NoSuchProcess:
-        raise RuntimeError(f"The supervisor of run {run_dir.name} exited at once; see {log}:\n"
-                           + "\n".join(tail_lines(log, 20))) from None
+    return spawn_detached(args, RunPaths(run_dir).supervisor_log, run_dir, run_env(run_dir),
+                          f"The supervisor of run {run_dir.name}")
 
 # %% ../nbs/35_launcher.ipynb #1b555a56
 @patch

@@ -4,7 +4,7 @@
 
 # %% ../nbs/66_search.ipynb #ac9adb41
 from __future__ import annotations
-import json, math, os, shlex, shutil, socket, subprocess, sys, tempfile, time, traceback
+import json, math, os, shutil, socket, subprocess, sys, tempfile, time, traceback
 from pathlib import Path
 
 import ipywidgets as W
@@ -244,15 +244,10 @@ class Search:
 
 # %% ../nbs/66_search.ipynb #f5ce5e16
 def _spawn_driver(d: Path) -> ProcessRef:
-    "Start the detached driver of the search in `d`; its `ProcessRef`."
-    from ilab_nb.launcher import run_env
-    p = SearchPaths(d)
-    sh = (f"{shlex.join([sys.executable, '-m', 'ilab_nb.search', str(d)])} </dev/null >>{shlex.quote(str(p.log))} "
-          f"2>&1 & echo $!")
-    env = {**run_env(d), "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(["/bin/sh", "-c", sh], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, cwd=d, env=env,
-                         start_new_session=True, timeout=30, check=True, text=True).stdout
-    return ProcessRef.of(int(out.strip().splitlines()[-1]))
+    "Start the detached driver of the search in `d`, as a run's supervisor is started (35_launcher); its `ProcessRef`."
+    from ilab_nb.launcher import run_env, spawn_detached
+    return spawn_detached([sys.executable, "-m", "ilab_nb.search", str(d)], SearchPaths(d).log, d, run_env(d),
+                          f"The driver of search {d.name}")
 
 # %% ../nbs/66_search.ipynb #a3ba5acc
 @patch(cls_method=True)
