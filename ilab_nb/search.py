@@ -756,7 +756,9 @@ class SearchDashboard(W.VBox):
                                    refresh_s, name=f"ilab-search-{search.search_id}")
         self.head, self.table, self.message, self.importance = W.HTML(), W.HTML(), W.HTML(), W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px"))
-        self.stop_button = W.Button(description="Stop search", icon="stop", button_style="danger")
+        self.stop_button = W.Button(description="Stop search", icon="stop", button_style="danger",   # its label whole
+                                    tooltip="Stop the search: its running trials checkpoint and stop",
+                                    layout=W.Layout(width="auto", min_width="130px"))
         self.stop_button.on_click(lambda _: self.search.stop(wait=False))
         self.children = (W.HBox([self.head, self.stop_button]), self.table, self.message, self.image,
                          self.importance)

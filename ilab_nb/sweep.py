@@ -309,7 +309,8 @@ class SweepDashboard(W.VBox):
                                     ", ".join(sweep.axes)))
         self.table, self.message = W.HTML(), W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px"))
-        self.stop_button = W.Button(description="Stop all", icon="stop", button_style="danger")
+        self.stop_button = W.Button(description="Stop all", icon="stop", button_style="danger",   # its label whole
+                                    layout=W.Layout(width="auto", min_width="110px"))
         self.stop_button.on_click(lambda _: self.sweep.stop(wait=False))
         self.children = (W.HBox([self.title, self.stop_button]), self.table, self.message, self.image)
         self.update()
