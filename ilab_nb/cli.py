@@ -412,7 +412,7 @@ def _add_search(sub):
     c.add_argument("--pruner", default="median", help="median (default), hyperband or none")
     c.add_argument("--sampler", default="tpe", help="tpe (default) or random")
     c.add_argument("--parallel", type=count_arg, default=1, help="trials at a time (default 1)")
-    c.add_argument("--storage", help="an Optuna database URL (default: SQLite in the search's directory)")
+    c.add_argument("--storage", help="an Optuna database URL or journal:PATH (default: SQLite in the search's folder)")
     c.add_argument("--name", help="a name to put in the generated search id")
     c.add_argument("--foreground", action="store_true", help="wait for the search and print its trials")
     c.add_argument("--trust-owner", action="store_true", help=_TRUST)

@@ -21,9 +21,9 @@ from .sweep import run_fields
 # %% auto #0
 __all__ = ['RANGES', 'SPACE_TIMEOUT_S', 'SEARCHES_DIR', 'LOCK_WAIT_S', 'DRIVER_START_S', 'SEARCH_COLOURS', 'check_space',
            'trial_values', 'space_in_child', 'trial_fields', 'metric_problem', 'searches_dir', 'trial_run_id',
-           'SearchPaths', 'make_sampler', 'make_pruner', 'open_storage', 'new_study', 'metric_values', 'probe_point',
-           'Search', 'Driver', 'main', 'rank_seconds', 'search_table_html', 'search_curves_png', 'importance_html',
-           'search_head_html', 'search_record_html', 'SearchDashboard']
+           'SearchPaths', 'make_sampler', 'make_pruner', 'storage_url', 'open_storage', 'new_study', 'metric_values',
+           'probe_point', 'Search', 'Driver', 'main', 'rank_seconds', 'search_table_html', 'search_curves_png',
+           'importance_html', 'search_head_html', 'search_record_html', 'SearchDashboard']
 
 # %% ../nbs/66_search.ipynb #956ec87c
 RANGES = ("float", "log", "int")
@@ -178,11 +178,34 @@ def make_pruner(pruner):
                                              f"optuna pruner object")
     return kinds[pruner]()
 
-# %% ../nbs/66_search.ipynb #f362176f
+# %% ../nbs/66_search.ipynb #592525ef
+def storage_url(storage: str) -> str:
+    """`storage` as every process of the search reads it alike: a relative SQLite or journal file made absolute (the
+    driver runs in the search's folder, not where the kernel runs); an in-memory database, which no other process can
+    read, refused."""
+    if not isinstance(storage, str) or not storage.strip():
+        raise ValueError(f"search: storage={storage!r}: give a database URL or journal:PATH")
+    if storage.startswith("journal:"):
+        return "journal:" + str(Path(storage[len("journal:"):]).expanduser().absolute())
+    if storage.split("?")[0] in ("sqlite://", "sqlite:///:memory:") or ":memory:" in storage:
+        raise ValueError(f"search: storage={storage!r} is an in-memory database, which the search's driver (another "
+                         f"process) cannot read: give a file (sqlite:///PATH) or a server's URL")
+    if storage.startswith("sqlite:///") and not storage.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(storage[len("sqlite:///"):]).expanduser().absolute())
+    return storage
+
 def open_storage(storage: str):
-    "Optuna's storage at URL `storage`; a `ValueError` naming `storage` when it cannot be opened."
+    """Optuna's storage `storage`: a database URL (its RDB storage), or `journal:PATH`, a journal file (Optuna's
+    `JournalFileBackend`, made if missing: for a file system that several machines share and no database server);
+    a `ValueError` naming `storage` when it cannot be opened."""
     import optuna
-    try: return optuna.storages.RDBStorage(storage)
+    try:
+        if storage.startswith("journal:"):
+            from optuna.storages.journal import JournalFileBackend
+            path = Path(storage[len("journal:"):])
+            if not path.parent.is_dir(): raise FileNotFoundError(f"no folder {path.parent}")
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        return optuna.storages.RDBStorage(storage)
     except Exception as e:
         raise ValueError(f"search: storage={storage!r} cannot be opened: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -249,7 +272,7 @@ def _spawn_driver(d: Path) -> ProcessRef:
     return spawn_detached([sys.executable, "-m", "ilab_nb.search", str(d)], SearchPaths(d).log, d, run_env(d),
                           f"The driver of search {d.name}")
 
-# %% ../nbs/66_search.ipynb #a3ba5acc
+# %% ../nbs/66_search.ipynb #58d7933e
 @patch(cls_method=True)
 def create(cls:Search, model=None, data=None, *, space, n_trials: int, metric: str = "eval_loss",
            direction: str | None = None, sampler="tpe", pruner="median", parallel: int = 1, storage: str | None = None,
@@ -275,6 +298,7 @@ def create(cls:Search, model=None, data=None, *, space, n_trials: int, metric: s
     search_id = new_run_id(name or "search")
     d = searches_dir(runs_root) / search_id
     if storage is not None:                     # a user's database: it must open, and the study be new in it
+        storage = storage_url(storage)
         if (study_name or search_id) in {s.study_name for s in optuna.get_all_study_summaries(open_storage(storage))}:
             raise ValueError(f"search: study {study_name!r} is already in storage={storage!r}: another search "
                              f"drives it; attach to that search (Search.attach) or give another study_name")
@@ -315,7 +339,7 @@ def _start_driver(self:Search, trust_owner: bool = False):
                                          "reason": None, "driver": None})
     _spawn_driver(self.dir)
 
-# %% ../nbs/66_search.ipynb #9acc230e
+# %% ../nbs/66_search.ipynb #5a379a0e
 @patch(cls_method=True)
 def search(cls:FineTuneSession, model=None, data=None, *, space, n_trials: int, metric: str = "eval_loss",
            direction: str | None = None, sampler="tpe", pruner="median", parallel: int = 1, storage: str | None = None,
@@ -323,8 +347,8 @@ def search(cls:FineTuneSession, model=None, data=None, *, space, n_trials: int, 
            **fields) -> Search:
     """Search `space` with `n_trials` background runs, pruning those whose `metric` is worse than their peers' at the
     same step (`pruner`), `parallel` at a time; returns the `Search`. `direction` defaults to minimize (maximize for a
-    reward or an accuracy). `storage`: an Optuna database URL (default SQLite in the search's directory), and
-    `study_name` the study's name in it (default the search's id)."""
+    reward or an accuracy). `storage`: an Optuna database URL (default SQLite in the search's directory) or
+    `journal:PATH` (Optuna's journal file), and `study_name` the study's name in it (default the search's id)."""
     return Search.create(model, data, space=space, n_trials=n_trials, metric=metric, direction=direction,
                          sampler=sampler, pruner=pruner, parallel=parallel, storage=storage, study_name=study_name,
                          config=config, runs_root=runs_root, name=name, trust_owner=trust_owner, **fields)
