@@ -61,9 +61,10 @@ def test_qlora_on_fsdp_keeps_the_4bit_base_whole_or_shards_it_as_asked_on_the_sa
     """The same QLoRA run on 2 FSDP ranks twice, side by side: by default each rank holds the 4-bit weights whole (the
     rest sharded); with a float32 `bnb_4bit_quant_storage` (TRL's FSDP-QLoRA recipe) FSDP shards them too, and each
     rank holds about half the base. The losses and the adapters trained are the same to the last bit (2 gloo ranks,
-    one thread each, the same batches; and DDP's too: nbs/28_placement, bench/results_qlora_fsdp.md)."""
+    one thread each, the same batches; and DDP's too: nbs/28_placement, bench/results_qlora_fsdp.md), over 2 steps:
+    the second's loss follows the first update, the adapters a second one (from AdamW's moments)."""
     pytest.importorskip("bitsandbytes", reason="QLoRA needs the qlora extra: pip install 'ilab_nb[qlora]'")
-    runs = {k: make_session(demo, small_train, runs_root, strategy="fsdp", max_steps=3, save_steps=None, seed=3,
+    runs = {k: make_session(demo, small_train, runs_root, strategy="fsdp", max_steps=2, save_steps=None, seed=3,
                             lr_scheduler_type="constant", learning_rate=1e-2, lora={"r": 8}, quantization=q)
             for k, q in (("whole", QLORA), ("sharded", {**QLORA, "bnb_4bit_quant_storage": "float32"}))}
     assert {k: s.preflight["memory"]["quantized_base"] for k, s in runs.items()} == \
@@ -80,7 +81,7 @@ def test_qlora_on_fsdp_keeps_the_4bit_base_whole_or_shards_it_as_asked_on_the_sa
     total = head["whole"]["params_total"]
     assert head["sharded"]["params_total"] == total and sum(head["sharded"]["params_per_rank"]) == total
     assert max(head["sharded"]["params_per_rank"]) < 0.6 * total < 0.9 * total < min(head["whole"]["params_per_rank"])
-    assert losses(runs["sharded"]) == losses(runs["whole"]) and sorted(losses(runs["whole"])) == [1, 2, 3]
+    assert losses(runs["sharded"]) == losses(runs["whole"]) and sorted(losses(runs["whole"])) == [1, 2]
     a, b = (load_file(s.run_dir / "final" / "adapter" / "adapter_model.safetensors") for s in runs.values())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

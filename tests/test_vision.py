@@ -23,11 +23,17 @@ from conftest import wait_until
 
 pytestmark = pytest.mark.processes      # a 2-rank run, stopped and resumed
 
-# Measured without the stop, 150 steps at a constant lr 3e-3 on 2 ranks, the tower and projector frozen: 98.3% of the 60
-# held-out questions with this seed, 100% and 98.3% with seeds 3 and 42 (the data's order differs; the model is the
-# same). Training every part instead gave 100%, 98.3% and 93.3%. This test's run, with its 16 rows without an image
-# and the stop: 100% (with 40 such rows: 93.3%).
-STEPS, LEARNING_RATE, SEED, TEXT_ROWS = 150, 3e-3, 7, 16
+# Measured on 2 ranks with this test's rows (its 16 without an image), the tower and projector frozen, as accuracy on
+# the 60 held-out questions with this seed and seeds 3 and 42 (the data's order differs; the model is the same). A
+# constant lr 3e-3 learns them by step 50-60 but then swings from checkpoint to checkpoint: 100% at steps 50-70 with
+# this seed, 95% at step 60 and 76.7% at 70 with seed 3, 96.7%, 86.7%, 98.3%, 91.7% at steps 40-70 with seed 42; 150
+# steps through the stop: 100% at steps 50-100, 83.3% at 125, 95% at 150. Decayed linearly to 0 it settles: over 80
+# steps 100%, 98.3%, 98.3% without the stop and the same through the stop at step 41 (this test's run); over 100 steps
+# through a stop at step 26: 100%, 98.3%, 98.3%. A higher lr learns slower (5e-3 over 60 steps, linear or cosine:
+# 5-77%). Earlier, 150 steps at the constant lr: training every part instead gave 100%, 98.3% and 93.3%; with 40 rows
+# without an image, 93.3%.
+STEPS, LEARNING_RATE, SCHEDULE, SEED, TEXT_ROWS = 80, 3e-3, "linear", 7, 16
+SAVE_STEPS = STEPS // 2      # the stop comes after the first checkpoint, half way
 EVAL_LIMIT = 20          # held-out questions that evaluate() answers, for the base model and the trained one
 
 
@@ -49,9 +55,13 @@ def asked(record) -> list[dict]:
                                          {"type": "text", "text": question}]}]
 
 
-def accuracy(model, processor, records) -> float:
-    said = answers(model, processor, records)
+def score(said, records) -> float:
+    "The share of `records` whose answer is `said`'s (the answers to them, in order)."
     return sum(a == r["messages"][1]["content"][0]["text"] for a, r in zip(said, records)) / len(records)
+
+
+def accuracy(model, processor, records) -> float:
+    return score(answers(model, processor, records), records)
 
 
 def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_through_a_stop(runs_root):
@@ -65,7 +75,7 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
                            {"role": "assistant", "content": "triangle"}]}] * TEXT_ROWS     # batched apart from the rest
     s = FineTuneSession(str(va.model_dir), rows, eval_data=str(va.eval_file), runs_root=runs_root, num_processes=2,
                         strategy="fsdp", device="cpu", max_steps=STEPS, learning_rate=LEARNING_RATE,
-                        lr_scheduler_type="constant", max_seq_len=64, max_tokens_per_batch=1024, save_steps=25,
+                        lr_scheduler_type=SCHEDULE, max_seq_len=64, max_tokens_per_batch=1024, save_steps=SAVE_STEPS,
                         eval_steps=None, seed=SEED, eval_prompts=[asked(r) for r in held[:3]], eval_max_new_tokens=4)
     assert s.preflight["data"]["train"]["samples"] == len(rows)
     s.start()
@@ -88,21 +98,23 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
     assert {"processor_config.json", "chat_template.jinja", "model.safetensors"} <= {p.name for p in final.iterdir()}
     base = AutoModelForImageTextToText.from_pretrained(va.model_dir), AutoProcessor.from_pretrained(va.model_dir)
     trained = AutoModelForImageTextToText.from_pretrained(final), AutoProcessor.from_pretrained(final)
-    before, after = accuracy(*base, held), accuracy(*trained, held)
+    # each question answered alone and greedily: the answers to any of them are these (generated once, read below)
+    said_before, said = answers(*base, held), answers(*trained, held)
+    before, after = score(said_before, held), score(said, held)
     was, now, parts = base[0].state_dict(), trained[0].state_dict(), vision_parts(trained[0])
     assert {part_of(k, parts) for k in was if not torch.equal(was[k], now[k])} == {"language_model"}   # the rest frozen
     model, processor = s.load_model()                          # the session's own: the model and its processor
     assert type(processor).__name__ == "LlavaProcessor"
-    assert answers(model, processor, held[:8]) == answers(*trained, held[:8])
+    assert answers(model, processor, held[:8]) == said[:8]
     # the sample answers, generated in the run (2 ranks, one left-padded batch), are the final model's, beside each image
     samples = s.metrics(kinds=("samples",))
     assert (samples[0]["step"], samples[-1]["step"]) == (0, STEPS)        # at each evaluation (each epoch's end)
     assert [x["images"] for x in samples[-1]["samples"]] == [r["images"] for r in held[:3]]
-    assert [x["answer"] for x in samples[-1]["samples"]] == answers(*trained, held[:3])
+    assert [x["answer"] for x in samples[-1]["samples"]] == said[:3]
     box = s.chat(max_new_tokens=4)                                    # the chat takes an image with a message
     box.send(held[0]["messages"][0]["content"][1]["text"], image=held[0]["images"][0])
     assert box.wait(60) and box.error is None, box.error
-    assert box.chat.messages[-1]["content"] == answers(*trained, held[:1])[0]
+    assert box.chat.messages[-1]["content"] == said[0]
     s.report()
     assert (Path(s.run_dir) / "report.html").read_text().count("image-rendering:pixelated") == 3   # their thumbnails
     print(f"held-out accuracy ({len(held)} questions, {len(COLOURS)} colours): {before:.1%} before, {after:.1%} after "
@@ -114,8 +126,8 @@ def test_a_vision_language_model_learns_colours_from_pil_images_on_two_ranks_thr
     df = ev.results().set_index("metric")
     print(f"heldout through lm-eval ({EVAL_LIMIT} questions): base {df.loc['exact_match', 'base']:.1%}, tuned "
           f"{df.loc['exact_match', 'tuned']:.1%}")
-    assert df.loc["exact_match", "tuned"] == accuracy(*trained, held[:EVAL_LIMIT])      # the same answers, scored alike
-    assert df.loc["exact_match", "base"] == accuracy(*base, held[:EVAL_LIMIT])
+    assert df.loc["exact_match", "tuned"] == score(said[:EVAL_LIMIT], held[:EVAL_LIMIT])   # same answers, same score
+    assert df.loc["exact_match", "base"] == score(said_before[:EVAL_LIMIT], held[:EVAL_LIMIT])
 
 
 # GRPO on prompts with images (TRL's: the images are the prompt's), from the vision model partly trained here (40 SFT
