@@ -339,15 +339,19 @@ def _same_episodes_as(s, f, timeout):
 def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
     """`ilab-nb run` of a YAML config naming the environment as 'module:Class' (its get_reward the only reward): the
     held-out greedy episodes start without the tool (reward 0, no call) and end calling it (the vault opened).
-    Measured on an AMD EPYC here, at a constant learning rate: the held-out reward is 0 after steps 1 and 2 and 1.0 from
-    step 3 on (seeds 0, 1 and 2 alike). With the default linear decay to 0 at step 3 (the test as first written, which
-    passed on the machine it was written on) it stayed 0 here: step 4 at a constant rate leaves a step of margin."""
+    One process with the 2-rank run's global batch (2 prompts x 8 episodes a step): a second rank would prove nothing
+    about learning (the 2-rank agent run is `agent_run`'s) and costs a process that imports torch.
+    Measured on an AMD EPYC here, at a constant learning rate, with 2 ranks of 8 episodes: the held-out reward is 0
+    after steps 1 and 2 and 1.0 from step 3 on (seeds 0, 1 and 2 alike); with one process of 16 (this test): 0 after
+    step 1 and 1.0 from step 2 on (seeds 0, 1 and 2 alike). With the default linear decay to 0 at step 3 (the test as
+    first written, which passed on the machine it was written on) it stayed 0 here: step 4 at a constant rate leaves
+    margin."""
     import yaml
     from ilab_nb import FineTuneSession
     from conftest import cli_env, ilab, kill_processes_under, runs_env
     cfg = {**AGENT_RUN, "model": str(agent.model_dir), "data": str(agent.train_file), "eval_data": str(agent.eval_file),
-           "environment_factory": "ilab_nb.agent_demo:AgentVault", "num_generations": 8,
-           "per_device_train_batch_size": 8, "max_steps": 4, "eval_steps": 4, "save_steps": None, "seed": 0,
+           "environment_factory": "ilab_nb.agent_demo:AgentVault", "num_generations": 8, "num_processes": 1,
+           "per_device_train_batch_size": 16, "max_steps": 4, "eval_steps": 4, "save_steps": None, "seed": 0,
            "max_completion_length": 32, "tool_timeout": 10, "lr_scheduler_type": "constant"}
     (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
     env = cli_env(**runs_env(tmp_path))

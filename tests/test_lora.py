@@ -123,14 +123,20 @@ def test_adapters_gathered_from_fsdp_shards_equal_a_ddp_replica(lora_run, tmp_pa
     for k in fsdp: assert abs(ddp[k] - fsdp[k]) <= 1e-4 * abs(fsdp[k]), (k, ddp[k], fsdp[k])
 
 
-def test_final_and_a_checkpoint_exported_as_gguf(lora_run, demo):
+@pytest.fixture(scope="module")
+def final_f32(lora_run):
+    """`final/` (merged) exported as f32 GGUF through the session, to its default place: exported once (an export is a
+    process of its own that imports torch), read by transformers and by llama.cpp below."""
+    return lora_run.export(dtype="f32", progress=False)
+
+
+def test_final_and_a_checkpoint_exported_as_gguf(lora_run, final_f32, demo):
     """The LoRA run's model in llama.cpp's format: `final/` (merged) through the session, the step-3 checkpoint (its
     adapters only, merged onto their base for the export) too. Transformers' GGUF reader gives the
     logits of the merged model and of the base with the step-3 adapters (1e-5)."""
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
-    s, paths = lora_run, RunPaths(lora_run.run_dir)
-    final = s.export(dtype="f32", progress=False)
+    s, paths, final = lora_run, RunPaths(lora_run.run_dir), final_f32
     assert final == paths.root / "export" / f"{s.run_id}-final-f32.gguf" and final.modelfile.exists()
     ck = s.export(dtype="f32", checkpoint=3, progress=False)             # (ilab-nb export's own: tests/test_export.py)
     assert ck == paths.root / "export" / f"{s.run_id}-step-00000003-f32.gguf" and ck.with_suffix(".Modelfile").exists()
@@ -150,11 +156,12 @@ def test_final_and_a_checkpoint_exported_as_gguf(lora_run, demo):
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed: the llama.cpp "
                     "reader checks need it (`make llama-deps` builds it once per machine)")
-def test_final_gguf_read_by_llama_cpp(lora_run):
-    "llama.cpp reads the LoRA run's merged model from its GGUF file with the merged model's logits (1e-4: its own kernels)."
+def test_final_gguf_read_by_llama_cpp(lora_run, final_f32):
+    """llama.cpp reads the LoRA run's merged model from its GGUF file (the one transformers' reader read above) with the
+    merged model's logits (1e-4: its own kernels)."""
     import llama_cpp
     from transformers import AutoModelForCausalLM
-    f = lora_run.export(dtype="f32", progress=False, path=lora_run.run_dir / "llama-cpp.gguf")
+    f = final_f32
     ids = torch.randint(6, 200, (1, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(RunPaths(lora_run.run_dir).final, dtype=torch.float32)(input_ids=ids).logits[0]
