@@ -77,7 +77,9 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     grpo = dict(method="grpo", model=str(agent.model_dir), data=str(agent.train_file), reward_funcs=[letters],
                 environment_factory="ilab_nb.agent_demo:AgentVault", max_tool_calling_iterations=1, tool_timeout=30,
                 num_generations=4, per_device_train_batch_size=4, max_completion_length=32)   # a prompt per rank a step
-    a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=16, save_steps=4, **grpo),
+    # 12 steps, a checkpoint every 4: stopped after its first steps (1-3), resumed, requeued once it saved step 4, it
+    # has 8 steps left, twice the 4 in which the requeue must come before it saves again (below).
+    a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=12, save_steps=4, **grpo),
                            "slurm": {"partition": "debug", "time": "00:20:00", "requeue": True}}, name="a").start()
     script = (a.run_dir / "slurm-attempt-1.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "srun --kill-on-bad-exit=1" in script
@@ -86,7 +88,8 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     c = FineTuneSession(**run_cfg(demo, small_train, max_steps=4), name="c").start()
 
     # Two submissions queue in SLURM: the second waits, with SLURM's reason.
-    wait_until(lambda: b.status == "queued" and b.state.get("pending_reason") not in (None, "None"), 60, what="b queued with a reason")
+    wait_until(lambda: b.status == "queued" and b.state.get("pending_reason") not in (None, "None"), 60, poll=1,
+               what="b queued with a reason")
     assert b.state["pending_reason"] in SLURM_REASONS
     # The dashboard says why SLURM keeps it waiting: the reason as it read it (SLURM's changes, Resources -> Priority).
     dash = b.dashboard()
@@ -96,7 +99,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
 
     # scancel from outside (a queued job): terminal, with the reason; nothing stuck.
     subprocess.run(["scancel", c.state["job_id"]], check=True)
-    assert c.wait(timeout=60) == "cancelled" and "outside ilab_nb" in c.reason
+    assert c.wait(timeout=60, poll_s=1) == "cancelled" and "outside ilab_nb" in c.reason
 
     # A runs on both nodes; stop() checkpoints and cancels it.
     wait_until(lambda: a.status == "running" and a.progress()["step"], 300, what="run a training")
@@ -111,16 +114,17 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     # A resumes as a new job, queued behind B, which now runs; a rank of B is killed on its node.
     a.resume()
     assert a.state["attempt"] == 2
-    wait_until(lambda: b.status == "running", 300, what="run b running")
-    wait_until(lambda: a.status == "queued" and a.state.get("pending_reason") not in (None, "None"), 60, what="a queued again")
-    wait_until(lambda: b.progress()["step"], 300, what="run b training")
+    wait_until(lambda: b.status == "running", 300, poll=1, what="run b running")
+    wait_until(lambda: a.status == "queued" and a.state.get("pending_reason") not in (None, "None"), 60, poll=1,
+               what="a queued again")
+    wait_until(lambda: b.progress()["step"], 300, poll=1, what="run b training")
     head_b = b.monitor.header            # continued pretraining on plain text, packed, sharded over both nodes
     assert (head_b["data_kind"], head_b["world_size"], sorted(head_b["nodes"])) == ("text", 2, ["n1", "n2"])
     assert "documents packed into" in head_b["data_stats"]["train"]["note"]
     victim = wait_until(lambda: rank_process(b.run_dir, 1), 60, what="rank 1 of b")
     node = head_b["nodes"][1]
     victim.send_signal(signal.SIGKILL)
-    assert b.wait(timeout=240) == "failed"
+    assert b.wait(timeout=240, poll_s=1) == "failed"
     assert f"rank 1 on node {node} was killed by signal SIGKILL" in b.reason, b.reason
     assert f"rank 1 on node {node} was killed by signal SIGKILL" in RunPaths(b.run_dir).report.read_text()   # its observer's report
 
@@ -135,7 +139,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
                                                    text=True).stdout, 120, what="the requeued job pending")
     subprocess.run(["scontrol", "update", f"JobId={a.state['job_id']}", "StartTime=now"], check=True)
     # A finishes; the model loads; a new process sees every step.
-    assert a.wait(timeout=400) == "completed", a.reason
+    assert a.wait(timeout=400, poll_s=1) == "completed", a.reason
     assert ">completed</span>" in RunPaths(a.run_dir).report.read_text() and RunPaths(a.run_dir).loss_png.exists()
     model, tok = a.load_model()
     assert model.num_parameters() == head["params_total"]
@@ -145,7 +149,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     out = subprocess.run([sys.executable, "-c", f"from ilab_nb import FineTuneSession as S; s = S.attach({a.run_id!r}); "
                           "print(s.status, sorted({r['step'] for r in s.metrics() if r['kind'] == 'train'}))"],
                          capture_output=True, text=True, timeout=120, env=os.environ)
-    assert out.stdout.strip() == f"completed {list(range(1, 17))}", out.stdout + out.stderr
+    assert out.stdout.strip() == f"completed {list(range(1, 13))}", out.stdout + out.stderr
     train = a.metrics(kinds=("train",))        # scored on the nodes: the reward function, the vault's, its tools
     assert all(r["prompts"] == 2 and {"rewards/letters/mean", "rewards/AgentVault/mean"} <= set(r) for r in train)
     assert sum(r["tools/call_frequency"] for r in train) > 0 and not any(r["tools/failure_frequency"] for r in train)
@@ -164,10 +168,14 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
 
 def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(cluster, runs_root, demo, small_train, tmp_path):
     # A job with a 2-minute limit is signalled before it: every rank saves, and the run ends failed saying "time
-    # limit", with that checkpoint, before SLURM has to kill anything. (The default lead, a tenth of the limit or at
-    # least 30 s, would have the signal come 30-90 s into the job: the user's own --signal, 100 s, is kept instead, and
-    # makes the test a minute shorter.) The run is DPO with LoRA adapters on 64 of the demo's preference pairs: the
-    # adapters' checkpoint and the kept reference log-probabilities carry it across the jobs.
+    # limit", with that checkpoint, before SLURM has to kill anything. slurmctld sends a job's --signal at its first
+    # time-limit check (every 30 s) once the job is within the lead of its limit. The default lead, a tenth of the limit
+    # or at least 30 s, would have the signal come 90-120 s into the job: the user's own --signal, 100 s, is kept
+    # instead, so it comes 20-50 s into the job, well after the batch script set its trap (its first lines). (A lead of
+    # 115 s, signalling 5-35 s in, saved no CPU that could be measured and left the trap 5 s.) The ranks look for a
+    # stop request after each step, so they train at least one step and save it whenever the signal comes. The run is
+    # DPO with LoRA adapters on 64 of the demo's preference pairs: the adapters' checkpoint and the kept reference
+    # log-probabilities carry it across the jobs.
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(Path(demo.pref_train_file).read_text().splitlines(keepends=True)[:64]))
     t = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=2000, save_steps=1000, data=str(pairs), method="dpo",
@@ -176,17 +184,21 @@ def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(clus
                         name="t").start()
     script = (t.run_dir / "slurm-attempt-1.sbatch").read_text()
     assert "#SBATCH --signal=B:USR1@100" in script and "@30" not in script
-    assert t.wait(timeout=400) == "failed"
+    assert t.wait(timeout=400, poll_s=1) == "failed"
     assert "reached its time limit (00:02:00)" in t.reason and "saved checkpoint step-" in t.reason, t.reason
     assert t.state["job_state"] == "COMPLETED" and t.checkpoints, t.state      # it stopped itself: SLURM killed nothing
     ck = t.checkpoints[-1]["step"]
     assert f"step-{ck:08d}" in t.reason
     reference = RunPaths(t.run_dir).reference_logps.read_bytes()       # computed once, by attempt 1
 
-    # resume() continues it from that checkpoint as attempt 2 (given more time, so the limit's signal is not next).
-    t.resume()
-    subprocess.run(["scontrol", "update", f"JobId={t.state['job_id']}", "TimeLimit=00:20:00"], check=True)
-    wait_until(lambda: t.status == "running" and (t.progress()["step"] or 0) > ck, 400, what="attempt 2 training past the checkpoint")
+    # resume() continues it from that checkpoint as attempt 2, given more time with the resume (the slurm options are
+    # among what a resume may change), so the limit's signal is not next: its job is submitted with the new limit and
+    # the default lead (at 18 minutes), with no moment when the old one's signal could come.
+    t.resume(slurm={"partition": "debug", "time": "00:20:00"})
+    script = (t.run_dir / "slurm-attempt-2.sbatch").read_text()
+    assert "#SBATCH --time=00:20:00" in script and "#SBATCH --signal=B:USR1@120" in script and "@100" not in script
+    wait_until(lambda: t.status == "running" and (t.progress()["step"] or 0) > ck, 400, poll=1,
+               what="attempt 2 training past the checkpoint")
     t.monitor.poll(); head = [r for r in t.monitor.records if r.get("kind") == "header"][-1]
     assert (head["attempt"], head["resumed_from_step"]) == (2, ck)
     assert (head["method"], head["finetuning"], head["world_size"]) == ("dpo", "lora", 2)
@@ -197,7 +209,7 @@ def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(clus
     node = head["nodes"][1]
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=ilab_nb test node failure"], check=True)
     try:
-        assert t.wait(timeout=180) == "failed"
+        assert t.wait(timeout=180, poll_s=1) == "failed"
         assert f"lost node {node} (" in t.reason and "ilab_nb test node failure" in t.reason, t.reason
         assert t.state["failed_node"] == node and t.state["job_state"].startswith("NODE_FAIL"), t.state
         wait_until(lambda: not run_processes_under(runs_root), 60, what="every process of the run gone, on both nodes")
