@@ -187,7 +187,7 @@ def storage_url(storage: str) -> str:
         raise ValueError(f"search: storage={storage!r}: give a database URL or journal:PATH")
     if storage.startswith("journal:"):
         return "journal:" + str(Path(storage[len("journal:"):]).expanduser().absolute())
-    if storage.split("?")[0] in ("sqlite://", "sqlite:///:memory:") or ":memory:" in storage:
+    if storage.split("?")[0] == "sqlite://" or ":memory:" in storage:
         raise ValueError(f"search: storage={storage!r} is an in-memory database, which the search's driver (another "
                          f"process) cannot read: give a file (sqlite:///PATH) or a server's URL")
     if storage.startswith("sqlite:///") and not storage.startswith("sqlite:////"):
