@@ -19,9 +19,10 @@ from .session import FineTuneSession, saved_rewards, write_memory_data
 from .sweep import run_fields
 
 # %% auto #0
-__all__ = ['RANGES', 'SPACE_TIMEOUT_S', 'SEARCHES_DIR', 'LOCK_WAIT_S', 'DRIVER_START_S', 'SEARCH_COLOURS', 'check_space',
-           'trial_values', 'space_in_child', 'trial_fields', 'metric_problem', 'searches_dir', 'trial_run_id',
-           'SearchPaths', 'make_sampler', 'make_pruner', 'storage_url', 'open_storage', 'new_study', 'metric_values',
+__all__ = ['RANGES', 'SPACE_TIMEOUT_S', 'SEARCHES_DIR', 'SAMPLER_TIMEOUT_S', 'LOCK_WAIT_S', 'DRIVER_START_S', 'SEARCH_COLOURS',
+           'check_space', 'trial_values', 'space_in_child', 'trial_fields', 'metric_problem', 'searches_dir',
+           'trial_run_id', 'SearchPaths', 'make_sampler', 'make_pruner', 'users_own', 'UserObject', 'SamplerError',
+           'GatedSampler', 'GatedPruner', 'as_driven', 'storage_url', 'open_storage', 'new_study', 'metric_values',
            'probe_point', 'Search', 'Driver', 'main', 'rank_seconds', 'search_table_html', 'search_curves_png',
            'importance_html', 'search_head_html', 'search_record_html', 'SearchDashboard']
 
@@ -68,7 +69,7 @@ def trial_values(space, trial) -> dict:
         else: out[k] = trial.suggest_float(k, float(v[1]), float(v[2]), log=v[0] == "log")
     return out
 
-# %% ../nbs/66_search.ipynb #4eecff12
+# %% ../nbs/66_search.ipynb #4182370c
 SPACE_TIMEOUT_S = 60.0      # how long a space function may take to give one point
 
 def _space_child(objects, storage, study, number, out) -> int:
@@ -78,7 +79,8 @@ def _space_child(objects, storage, study, number, out) -> int:
     objs = cloudpickle.loads(Path(objects).read_bytes())
     space = cloudpickle.loads(objs["space"])           # the function, pickled by value (`usercode.pickled`)
     st = open_storage(storage)
-    s = optuna.load_study(study_name=study, storage=st, sampler=objs["sampler"], pruner=objs["pruner"])
+    s = optuna.load_study(study_name=study, storage=st, sampler=UserObject.loaded(objs["sampler"]),
+                          pruner=UserObject.loaded(objs["pruner"]))     # a user's own: this child is behind the gate
     trial = optuna.trial.Trial(s, st.get_trial_id_from_study_id_trial_number(st.get_study_id_from_name(study),
                                                                               int(number)))
     try:
@@ -178,6 +180,92 @@ def make_pruner(pruner):
                                              f"optuna pruner object")
     return kinds[pruner]()
 
+# %% ../nbs/66_search.ipynb #9e91641e
+SAMPLER_TIMEOUT_S = 60.0     # how long one call of a user's own sampler or pruner may take
+
+def users_own(obj) -> bool:
+    "Whether `obj`'s class is the user's code (a notebook's, or a module file of theirs), not an installed package's."
+    from ilab_nb.usercode import _by_value_module
+    cls = type(obj)
+    return cls.__module__ == "__main__" or _by_value_module(cls) is not None
+
+class UserObject:
+    "A sampler or pruner of the user's own class, kept pickled by value: only a child process unpickles it."
+    def __init__(self, obj):
+        from ilab_nb.usercode import pickled
+        self.name, self.data = type(obj).__name__, pickled(obj)
+
+    @staticmethod
+    def kept(obj):
+        "`obj` as the search's objects keep it: a `UserObject` when it is the user's own, else itself."
+        return UserObject(obj) if obj is not None and users_own(obj) else obj
+
+    @staticmethod
+    def loaded(obj):
+        "The object itself (in a process that may run its code)."
+        import cloudpickle
+        return cloudpickle.loads(obj.data) if isinstance(obj, UserObject) else obj
+
+class SamplerError(RuntimeError):
+    "The user's own sampler or pruner failed (raised, ran past its timeout, or ended its process): the search ends."
+
+# %% ../nbs/66_search.ipynb #86f76add
+class _Hosted:
+    "In the child: the user's sampler or pruner, called with the study loaded from its storage."
+    def __init__(self, data: bytes, kind: str, storage: str, study: str, pruner=None):
+        import cloudpickle, optuna
+        from ilab_nb.search import open_storage      # by name: this class may come pickled by value (a notebook's)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.obj = cloudpickle.loads(data)
+        objs = {"sampler": self.obj, "pruner": pruner} if kind == "sampler" else {"pruner": self.obj}
+        self.study = optuna.load_study(study_name=study, storage=open_storage(storage), **objs)
+
+    def call(self, method: str, trial, *args):
+        "`method` of the object, given the study as Optuna gives it (a Hyperband pruner's bracket), `trial`, `args`."
+        from optuna.pruners import _filter_study
+        return getattr(self.obj, method)(_filter_study(self.study, trial), trial, *args)
+
+class _Gated:
+    "Calls of the user's sampler or pruner, each answered by the child within `timeout` s."
+    def __init__(self, user: UserObject, kind: str, storage: str, study: str, pruner=None,
+                 timeout: float = SAMPLER_TIMEOUT_S):
+        from functools import partial
+        from ilab_nb.usercode import UserCode
+        self.user, self.kind = user, kind
+        self.code = UserCode([partial(_Hosted, user.data, kind, storage, study, pruner)], timeout, what=kind)
+
+    def _call(self, method: str, trial, *args):
+        from ilab_nb.usercode import UserCodeError
+        try:
+            if self.code.proc is None: self.code.new(0, self.kind)      # (again, after a child that was stopped)
+            return self.code.method(self.kind, "call", method, trial, *args)
+        except UserCodeError as e:
+            raise SamplerError(f"the {self.kind} {self.user.name}.{method} {e}"
+                               + (f"\n{e.detail}" if e.detail else "")) from None
+
+    def close(self): self.code.close()
+
+class GatedSampler(_Gated):
+    "The driver's sampler when the user's is their own class: Optuna's calls, answered in the child."
+    def __init__(self, user, storage, study, pruner=None, timeout: float = SAMPLER_TIMEOUT_S):
+        super().__init__(user, "sampler", storage, study, pruner, timeout)
+    def before_trial(self, study, trial): return self._call("before_trial", trial)
+    def infer_relative_search_space(self, study, trial): return self._call("infer_relative_search_space", trial)
+    def sample_relative(self, study, trial, space): return self._call("sample_relative", trial, space)
+    def sample_independent(self, study, trial, name, dist): return self._call("sample_independent", trial, name, dist)
+    def after_trial(self, study, trial, state, values): return self._call("after_trial", trial, state, values)
+
+class GatedPruner(_Gated):
+    "The driver's pruner when the user's is their own class: `prune`, answered in the child."
+    def __init__(self, user, storage, study, timeout: float = SAMPLER_TIMEOUT_S):
+        super().__init__(user, "pruner", storage, study, None, timeout)
+    def prune(self, study, trial) -> bool: return bool(self._call("prune", trial))
+
+def as_driven(obj, kind: str, storage: str, study: str, pruner=None):
+    "The sampler or pruner the driver uses for the kept `obj`: gated when it is a `UserObject`, else `obj`."
+    if not isinstance(obj, UserObject): return obj
+    return GatedSampler(obj, storage, study, pruner) if kind == "sampler" else GatedPruner(obj, storage, study)
+
 # %% ../nbs/66_search.ipynb #592525ef
 def storage_url(storage: str) -> str:
     """`storage` as every process of the search reads it alike: a relative SQLite or journal file made absolute (the
@@ -272,7 +360,7 @@ def _spawn_driver(d: Path) -> ProcessRef:
     return spawn_detached([sys.executable, "-m", "ilab_nb.search", str(d)], SearchPaths(d).log, d, run_env(d),
                           f"The driver of search {d.name}")
 
-# %% ../nbs/66_search.ipynb #58d7933e
+# %% ../nbs/66_search.ipynb #7c9d86cc
 @patch(cls_method=True)
 def create(cls:Search, model=None, data=None, *, space, n_trials: int, metric: str = "eval_loss",
            direction: str | None = None, sampler="tpe", pruner="median", parallel: int = 1, storage: str | None = None,
@@ -312,7 +400,8 @@ def create(cls:Search, model=None, data=None, *, space, n_trials: int, metric: s
         study = new_study(storage, study_name or search_id, direction, smp, prn)
         cfg = saved_rewards(write_memory_data(base, d), RunPaths(d))     # data in memory, reward functions: by value
         cfg.to_json(SearchPaths(d).config)
-        SearchPaths(d).objects.write_bytes(cloudpickle.dumps(dict(sampler=smp, pruner=prn, space=space if
+        SearchPaths(d).objects.write_bytes(cloudpickle.dumps(dict(sampler=UserObject.kept(smp),
+                                                                  pruner=UserObject.kept(prn), space=space if
                                                                   isinstance(space, dict) else pickled(space))))
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)           # a refused search leaves nothing
@@ -353,7 +442,7 @@ def search(cls:FineTuneSession, model=None, data=None, *, space, n_trials: int, 
                          sampler=sampler, pruner=pruner, parallel=parallel, storage=storage, study_name=study_name,
                          config=config, runs_root=runs_root, name=name, trust_owner=trust_owner, **fields)
 
-# %% ../nbs/66_search.ipynb #fb7c2024
+# %% ../nbs/66_search.ipynb #bc924d6c
 class Driver:
     "The loop that drives one search (run in its own process by `python -m ilab_nb.search <dir>`)."
     def __init__(self, d, poll_s: float = 1.0):
@@ -366,8 +455,12 @@ class Driver:
         objs = cloudpickle.loads(self.paths.objects.read_bytes())
         self.space = objs["space"]
         self.storage = open_storage(self.spec["storage"])
-        self.study = optuna.load_study(study_name=self.spec["study"], storage=self.storage, sampler=objs["sampler"],
-                                       pruner=objs["pruner"])
+        st, name = self.spec["storage"], self.spec["study"]       # a user's own sampler or pruner: in a child
+        prn = objs["pruner"]
+        self.study = optuna.load_study(study_name=name, storage=self.storage,
+                                       pruner=as_driven(prn, "pruner", st, name),
+                                       sampler=as_driven(objs["sampler"], "sampler", st, name,
+                                                         None if isinstance(prn, UserObject) else prn))
         self.study_id = self.storage.get_study_id_from_name(self.spec["study"])
         self.trials = read_json(self.paths.trials, []) or []
         self.sessions = {}        # run id -> its attached session: its monitor reads on from where it stopped
@@ -380,7 +473,7 @@ class Driver:
         write_json_atomic(self.paths.state, {**(read_json(self.paths.state, {}) or {}), "heartbeat_at": time.time(),
                                              **kw})
 
-# %% ../nbs/66_search.ipynb #10fa4880
+# %% ../nbs/66_search.ipynb #85e8a7dc
 @patch
 def _session(self:Driver, t: dict):
     "The trial's run, attached once (None while it has no directory)."
@@ -410,6 +503,7 @@ def _tell(self:Driver, t: dict, state: str, value=None, reason=None, shown: str 
     from optuna.trial import TrialState
     st = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "fail": TrialState.FAIL}[state]
     try: self.study.tell(t["number"], value if state == "complete" else None, state=st, skip_if_finished=True)
+    except SamplerError: raise
     except Exception as e: reason = f"{reason or ''} (Optuna refused the result: {type(e).__name__}: {e})"
     t.update(state=shown or state, value=value, reason=reason, ended_at=time.time())
     said = f" {self.spec['metric']}={value:.6g}" if value is not None else ""
@@ -459,7 +553,7 @@ def _ended(self:Driver, t: dict, status: str, reason, vals: list):
     else: self._tell(t, "fail", reason=f"its run ended {status}" + (f": {reason}" if reason else ""),
                      shown="stopped" if status == State.cancelled else None)    # Optuna's FAIL: it did not finish
 
-# %% ../nbs/66_search.ipynb #f6ef56c4
+# %% ../nbs/66_search.ipynb #98a356d5
 @patch
 def _ask(self:Driver):
     "Ask Optuna for the next point; record it, then start its run."
@@ -469,6 +563,9 @@ def _ask(self:Driver):
     try:
         t["values"] = (space_in_child(self.paths.objects, self.spec["storage"], self.spec["study"], trial.number)
                        if isinstance(self.space, bytes) else trial_values(self.space, trial))   # bytes: a function
+    except SamplerError:
+        self.trials.append(t)                  # told with the others as the search ends (`_halt`)
+        raise
     except Exception as e:
         self.trials.append(t)
         return self._tell(t, "fail", reason=str(e) if str(e).startswith("space(trial)") else
@@ -485,6 +582,7 @@ def step(self:Driver) -> bool:
     for t in self.trials:
         if t["state"] not in ("asked", "running"): continue
         try: self._watch(t)
+        except SamplerError: raise
         except Exception as e:                 # one run's broken files do not stop the search: said, tried again
             self.log(f"trial {t['number']}: cannot be read now: {type(e).__name__}: {e}")
     going = [t for t in self.trials if t["state"] in ("asked", "running")]
@@ -500,7 +598,7 @@ def step(self:Driver) -> bool:
     going = [t for t in self.trials if t["state"] in ("asked", "running")]
     return bool(going) or (not stopping and len(self.trials) < self.spec["n_trials"])
 
-# %% ../nbs/66_search.ipynb #4ab8f701
+# %% ../nbs/66_search.ipynb #ede66ac3
 @patch
 def run(self:Driver) -> int:
     "Drive the search to its end (one driver at a time); the exit code."
@@ -525,11 +623,34 @@ def run(self:Driver) -> int:
             self._report(status)                  # before the status: whoever sees it ended finds the report
             self.beat(status=status, ended_at=time.time())
             self.log(f"search {status}")
+        except SamplerError as e:      # the user's sampler or pruner failed: the search cannot go on without it
+            why = str(e).splitlines()[0]
+            self._halt(why)
+            self._report("failed")
+            self.beat(status="failed", ended_at=time.time(), reason=why)
+            self.log(f"search failed: {e}")
+            return 1
         except BaseException as e:
             self.beat(status="failed", ended_at=time.time(), reason=f"its driver crashed: {type(e).__name__}: {e}")
             self.log(traceback.format_exc())
             return 1
     return 0
+
+@patch
+def _halt(self:Driver, why: str):
+    """End the search without its sampler and pruner (Optuna's plain ones tell the last results): its running trials
+    are stopped (they checkpoint) and recorded `stopped`, Optuna's FAIL."""
+    import optuna
+    for o in (self.study.sampler, self.study.pruner):
+        if isinstance(o, _Gated): o.close()
+    self.study.sampler, self.study.pruner = optuna.samplers.RandomSampler(), optuna.pruners.NopPruner()
+    for t in self.trials:
+        if t["state"] not in ("asked", "running"): continue
+        try:
+            if (s := self._session(t)) is not None and s.status not in TERMINAL: s.stop(wait=False)
+        except Exception as e: self.log(f"trial {t['number']}: cannot be stopped: {type(e).__name__}: {e}")
+        self._tell(t, "fail", reason=f"the search failed: {why}", shown="stopped")
+    self.save()
 
 @patch
 def _report(self:Driver, status: str):
@@ -826,4 +947,6 @@ def _ipython_display_(self:Search):
     display(self.dashboard())
 
 # %% ../nbs/66_search.ipynb #ba3dba5d
-if __name__ == "__main__" and Path(sys.argv[0]).name == "search.py": sys.exit(main())   # not in a notebook
+if __name__ == "__main__" and Path(sys.argv[0]).name == "search.py":      # not in a notebook
+    from ilab_nb.search import main as _main
+    sys.exit(_main())

@@ -17,8 +17,10 @@ from conftest import wait_until
 pytestmark = pytest.mark.timeout(400)
 
 # The kernel: it starts the search and would go on working; the test kills it. Trial 0 learns at 3e-3 for 20 steps,
-# trial 1 at 1e-6 for 2,000 (trial 2, added by extend, asks for a negative learning rate: refused before it runs): after trial 0 has completed, trial 1's first evaluation is worse than trial 0's at
-# that step, so Optuna's MedianPruner (n_startup_trials=1) prunes it there. Its 2,000 steps (minutes) leave the
+# trial 1 at 1e-6 for 2,000 (trial 2, added by extend, asks for a negative learning rate: refused before it runs):
+# after trial 0 has completed, trial 1's first evaluation is worse than trial 0's at that step, so the median rule
+# (n_startup_trials=1) prunes it there. The pruner is of the kernel's own class, so it prunes from a child of the
+# driver (66_search's `GatedPruner`). Its 2,000 steps (minutes) leave the
 # driver, however loaded the machine, far more time than it needs to see that evaluation before the run could end.
 KERNEL = textwrap.dedent("""
     import sys, time, optuna
@@ -26,8 +28,10 @@ KERNEL = textwrap.dedent("""
     model, data, root = sys.argv[1:4]
     def space(trial): return {"learning_rate": [3e-3, 1e-6, -1.0][trial.number % 3],
                               "max_steps": [20, 2000, 20][trial.number % 3]}
+    class Median(optuna.pruners.MedianPruner):
+        "The kernel's own class (Optuna's median rule): user code, so the driver asks it in a child of its own."
     s = FineTuneSession.search(model, data, space=space, n_trials=2, runs_root=root,
-                               pruner=optuna.pruners.MedianPruner(n_startup_trials=1), num_processes=1,
+                               pruner=Median(n_startup_trials=1), num_processes=1,
                                strategy="single", device="cpu", eval_split=0.1, eval_steps=5,
                                logging_steps=5, save_steps=5, max_tokens_per_batch=1024, max_seq_len=256, seed=0)
     print(s.search_id, flush=True)
@@ -61,6 +65,7 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
     t0, t1 = (store.read_state(t["run_id"]) for t in ts[:2])
     assert t0["status"] == "completed" and t1["status"] == "pruned", (t0.get("reason"), t1.get("reason"))
     assert t1["pruned"]["trial"] == 1 and "pruned by search" in t1["reason"] and t1["pruned"]["step"] < 2000
+    assert "(Median pruner)" in t1["reason"] and s.spec["pruner"] == "Median"      # the kernel's own, through the gate
     assert t0["attempt"] == t1["attempt"] == 1                       # no run was started twice by the second driver
     assert t1["search"] == dict(search_id=sid, trial=1, values={"learning_rate": 1e-6, "max_steps": 2000})  # lineage
     pruned = FineTuneSession.attach(ts[1]["run_id"], runs_root)
@@ -93,3 +98,21 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
     code, _, err = run_cli("search", cfg, "--space", "learning_rate=log:0:1e-2", "--trials", "2")
     assert code == 2 and "space['learning_rate'] = ('log', 0, 0.01): a log range needs low > 0" in err, err
     assert Search.list_searches(runs_root) == [sid]
+
+
+class Refuses(optuna.samplers.RandomSampler):
+    "A sampler of this file's own class (user code): it fails at its first point."
+    def sample_independent(self, study, trial, name, dist): raise ValueError(f"no {name} today")
+
+
+@pytest.mark.processes
+def test_a_sampler_of_the_users_own_that_raises_fails_the_search_naming_it(demo, small_train, runs_root):
+    s = FineTuneSession.search(demo.model_dir, small_train, space={"learning_rate": ("log", 1e-4, 1e-2)}, n_trials=2,
+                               runs_root=runs_root, sampler=Refuses(), pruner=None, num_processes=1, strategy="single",
+                               device="cpu", max_steps=2, eval_split=0.1)
+    assert s.wait(timeout=120) == "failed", (s.dir / "driver.log").read_text()[-3000:]
+    assert s.state["reason"].startswith("the sampler Refuses.sample_independent raised ValueError: no learning_rate "
+                                        "today"), s.state
+    ts = s.trials()               # the trial it was asked for: recorded, and told Optuna as failed; no run started
+    assert [t["state"] for t in ts] == ["stopped"] and "the search failed: the sampler Refuses" in ts[0]["reason"]
+    assert [t.state.name for t in s.study.trials] == ["FAIL"] and not RunStore(runs_root).list_runs()
