@@ -12,8 +12,9 @@ from .core import auto_class
 
 # %% auto #0
 __all__ = ['LORA_DEFAULTS', 'lora_config', 'add_adapters', 'is_adapted', 'base_of', 'adapter_modules', 'base_key',
-           'is_adapter_key', 'without_frozen', 'gathered_adapters', 'save_adapter', 'unpacked_4bit', 'dequantized_base',
-           'load_adapted', 'merge_adapter', 'finetuning_info', 'adapter_param_count', 'adapter_folder', 'load_trained']
+           'is_adapter_key', 'without_frozen', 'gathered_adapters', 'save_adapter', 'bnb_config', 'unpacked_4bit',
+           'dequantized_base', 'load_adapted', 'merge_adapter', 'finetuning_info', 'adapter_param_count',
+           'adapter_folder', 'load_trained']
 
 # %% ../nbs/25_lora.ipynb #9d4f539e
 LORA_DEFAULTS = dict(target_modules="all-linear")
@@ -113,7 +114,23 @@ def save_adapter(model, out_dir, rank: int) -> Path:
     if rank == 0: model.save_pretrained(str(out_dir), state_dict=full)
     return Path(out_dir)
 
-# %% ../nbs/25_lora.ipynb #c9f36f0c
+# %% ../nbs/25_lora.ipynb #4dc42a80
+def bnb_config(quantization: dict, model_config):
+    """The `BitsAndBytesConfig` of `quantization` for a model of `model_config`; a vision-language model's keeps every
+    linear layer outside its language model in float (`llm_int8_skip_modules`, unless `quantization` names them)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+    from ilab_nb.core import is_vision_model
+    q = dict(quantization)
+    if is_vision_model(model_config) and not q.get("llm_int8_skip_modules"):
+        from accelerate import init_empty_weights
+        with init_empty_weights(): meta = auto_class(model_config).from_config(model_config)
+        language = next(n for n, m in meta.named_modules() if m is meta.get_decoder())
+        q["llm_int8_skip_modules"] = [re.escape(n) for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)
+                                      and not n.startswith(language + ".")]
+    return BitsAndBytesConfig(**q)
+
+# %% ../nbs/25_lora.ipynb #69af787d
 def unpacked_4bit(model):
     """`model` with bitsandbytes' CPU repacking of its 4-bit weights turned off: on a CPU with AVX512-BF16, the first
     forward in eval mode without gradients repacks a weight for a bfloat16 kernel, and every later forward, training
@@ -123,14 +140,14 @@ def unpacked_4bit(model):
     return model
 
 def dequantized_base(base_model, quantization: dict, trust_remote_code: bool = False):
-    """The base as a QLoRA run trained on it: quantized by bitsandbytes (`BitsAndBytesConfig(**quantization)`), then
+    """The base as a QLoRA run trained on it: quantized by bitsandbytes (`bnb_config(quantization, ...)`), then
     each quantized weight dequantised to the compute dtype (float32 unless `bnb_4bit_compute_dtype` says)."""
     import torch
-    from transformers import AutoConfig, BitsAndBytesConfig
+    from transformers import AutoConfig
     dt = getattr(torch, quantization.get("bnb_4bit_compute_dtype", "float32"))
-    auto = auto_class(AutoConfig.from_pretrained(base_model, trust_remote_code=trust_remote_code))
-    q = auto.from_pretrained(base_model, trust_remote_code=trust_remote_code, dtype=dt, device_map="cpu",
-                             quantization_config=BitsAndBytesConfig(**quantization))
+    mc = AutoConfig.from_pretrained(base_model, trust_remote_code=trust_remote_code)
+    q = auto_class(mc).from_pretrained(base_model, trust_remote_code=trust_remote_code, dtype=dt, device_map="cpu",
+                                       quantization_config=bnb_config(quantization, mc))
     return q.dequantize(dtype=dt)      # before any forward: bitsandbytes' CPU kernels repack a weight on its first use
 
 def load_adapted(adapter_dir, base_model: str | None = None, trust_remote_code: bool = False, quantization=None,

@@ -376,11 +376,10 @@ def _without_int8_scales(module, state_dict, prefix, local_metadata):
 def load_quantized(cfg: TrainConfig, env: DistEnv, layout: str):
     "QLoRA's model on this process: the base quantized by bitsandbytes as it is read, prepared, with the adapters."
     import logging
-    from transformers import BitsAndBytesConfig
     from peft import prepare_model_for_kbit_training
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(_not_the_int8_cast)
     base, info = M.auto_class(M.model_config(cfg)).from_pretrained(
-        cfg.model, quantization_config=BitsAndBytesConfig(**cfg.quantization), dtype=torch.float32,
+        cfg.model, quantization_config=L.bnb_config(cfg.quantization, M.model_config(cfg)), dtype=torch.float32,
         device_map={"": str(env.device)}, attn_implementation=M.attention_for(cfg, layout, env.device_type),
         trust_remote_code=cfg.trust_remote_code, output_loading_info=True)
     if info["missing_keys"]:

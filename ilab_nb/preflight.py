@@ -19,7 +19,7 @@ __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 
            'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'cpu_flags', 'check_optim', 'check_memory',
            'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample',
            'check_tracker_imports', 'check_mlflow_uri', 'check_wandb', 'check_trackio', 'check_destinations',
-           'check_eval_prompts', 'tied_adapted', 'lora_problem', 'freeze_problem', 'traced_activations',
+           'check_eval_prompts', 'tied_adapted', 'lora_problem', 'freeze_problem', 'traced_activations', 'float_blocks',
            'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code', 'launch_user_code',
            'check_reward_funcs', 'grpo_generation_tokens', 'check_data', 'preflight']
 
@@ -267,12 +267,8 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set | None:
                 None)
 
 def check_optim(cfg, kind: str, flags: set | None = None):
-    "A `PreflightError` for an 8-bit optimizer on a CPU without AVX2, or a quantized base under a vision model."
+    "A `PreflightError` for an 8-bit optimizer on a CPU without AVX2."
     from ilab_nb.config_fields import EIGHT_BIT
-    if cfg.quantization and _reads_images(cfg):
-        raise PreflightError("quantization: a vision-language model's quantized base is not supported yet (its tower "
-                             "and projector would be quantized with the blocks); train LoRA on its full-precision "
-                             "base, or drop quantization", "quantization")
     if cfg.optim not in EIGHT_BIT or kind != "cpu": return
     flags = cpu_flags() if flags is None else flags
     if flags is not None and "avx2" not in flags and "asimd" not in flags:         # x86's AVX2; ARM's NEON
@@ -282,19 +278,21 @@ def check_optim(cfg, kind: str, flags: set | None = None):
 
 # %% ../nbs/60_preflight.ipynb #26cb2e83
 def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
-                 adapters: int | None = None, frozen: int = 0, activations: dict | None = None) -> dict | None:
+                 adapters: int | None = None, frozen: int = 0, activations: dict | None = None,
+                 float_blocks: int = 0) -> dict | None:
     """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless
     `ignore_memory_estimate`.
     `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps;
     `adapters`, LoRA's trainable parameters as built (`check_model_build`), replaces the count from the files'
     shapes; `frozen`, the parameters a full fine-tune freezes (a vision-language model's parts); `activations`, a
-    micro-batch's as traced (`traced_activations`: without them the estimate says it has none)."""
+    micro-batch's as traced (`traced_activations`: without them the estimate says it has none); `float_blocks`, a
+    vision tower's block parameters (`float_blocks`), which a quantized base keeps in float."""
     mp = Path(cfg.model).expanduser()
     if not (mp.is_dir() and any(mp.glob("*.safetensors"))):   # a hub id or .bin weights: nothing to read cheaply
         return None
     shapes = tensor_shapes(mp)
     traced = activations if activations and "bytes" in activations else None
-    est = _estimate(cfg, shapes, adapters if cfg.lora is not None else None, frozen, traced)
+    est = _estimate(cfg, shapes, adapters if cfg.lora is not None else None, frozen, traced, float_blocks)
     if traced: est["activation_tokens"] = traced["tokens"]
     if generation_tokens:
         mc = read_json_file(mp / "config.json")
@@ -317,8 +315,8 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
             + (f"{est['activations'] / G:.1f} GiB of activations"
                + (" under gradient checkpointing" if cfg.gradient_checkpointing else "") + ", " if traced else "")
             + f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB: "
-            f"{fit_hint(cfg, shapes, cap, traced)}; more processes under strategy='fsdp' divide it too; or set "
-            f"ignore_memory_estimate=True to start anyway.")
+            f"{fit_hint(cfg, shapes, cap, traced, float_blocks)}; more processes under strategy='fsdp' divide it too; "
+            f"or set ignore_memory_estimate=True to start anyway.")
     return est
 
 # %% ../nbs/60_preflight.ipynb #65c594f9
@@ -644,6 +642,18 @@ def traced_activations(model, cfg) -> dict:
     except Exception as e: return dict(tokens=tokens, error=f"{type(e).__name__}: {e}"[:300])
 
 # %% ../nbs/60_preflight.ipynb #0d80f291
+def float_blocks(model) -> int:
+    """A vision-language model's block parameters outside its language model (its tower's), which its quantized base
+    keeps in float (25_lora's `bnb_config`); 0 for a text model."""
+    import re
+    from ilab_nb import vision as V
+    from ilab_nb.sizes import BLOCK_NAME
+    if not (parts := V.vision_parts(model)): return 0
+    language = parts["language_model"][0] + "."
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    return sum(p.numel() for n, p in base.named_parameters()
+               if re.search(BLOCK_NAME, n) and not n.startswith(language))
+
 def check_model_build(cfg, kind: str) -> dict:
     """Build the run's model on the meta device as its ranks will (no weight read); a `PreflightError` for what they
     would refuse."""
@@ -678,6 +688,7 @@ def check_model_build(cfg, kind: str) -> dict:
                 frozen=V.frozen_parts(cfg) if V.vision_parts(model) else [],
                 frozen_params=0 if cfg.lora is not None else sum(p.numel() for p in model.parameters()
                                                                     if not p.requires_grad),
+                float_blocks=float_blocks(model),
                 embedding_rows=L.base_of(model).get_input_embeddings().num_embeddings,
                 trainable_tensors=sum(1 for p in model.parameters() if p.requires_grad),
                 weights=M.plan_summary(plan) if plan is not None else "no safetensors files: rank 0 loads with "
@@ -819,6 +830,7 @@ def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0) + grpo_generation_tokens(cfg),
                           adapters=built["trainable_params"], frozen=built["frozen_params"],
+                          float_blocks=built["float_blocks"],
                           activations=built["activations"])
     disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"], built["trainable_tensors"])
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []

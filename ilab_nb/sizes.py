@@ -11,9 +11,9 @@ from .config import shards_quantized
 from .lora import adapter_param_count
 
 # %% auto #0
-__all__ = ['OPTIMIZER_STATE_BYTES', 'QLORA', 'CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES', 'tensor_shapes',
-           'tensor_sizes', 'count_params', 'count_params_of', 'quantized_bytes', 'memory_estimate', 'fit_hint',
-           'kv_cache_bytes', 'kept_for_backward', 'activation_bytes', 'tokenizer_bytes', 'checkpoint_bytes']
+__all__ = ['BLOCK_NAME', 'OPTIMIZER_STATE_BYTES', 'QLORA', 'CKPT_TENSOR_BYTES', 'CKPT_RANK_BYTES', 'CKPT_FILES_BYTES',
+           'tensor_shapes', 'tensor_sizes', 'count_params', 'count_params_of', 'quantized_bytes', 'memory_estimate',
+           'fit_hint', 'kv_cache_bytes', 'kept_for_backward', 'activation_bytes', 'tokenizer_bytes', 'checkpoint_bytes']
 
 # %% ../nbs/59_sizes.ipynb #db1c9d4e
 def tensor_shapes(model_dir) -> dict:
@@ -38,13 +38,15 @@ def count_params(model_dir) -> dict:
     blocks."""
     return count_params_of(tensor_shapes(model_dir))
 
+BLOCK_NAME = r"\.(?:layers|h|blocks)\.(\d+)\."      # in a parameter's name: a block's (its number)
+
 def count_params_of(shapes: dict) -> dict:
     "`count_params` of `{name: shape}`."
     import re
     sizes = {k: math.prod(s) for k, s in shapes.items()}
     blocks, root = {}, 0
     for k, n in sizes.items():
-        m = re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", k)
+        m = re.search(BLOCK_NAME, k)
         if m: blocks[k[:m.end()]] = blocks.get(k[:m.end()], 0) + n     # a block is its name: a vision tower's apart
         else: root += n
     return dict(total=sum(sizes.values()), block=max(blocks.values(), default=0), root=root)
@@ -60,18 +62,20 @@ def quantized_bytes(quantized: dict) -> float:
 
 def memory_estimate(params: dict, strategy: str, world_size: int, precision: str, cpu_offload: bool = False,
                     adapters: int = 0, frozen: int = 0, optim: str = "adamw_torch",
-                    quantized: dict | None = None, base_sharded: bool = True, activations: int = 0) -> dict:
+                    quantized: dict | None = None, base_sharded: bool = True, activations: int = 0,
+                    float_blocks: int = 0) -> dict:
     """Bytes per rank on the device and in host memory for training `params` (from `count_params`) with `optim`, and
     `activations` bytes of a micro-batch; `frozen` of them (a vision-language model's frozen parts, fully
     fine-tuned) are held as float32 weights alone; a LoRA base `quantized` by bitsandbytes (QLoRA) is sharded by FSDP
-    unless `base_sharded` is False
-    (`quantized_base` says which)."""
+    unless `base_sharded` is False (`quantized_base` says which), its blocks quantized but `float_blocks` parameters
+    of them (a vision tower's)."""
     n, w = params["total"], (world_size if strategy == "fsdp" else 1)
     compute = 2 if precision == "bf16" else 4
     trains = adapters or n - frozen                              # LoRA: only the adapters train
     base = compute * n if adapters else 4 * frozen                # the frozen base (LoRA's in the compute dtype)
-    packed = round(quantized_bytes(quantized) * (n - params["root"])) if quantized else 0
-    if quantized: base = 4 * params["root"] + packed
+    kept = params["root"] + float_blocks                          # what a quantized base holds in float32
+    packed = round(quantized_bytes(quantized) * (n - kept)) if quantized else 0
+    if quantized: base = 4 * kept + packed
     whole = packed if strategy == "fsdp" and not base_sharded else 0     # the packed weights FSDP leaves whole
     state = (base - whole + (8 + OPTIMIZER_STATE_BYTES[optim]) * trains) // w + whole   # + fp32 weights, grads, moments
     block = 0 if whole else quantized_bytes(quantized) if quantized else compute     # a gathered block's weights
@@ -86,9 +90,11 @@ def memory_estimate(params: dict, strategy: str, world_size: int, precision: str
                    if quantized else {}))
 
 # %% ../nbs/59_sizes.ipynb #eb5781cd
-def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0, activations: dict | None = None) -> dict:
+def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0, activations: dict | None = None,
+              float_blocks: int = 0) -> dict:
     """`activations`: `activation_bytes` of the run's model, its `checkpointed` figure under gradient checkpointing,
-    in proportion to `cfg.max_tokens_per_batch` where it was traced for another budget (not GRPO's)."""
+    in proportion to `cfg.max_tokens_per_batch` where it was traced for another budget (not GRPO's); `float_blocks`:
+    a vision tower's block parameters, which a quantized base keeps in float."""
     params = count_params_of(shapes)
     act = (activations["checkpointed" if cfg.gradient_checkpointing else "bytes"]) if activations else 0
     if act and activations.get("tokens") and cfg.method != "grpo":
@@ -96,7 +102,7 @@ def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0, a
     return memory_estimate(params, cfg.strategy, cfg.num_processes, cfg.precision, cfg.cpu_offload,
                            adapters=adapter_param_count(shapes, cfg) if adapters is None else adapters,
                            frozen=0 if cfg.lora is not None else frozen, optim=cfg.optim, quantized=cfg.quantization,
-                           base_sharded=shards_quantized(cfg), activations=act)
+                           base_sharded=shards_quantized(cfg), activations=act, float_blocks=float_blocks)
 
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}   # QLoRA's own
 
@@ -125,12 +131,14 @@ def _lighter(cfg, traced: bool = False) -> list[tuple[str, dict]]:
                     dict(quantization=QLORA, lora=cfg.lora or {"r": 8})))
     return out
 
-def fit_hint(cfg, shapes: dict, cap: int, activations: dict | None = None) -> str:
+def fit_hint(cfg, shapes: dict, cap: int, activations: dict | None = None, float_blocks: int = 0) -> str:
     """The first of the `_lighter` changes whose estimate fits in 90% of `cap` bytes, with its numbers (or that none
-    does), as the memory refusal says it; `activations` as the run's (`activation_bytes`) for each change."""
+    does), as the memory refusal says it; `activations` as the run's (`activation_bytes`) for each change;
+    `float_blocks` as `_estimate`'s."""
     G, lighter = 2**30, _lighter(cfg, traced=activations is not None)
     for said, change in lighter:
-        need = _estimate(cfg.model_copy(update=change), shapes, activations=activations)["device_bytes"]
+        need = _estimate(cfg.model_copy(update=change), shapes, activations=activations,
+                         float_blocks=float_blocks)["device_bytes"]
         if need <= 0.9 * cap: return f"{said} fits: about {need / G:.1f} GiB of {cap / G:.1f}"
     return f"none of {', '.join(s for s, _ in lighter) or 'the lighter settings'} alone fits"
 

@@ -122,3 +122,35 @@ def test_dpo_on_images_learns_to_prefer_the_right_colour(tmp_path, monkeypatch):
           f"{last['eval_rewards/accuracies']:.2f}, margins -> {last['eval_rewards/margins']:.3f}, loss "
           f"{first['eval_loss']:.4f} -> {last['eval_loss']:.4f}")
     assert last["step"] == 20 and last["eval_rewards/accuracies"] >= 0.9 and last["eval_loss"] < first["eval_loss"], last
+
+
+def test_qlora_on_a_vision_model_quantizes_its_language_model_alone_and_merges_as_it_trained(tmp_path, monkeypatch):
+    """QLoRA on the demo's LLaVA: its language model's linear layers are read in 4 bits, its tower and projector in
+    float (25_lora's `bnb_config`), so final/ holds the tower and projector exactly as the base has them and the
+    language model merged onto its dequantised weights; final/ answers an image's question as the trained 4-bit model
+    with its adapters does."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText as Auto
+    from ilab_nb.lora import bnb_config, unpacked_4bit
+    from ilab_nb.sizes import QLORA
+    va = vision_assets()
+    for k, v in runs_env(tmp_path).items(): monkeypatch.setenv(k, v)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): monkeypatch.delenv(k, raising=False)
+    s = FineTuneSession(model=str(va.model_dir), data=str(va.train_file), **FIELDS, max_steps=4,
+                        lora=dict(r=4), quantization=QLORA)
+    assert s.preflight["memory"]["quantized_base"] == "whole on each process"
+    assert train_here(s) == "completed"
+    losses = train_losses(s)
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.01, losses
+    assert "4-bit nf4" in s.monitor.header["load"], s.monitor.header["load"]
+
+    final, base = RunPaths(s.run_dir).final, Auto.from_pretrained(va.model_dir)
+    was, now, parts = base.state_dict(), Auto.from_pretrained(final).state_dict(), vision_parts(base)
+    changed = {part_of(k, parts) for k in was if not torch.equal(was[k], now[k])}
+    assert changed == {"language_model"}, changed          # the tower and projector never quantized: bit for bit
+    inputs = _inputs(va.model_dir)
+    trained = PeftModel.from_pretrained(unpacked_4bit(Auto.from_pretrained(
+        va.model_dir, quantization_config=bnb_config(QLORA, base.config), device_map="cpu")), str(final / "adapter"))
+    within("LLaVA QLoRA: final/ (merged onto the dequantised base) logits vs the 4-bit model with its adapters",
+           max_abs_diff(_logits(trained, inputs), _logits(Auto.from_pretrained(final), inputs)), 1e-4,
+           "under 1e-5 for a text model in nbs/25_lora")
