@@ -332,13 +332,18 @@ def check_sharded(model, env: DistEnv):
                            f"fully_shard.")
 
 # %% ../nbs/28_placement.ipynb #3346a387
-def replicate(model, env: DistEnv):
+def replicate(model, env: DistEnv, frozen_equal: bool = False):
     """The model in `DistributedDataParallel` (on its GPU under CUDA); a vision-language model's forward leaves some
     parameters without a gradient (a micro-batch without images, CLIP's unused `post_layernorm`), which DDP must look
-    for."""
+    for. `frozen_equal`: the frozen parameters are already equal on every rank (read from the same files), so only
+    the trainable ones and the buffers are broadcast."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+    if frozen_equal and env.world_size > 1:
+        with torch.no_grad():
+            for t in [p for p in model.parameters() if p.requires_grad] + list(model.buffers()): dist.broadcast(t, 0)
     return DDP(model, device_ids=[env.device.index] if env.device_type == "cuda" else None,
-               find_unused_parameters=M.is_vision_model(getattr(unwrap(model), "config", None)))
+               find_unused_parameters=M.is_vision_model(getattr(unwrap(model), "config", None)),
+               init_sync=not frozen_equal)
 
 # %% ../nbs/28_placement.ipynb #cb8dceba
 def quantization_summary(q: dict) -> str:
@@ -401,7 +406,8 @@ def setup_model(cfg: TrainConfig, env: DistEnv, layout: str) -> tuple:
         if cfg.torch_compile:
             for m in blocks: m.compile()
         if cfg.strategy == "fsdp": shard_model(model, blocks, cfg, env)
-        return replicate(model, env) if cfg.strategy == "ddp" else model, setup_record(cfg, env, len(blocks))
+        return (replicate(model, env, frozen_equal=True) if cfg.strategy == "ddp" else model,
+                setup_record(cfg, env, len(blocks)))
     model = build_empty_model(cfg, M.attention_for(cfg, layout, env.device_type))
     blocks = transformer_blocks(model)
     if not blocks and (cfg.strategy == "fsdp" or cfg.torch_compile):
