@@ -37,6 +37,7 @@ from ilab_nb.demo import demo_assets
 from ilab_nb.sizes import QLORA, count_params, memory_estimate
 
 MiB = 2**20
+GC_ROW = "QLoRA r=16, gradient checkpointing (TRL's default)"
 LORA = {"r": 16, "lora_alpha": 32}
 
 TRL_SCRIPT = textwrap.dedent('''
@@ -117,6 +118,7 @@ def main():
         choices = ([] if a.big else [("full fine-tune", {})]) + [
             ("LoRA r=16", dict(lora=LORA)), ("LoRA r=16 + adamw_8bit", dict(lora=LORA, optim="adamw_8bit")),
             ("QLoRA r=16 (nf4, double quant)", dict(lora=LORA, quantization=QLORA)),
+            (GC_ROW, dict(lora=LORA, quantization=QLORA, gradient_checkpointing=True)),
             ("QLoRA r=16 + adamw_8bit", dict(lora=LORA, quantization=QLORA, optim="adamw_8bit")),
             ("QLoRA r=16, FSDP (the 4-bit base whole)", dict(lora=LORA, quantization=QLORA, strategy="fsdp")),
             ("QLoRA r=16, FSDP (the 4-bit base sharded)", dict(lora=LORA, strategy="fsdp",
@@ -144,6 +146,7 @@ def main():
     import bitsandbytes, peft, torch, transformers, trl as trl_mod
     ref = next(r for r in rows if r["name"] == "LoRA r=16")
     q = next(r for r in rows if r["name"].startswith("QLoRA r=16 ("))
+    g = next(r for r in rows if r["name"] == GC_ROW)          # TRL's configs default gradient_checkpointing=True
     lines = [f"# QLoRA beside LoRA, a full fine-tune and TRL (`bench/bench_qlora.py{' --big' if a.big else ''}`)", "",
              f"`python bench/bench_qlora.py{' --big' if a.big else ''}` on {platform.node()} ({os.cpu_count()} CPUs), "
              f"{datetime.date.today()}: a {params['total'] / 1e6:,.0f}M-parameter Llama (random weights, the demo's "
@@ -160,8 +163,11 @@ def main():
         lines.append(f"| {r['name']} | {r['steps']} | {r['rows_per_s']:.1f} | {r['rows_per_s'] / ref['rows_per_s']:.2f} | "
                      f"{r['peak_mb']:,.0f} | {r['peak_mb'] - ref['peak_mb']:+,.0f} | {r['uss_mb']:,.0f} | "
                      f"{r['uss_mb'] - ref['uss_mb']:+,.0f} | {r['uss_mb'] / ref['uss_mb']:.2f} | {est} | {r['loss']:.3f} |")
-    lines += ["", f"ilab_nb's QLoRA against TRL's: rows/s x{q['rows_per_s'] / trl['rows_per_s']:.2f}, rank 0 "
-                  f"peak RSS x{q['peak_mb'] / trl['peak_mb']:.2f}, peak anonymous memory x{q['uss_mb'] / trl['uss_mb']:.2f}. "
+    lines += ["", f"ilab_nb's QLoRA against TRL's, both with gradient checkpointing (TRL's default; ilab_nb's is "
+                  f"TrainingArguments' False): rows/s x{g['rows_per_s'] / trl['rows_per_s']:.2f}, rank 0 "
+                  f"peak RSS x{g['peak_mb'] / trl['peak_mb']:.2f}, peak anonymous memory x{g['uss_mb'] / trl['uss_mb']:.2f}; "
+                  f"without it in ilab_nb: rows/s x{q['rows_per_s'] / trl['rows_per_s']:.2f}, peak anonymous memory "
+                  f"x{q['uss_mb'] / trl['uss_mb']:.2f}. "
                   f"QLoRA against LoRA: peak RSS x{q['peak_mb'] / ref['peak_mb']:.2f}, peak anonymous memory "
                   f"x{q['uss_mb'] / ref['uss_mb']:.2f} (the estimate's training state: "
                   f"x{q['est_mb'] / ref['est_mb']:.2f})."]
