@@ -650,6 +650,10 @@ def _halt(self:Driver, why: str):
             if (s := self._session(t)) is not None and s.status not in TERMINAL: s.stop(wait=False)
         except Exception as e: self.log(f"trial {t['number']}: cannot be stopped: {type(e).__name__}: {e}")
         self._tell(t, "fail", reason=f"the search failed: {why}", shown="stopped")
+    from optuna.trial import TrialState       # a trial whose asking failed before the driver had its number
+    known = {t["number"] for t in self.trials}
+    for ft in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if ft.number not in known: self.study.tell(ft.number, state=TrialState.FAIL, skip_if_finished=True)
     self.save()
 
 @patch

@@ -101,18 +101,25 @@ def test_search_prunes_and_outlives_its_kernel_and_its_driver(demo, small_train,
 
 
 class Refuses(optuna.samplers.RandomSampler):
-    "A sampler of this file's own class (user code): it fails at its first point."
+    "A sampler of this file's own class (user code): it fails at its first point, in the method its `at` names."
+    at = "sample_independent"
+    def before_trial(self, study, trial):
+        if self.at == "before_trial": raise ValueError("no trial today")
     def sample_independent(self, study, trial, name, dist): raise ValueError(f"no {name} today")
 
 
 @pytest.mark.processes
-def test_a_sampler_of_the_users_own_that_raises_fails_the_search_naming_it(demo, small_train, runs_root):
+@pytest.mark.parametrize("at", ["sample_independent", "before_trial"])
+def test_a_sampler_of_the_users_own_that_raises_fails_the_search_naming_it(demo, small_train, runs_root, at):
+    sampler = Refuses()
+    sampler.at = at
     s = FineTuneSession.search(demo.model_dir, small_train, space={"learning_rate": ("log", 1e-4, 1e-2)}, n_trials=2,
-                               runs_root=runs_root, sampler=Refuses(), pruner=None, num_processes=1, strategy="single",
+                               runs_root=runs_root, sampler=sampler, pruner=None, num_processes=1, strategy="single",
                                device="cpu", max_steps=2, eval_split=0.1)
     assert s.wait(timeout=120) == "failed", (s.dir / "driver.log").read_text()[-3000:]
-    assert s.state["reason"].startswith("the sampler Refuses.sample_independent raised ValueError: no learning_rate "
-                                        "today"), s.state
-    ts = s.trials()               # the trial it was asked for: recorded, and told Optuna as failed; no run started
-    assert [t["state"] for t in ts] == ["stopped"] and "the search failed: the sampler Refuses" in ts[0]["reason"]
+    said = {"sample_independent": "no learning_rate today", "before_trial": "no trial today"}[at]
+    assert s.state["reason"].startswith(f"the sampler Refuses.{at} raised ValueError: {said}"), s.state
+    # the trial it was asked for, told Optuna as failed (recorded `stopped` where the driver had its number); no run
+    assert [t["state"] for t in s.trials()] == (["stopped"] if at == "sample_independent" else [])
+    assert all("the search failed: the sampler Refuses" in t["reason"] for t in s.trials())
     assert [t.state.name for t in s.study.trials] == ["FAIL"] and not RunStore(runs_root).list_runs()
