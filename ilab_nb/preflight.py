@@ -646,12 +646,11 @@ def float_blocks(model) -> int:
     """A vision-language model's block parameters outside its language model (its tower's), which its quantized base
     keeps in float (25_lora's `bnb_config`); 0 for a text model."""
     import re
-    from ilab_nb import vision as V
+    from ilab_nb import lora as L, vision as V
     from ilab_nb.sizes import BLOCK_NAME
     if not (parts := V.vision_parts(model)): return 0
     language = parts["language_model"][0] + "."
-    base = model.get_base_model() if hasattr(model, "peft_config") else model
-    return sum(p.numel() for n, p in base.named_parameters()
+    return sum(p.numel() for n, p in L.base_of(model).named_parameters()
                if re.search(BLOCK_NAME, n) and not n.startswith(language))
 
 def check_model_build(cfg, kind: str) -> dict:
