@@ -8,7 +8,7 @@ import hashlib, json, os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import build_once
+from .core import build_once, no_hf_progress_bars
 from .agents import env_methods, tool_schema, tool_suffix_ids
 
 # %% auto #0
@@ -166,7 +166,7 @@ def _write_agent(root: Path, seed: int = 0):
     for f, vaults in ((a.train_file, VAULTS[:12]), (a.eval_file, VAULTS[12:])):
         f.write_text("".join(json.dumps({"prompt": agent_prompt(v), "vault": v}) + "\n" for v in vaults))
     tok = agent_tokenizer()
-    agent_model(tok, seed=seed).save_pretrained(a.model_dir)
+    with no_hf_progress_bars(): agent_model(tok, seed=seed).save_pretrained(a.model_dir)   # no widget left
     tok.save_pretrained(a.model_dir)
 
 def agent_assets(path: str | os.PathLike | None = None) -> AgentAssets:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from .core import no_hf_progress_bars
+
 # %% ../nbs/39_demo.ipynb #80d8b20d
 def shipped_data_dir() -> Path:
     "The folder of the demo's chat data inside the installed package (`ilab_nb/assets/demo_chat`)."
@@ -123,7 +125,8 @@ def _build(root: Path, seed: int = 0) -> None:
     for name in DATA_FILES: shutil.copyfile(shipped_data_dir() / name, a.train_file.parent / name)
     tokenizer = build_tokenizer(a.train_file)
     tokenizer.save_pretrained(a.model_dir)
-    build_model(tokenizer, seed).save_pretrained(a.model_dir)
+    with no_hf_progress_bars():     # transformers' "Writing model shards" bar would stay in a notebook as a widget
+        build_model(tokenizer, seed).save_pretrained(a.model_dir)
     (root / "COMPLETE").write_text(json.dumps(_fingerprint()), encoding="utf-8")
 
 # %% ../nbs/39_demo.ipynb #9e3ef54f

@@ -8,7 +8,7 @@ import json, random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import build_once
+from .core import build_once, no_hf_progress_bars
 from .demo import MODEL_SHAPE, build_tokenizer, shipped_data_dir
 
 # %% auto #0
@@ -172,7 +172,7 @@ class VisionAssets:
 def _write_vision(folder: Path, seed: int = 0) -> None:
     processor = vision_processor()
     processor.save_pretrained(folder / "model")
-    vision_model(processor, seed).save_pretrained(folder / "model")
+    with no_hf_progress_bars(): vision_model(processor, seed).save_pretrained(folder / "model")   # no widget left
     write_vqa(folder / "data", "train", 240, seed=1)
     write_vqa(folder / "data", "eval", 60, seed=2)
 
