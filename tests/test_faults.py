@@ -91,7 +91,8 @@ def test_unreadable_state_and_a_run_dir_without_state_are_listed(runs_root):
 
 
 @pytest.mark.processes
-def test_deleted_run_dir_stops_the_run_and_frees_its_devices(demo, small_train, runs_root):
+def test_deleted_run_dir_frees_its_devices_for_a_run_whose_rank_0s_own_error_is_the_cause(demo, small_train, runs_root,
+                                                                                         monkeypatch):
     # Item 3: a run whose directory is deleted while it trains (one rank, on one CPU slot: the supervisor ends the
     # process group whatever its size).
     b = make(demo, small_train, runs_root, max_steps=LONG, num_processes=1).start()
@@ -104,13 +105,28 @@ def test_deleted_run_dir_stops_the_run_and_frees_its_devices(demo, small_train, 
     assert not b.run_dir.exists()                          # nothing re-created it; nothing of it is left to do so
     assert all(DeviceSlots().holder(f"cpu-{i}") is None for i in range(2))
 
-    # Its CPU slot is free at once: a 2-process run that refuses to queue starts and gets cpu-0 and cpu-1 (then is stopped).
+    # Its CPU slot is free at once: a 2-process run that refuses to queue starts and gets cpu-0 and cpu-1.
     # (Item 2, a state.json corrupted under a running run: tests/test_session.py::test_queue_and_stop_with_a_corrupt_state.)
-    a = make(demo, small_train, runs_root, max_steps=LONG, queue=False).start()
-    wait_until(lambda: a.status in ("starting", "running"), 60, what="the run to get its devices")
-    assert sorted(a.state["slots"]) == ["cpu-0", "cpu-1"]
-    assert a.stop(grace_s=0, timeout=60) == "cancelled"
-    wait_until(lambda: not run_processes(a.run_dir), 30, what="the run's processes to end")
+    # That run is the next fault's (one launch for both; a forced stop right after a start is test_session's
+    # test_two_starts_at_once_on_the_same_devices_one_runs): rank 0 fails on its own (its tracker cannot be opened);
+    # torchrun then ends rank 1, which waited for it, with SIGTERM and lists it as killed by a signal. The cause is
+    # rank 0, with its own error.
+    from functools import partial
+    tests = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="fault_worker"))
+    s = make(demo, small_train, runs_root, max_steps=2, queue=False).start()
+    wait_until(lambda: s.state.get("slots"), 60, what="the run to get its devices")
+    assert sorted(s.state["slots"]) == ["cpu-0", "cpu-1"]
+    assert s.wait(timeout=START_UP) == "failed"
+    log = (s.run_dir / "logs" / "supervisor.log").read_text()
+    assert "exitcode  : -15" in log, log[-3000:]                  # torchrun did list rank 1 as killed by SIGTERM
+    assert s.state["failed_rank"] == 0, s.reason
+    assert ("rank 0 exited with code 1; FileNotFoundError: [Errno 2] No such file or directory: "
+            "'/nonexistent/mlruns/0/meta.yaml'; then the launcher ended the others (rank 1 was killed by signal SIGTERM)"
+            in s.reason), s.reason
+    assert s.state["log_file"] == "logs/rank-0.log"
+    wait_until(lambda: not run_processes(s.run_dir), 30, what="the run's processes to end")
 
 
 @pytest.fixture
@@ -202,26 +218,6 @@ def test_disk_full_while_writing_metrics(demo, small_train, tmpfs_runs_root):
     try: disk_full_ending(s, root, "metrics.jsonl", "logs/rank-0.log")
     finally: os.close(fd); (root / "filler").unlink()
     s.monitor.poll(); assert s.monitor.train_records          # what was written before still reads
-
-
-@pytest.mark.processes
-def test_rank_0s_own_error_is_the_cause_not_the_rank_torchrun_then_terminated(demo, small_train, runs_root, monkeypatch):
-    # Rank 0 fails on its own (its tracker cannot be opened); torchrun then ends rank 1, which waited for it, with
-    # SIGTERM and lists it as killed by a signal. The cause is rank 0, with its own error.
-    from functools import partial
-    tests = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    monkeypatch.setattr(session_mod, "spawn_supervisor", partial(session_mod.spawn_supervisor, worker_module="fault_worker"))
-    s = make(demo, small_train, runs_root, max_steps=2).start()
-    assert s.wait(timeout=START_UP) == "failed"
-    log = (s.run_dir / "logs" / "supervisor.log").read_text()
-    assert "exitcode  : -15" in log, log[-3000:]                  # torchrun did list rank 1 as killed by SIGTERM
-    assert s.state["failed_rank"] == 0, s.reason
-    assert ("rank 0 exited with code 1; FileNotFoundError: [Errno 2] No such file or directory: "
-            "'/nonexistent/mlruns/0/meta.yaml'; then the launcher ended the others (rank 1 was killed by signal SIGTERM)"
-            in s.reason), s.reason
-    assert s.state["log_file"] == "logs/rank-0.log"
-    wait_until(lambda: not run_processes(s.run_dir), 30, what="the run's processes to end")
 
 
 @pytest.mark.processes

@@ -105,10 +105,10 @@ def test_root_does_not_resume_another_users_run_nor_run_its_code(demo, tmp_path)
 
 # --- values that would train wrong, or fail only after launch --------------------------------------------------------
 
-@pytest.mark.processes
-def test_config_file_errors_name_the_key_and_its_line_before_anything_runs(demo, small_train, tmp_path):
+def test_config_file_errors_name_the_key_and_its_line_before_anything_runs(demo, small_train, tmp_path, capsys):
     """A key given twice, lora.layers_to_transform without a list of targets (peft refused it after launch), and one
-    naming a layer the model lacks (known only from the model): refused with the line, the last by `ilab-nb run`."""
+    naming a layer the model lacks (known only from the model): refused with the line, the last by `ilab-nb run`
+    (its `main`, called here: a process of its own imported torch and transformers again, ~5 CPU-s)."""
     base = f"model: {demo.model_dir}\ndata: {small_train}\nnum_processes: 1\ndevice: cpu\n"
     (tmp_path / "twice.yaml").write_text(base + "learning_rate: 1e-4\nmax_steps: 4\nlearning_rate: 3e-4\n")
     with pytest.raises(ConfigError, match="twice.yaml, line 7: 'learning_rate' is given twice \\(first on line 5\\); only one would be used"):
@@ -121,9 +121,10 @@ def test_config_file_errors_name_the_key_and_its_line_before_anything_runs(demo,
                                           "'bnb_4bit_quant_type'\\? \\(line 9\\)"):     # the key's own line
         FineTuneSession(config=tmp_path / "q.yaml", runs_root=tmp_path / "runs")
     (tmp_path / "layers9.yaml").write_text(base + "lora:\n  r: 4\n  target_modules: [q_proj]\n  layers_to_transform: [9]\n")
-    r = ilab("run", tmp_path / "layers9.yaml", "--runs-root", tmp_path / "runs", check=2)
+    from ilab_nb.cli import main
+    assert main(["run", str(tmp_path / "layers9.yaml"), "--runs-root", str(tmp_path / "runs")]) == 2
     assert ("lora.layers_to_transform: LlamaForCausalLM has layers 0..3; [9] are not among them "
-            f"({tmp_path / 'layers9.yaml'}, line 8)") in r.stderr
+            f"({tmp_path / 'layers9.yaml'}, line 8)") in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
@@ -184,10 +185,27 @@ def test_a_huge_learning_rate_fails_the_run_then_resume_starts_it_over_and_a_for
     assert [h["resumed_from_step"] for h in s.metrics(kinds=("header",))] == [None, 0]    # attempt 2 started over
     with pytest.raises(ConfigError, match="would change the global batch from 1 to 2 micro-batches per optimizer step"):
         s.resume(max_steps=6, num_processes=2)
-    f = s.fork("3", max_steps=4, merge_lora=False)                   # the step as a command line gives it
-    assert f.wait(timeout=300) == State.completed, f.reason
+    f, outcome = fork_here(s, "3", max_steps=4, merge_lora=False)    # the step as a command line gives it
+    assert outcome == State.completed and f.config.merge_lora is False
     final = RunPaths(f.run_dir).final
     assert (final / "adapter" / "adapter_model.safetensors").exists() and not (final / "config.json").exists()
+
+
+def fork_here(s, *args, **changes):
+    """`s.fork(*args, **changes)` made as `fork()` makes it, without its supervisor, and trained here as rank 0 of 1
+    from its checkpoint (as tests/test_families.py's `fork_here`): `(fork, outcome)`. What merge_lora=False keeps is
+    the point, not the launch (a 1-process launch is a supervisor and a rank that import torch again; a launched fork
+    is tests/test_lineage.py's)."""
+    import torch.distributed as dist
+    from ilab_nb import worker
+    spawned = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FineTuneSession, "_spawn", lambda self, attempt, resume=None: spawned.update(a=attempt, r=resume))
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): mp.delenv(k, raising=False)
+        f = s.fork(*args, **changes)
+        try: return f, worker.run(RunPaths(f.run_dir), resume=spawned["r"], attempt=spawned["a"])
+        finally:
+            if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
 
 def test_adapters_whose_base_moved_say_so_and_load_onto_it_where_it_is(demo, tmp_path):
