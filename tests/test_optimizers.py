@@ -22,6 +22,23 @@ def losses(s) -> dict:
     return {r["step"]: r["loss"] for r in s.metrics(as_frame=False) if r["kind"] == "train"}
 
 
+def fork_here(s, step, **changes):
+    """`s.fork(step, **changes)` made as `fork()` makes it, without its supervisor, and trained in this process as rank
+    0 of 1 from the checkpoint (the launch adds two interpreters that import torch and nothing this test checks; the
+    launched 2-rank fork beside it is the run's own launch): `(fork, outcome)`."""
+    import torch.distributed as dist
+    from ilab_nb import FineTuneSession, worker
+    from ilab_nb.rundir import RunPaths
+    spawned = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): mp.delenv(k, raising=False)
+        mp.setattr(FineTuneSession, "_spawn", lambda self, attempt, resume=None: spawned.update(a=attempt, r=resume))
+        f = s.fork(step, **changes)
+        try: return f, worker.run(RunPaths(f.run_dir), resume=spawned["r"], attempt=spawned["a"])
+        finally:
+            if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+
+
 def test_qlora_with_8bit_adamw_keeps_byte_moments_forks_on_the_same_trajectory_and_merges(demo, small_train, runs_root):
     pytest.importorskip("bitsandbytes", reason="QLoRA and the 8-bit optimizers need the qlora extra: "
                                                "pip install 'ilab_nb[qlora]'")
@@ -34,9 +51,10 @@ def test_qlora_with_8bit_adamw_keeps_byte_moments_forks_on_the_same_trajectory_a
     s.monitor.poll()
     head = next(r for r in s.monitor.records if r.get("kind") == "header")
     assert head["load"] == "from_pretrained, quantized by bitsandbytes (4-bit nf4), whole on each process", head["load"]
-    same, one = s.fork(2), s.fork(2, num_processes=1, strategy="single", gradient_accumulation_steps=2)
+    same = s.fork(2)         # launched, on 2 ranks as the run; the fork onto 1 process trained here meanwhile
+    one, done = fork_here(s, 2, num_processes=1, strategy="single", gradient_accumulation_steps=2)
+    assert done == "completed", done
     assert same.wait(timeout=600) == "completed", same.reason
-    assert one.wait(timeout=600) == "completed", one.reason
     run, fork, single = losses(s), losses(same), losses(one)
     assert sorted(fork) == [3, 4] and fork == {k: run[k] for k in fork}, (run, fork)   # to the last bit
     assert sorted(single) == [3, 4] and all(abs(single[k] - run[k]) < 1e-4 * abs(run[k]) for k in single), (run, single)

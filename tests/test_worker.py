@@ -1,8 +1,8 @@
-"""The worker, for real: `accelerate launch` with 2 CPU processes (gloo), FSDP2 sharding, resume, a single process,
-FSDP on one process, and the config fields whose effect can be seen cheaply in the files a run writes. The runs train
-on `small_train` (200 conversations); one-process checks run the worker inside pytest (`in_process=True`), where a
-process of its own would add nothing. (DDP's replicated parameters are checked on the DDP run of
-tests/test_session.py::test_queue_and_stop.)"""
+"""The worker, for real: `accelerate launch` with 2 CPU processes (gloo), FSDP2 sharding, resume (on two "machines"
+of one process each), a single process, FSDP on one process, and the config fields whose effect can be seen cheaply in
+the files a run writes. The runs train on `small_train` (200 conversations; the shortest runs on its first 96);
+one-process checks run the worker inside pytest (`in_process=True`), where a process of its own would add nothing.
+(DDP's replicated parameters are checked on the DDP run of tests/test_session.py::test_queue_and_stop.)"""
 import json, os, subprocess, sys
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from ilab_nb.config import TrainConfig
 from ilab_nb import worker
-from ilab_nb.launcher import accelerate_command, write_accelerate_config
+from ilab_nb.launcher import accelerate_command, free_port, write_accelerate_config
 from ilab_nb.rundir import RunPaths
 
 pytestmark = pytest.mark.timeout(600)
@@ -52,6 +52,34 @@ def launch(rd: Path, nproc: int, *extra, expect_ok=True, in_process=False):
     return r
 
 
+def launch_machines(rd: Path, **kw):
+    """Two "machines" without SLURM: two `accelerate launch` groups on 127.0.0.1 (the config's num_machines=2, one
+    process each, gloo on CPU), built by the launcher's own `accelerate_command` (`kw`: its attempt and resume); each
+    group's output in logs/machine-<rank>.log."""
+    d = {**TrainConfig.read_json(rd / "config.json").model_dump(mode="json"), "device": "cpu"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ILAB_NB_RUN_DIR": str(rd)}
+    (rd / "checkpoints").mkdir(exist_ok=True)             # as RunStore.create_run makes it
+    write_accelerate_config(rd)           # what the supervisor writes before a launch: no user default config applies
+    machines = []
+    for rank in (1, 0):      # the second machine first: it must wait for the first at the rendezvous
+        cmd = accelerate_command(rd, {**d, "machine_rank": rank}, **kw)
+        assert cmd[cmd.index("--machine_rank") + 1] == str(rank) and cmd[cmd.index("--num_processes") + 1] == "2"
+        with open(rd / "logs" / f"machine-{rank}.log", "w") as log:
+            machines.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=rd))
+    codes = [p.wait(timeout=600) for p in machines]
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted((rd / "logs").glob("*.log")))
+    assert codes == [0, 0], logs
+
+
+@pytest.fixture(scope="module")
+def few_rows(small_train, tmp_path_factory):
+    """small_train's first 96 conversations (about 11,000 tokens: 6 steps of 1,024) for the one-process runs of 1 or 2
+    steps: a run tokenizes all its rows, and 200 were a third of a 2-step run's time."""
+    p = tmp_path_factory.mktemp("few_rows") / "train.jsonl"
+    with open(small_train) as f: p.write_text("".join(next(f) for _ in range(96)))
+    return p
+
+
 def records(rd: Path, kind=None):
     recs = [json.loads(l) for l in (rd / "metrics.jsonl").read_text().splitlines() if l.strip()]
     return [r for r in recs if kind is None or r["kind"] == kind]
@@ -62,7 +90,9 @@ def test_fsdp_two_ranks_shard_split_data_checkpoint_and_resume_on_the_same_traje
     """One FSDP run of 2 ranks (8 steps, all in the first epoch of small_train at 512 tokens per rank) proves sharding,
     split data, metrics, evaluation, whole checkpoints and final/; a second run of the same config resumed from its
     step-4 checkpoint proves resume: same seed, same data position, restored optimizer/scheduler/RNG, same losses.
-    The optimizer is AdamW's fused kernel (optim='adamw_torch_fused'), on FSDP's sharded parameters."""
+    The optimizer is AdamW's fused kernel (optim='adamw_torch_fused'), on FSDP's sharded parameters. The resumed run
+    is launched as two "machines" without SLURM (`launch_machines`: num_machines=2, one process each), which shard it
+    and train it to its end: a launch of its own would be the same 2 gloo ranks with one more launcher."""
     fields = dict(num_processes=2, strategy="fsdp", max_steps=8, save_steps=4, eval_split=0.05, max_tokens_per_batch=512,
                   lr_scheduler_type="cosine", warmup_steps=2, optim="adamw_torch_fused")
     rd = make_run(tmp_path, demo, small_train, "fsdp", **fields)
@@ -96,25 +126,31 @@ def test_fsdp_two_ranks_shard_split_data_checkpoint_and_resume_on_the_same_traje
         assert torch.equal(a, b), k
     assert any(not torch.equal(a, c) for a, c in zip(m.state_dict().values(), m0.state_dict().values()))
 
-    # resume: a new attempt from the step-4 checkpoint follows the uninterrupted run's trajectory
-    b = make_run(tmp_path, demo, small_train, "b", **fields)
-    launch(b, 2, "--resume", str(rd / "checkpoints" / "step-00000004"), "--attempt", "2")
+    # resume, on two "machines": a new attempt from the step-4 checkpoint follows the uninterrupted run's trajectory
+    b = make_run(tmp_path, demo, small_train, "b", **fields, num_machines=2, main_process_ip="127.0.0.1",
+                 main_process_port=free_port(), rdzv_backend="c10d")
+    launch_machines(b, resume=rd / "checkpoints" / "step-00000004", attempt=2)
     head = records(b, "header")[0]
     assert head["resumed_from_step"] == 4 and head["attempt"] == 2
+    assert (head["world_size"], head["backend"], head["num_machines"], len(head["nodes"])) == (2, "gloo", 2, 2), head
+    total, per_rank = head["params_total"], head["params_per_rank"]
+    assert len(per_rank) == 2 and sum(per_rank) == total and all(abs(n - total / 2) / total < 0.05 for n in per_rank)
     la = {r["step"]: r for r in train}
     lb = {r["step"]: r for r in records(b, "train")}
     assert sorted(lb) == [5, 6, 7, 8]
     for s in lb:
         assert abs(lb[s]["loss"] - la[s]["loss"]) <= 1e-4 * abs(la[s]["loss"]), (s, lb[s]["loss"], la[s]["loss"])
         assert lb[s]["learning_rate"] == pytest.approx(la[s]["learning_rate"], rel=1e-9)
+    assert records(b)[-1]["event"] == "completed" and (b / "final" / "config.json").exists()
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step-00000008"]
 
 
-def test_one_process_runs_single_or_fsdp(tmp_path, demo, small_train):
-    rd1 = make_run(tmp_path, demo, small_train, "single", num_processes=1, strategy="single", max_steps=2)
+def test_one_process_runs_single_or_fsdp(tmp_path, demo, few_rows):
+    rd1 = make_run(tmp_path, demo, few_rows, "single", num_processes=1, strategy="single", max_steps=2)
     launch(rd1, 1, in_process=True)
     assert records(rd1, "header")[0]["world_size"] == 1 and (rd1 / "final" / "model.safetensors").exists()
     # FSDP on one process (a group of one, as for one GPU with cpu_offload) trains like the single process
-    rd2 = make_run(tmp_path, demo, small_train, "fsdp1", num_processes=1, strategy="fsdp", max_steps=2)
+    rd2 = make_run(tmp_path, demo, few_rows, "fsdp1", num_processes=1, strategy="fsdp", max_steps=2)
     launch(rd2, 1, in_process=True)
     head = records(rd2, "header")[0]
     assert head["strategy"] == "fsdp" and head["world_size"] == 1 and head["backend"] == "gloo"
@@ -165,11 +201,11 @@ def test_fields_are_honoured(tmp_path, demo, small_train):
     assert abs(l5[-1] - l5[0]) < 0.02 * l5[0] and abs(t4[-1]["loss"] - t4[0]["loss"]) > 0.05 * t4[0]["loss"]
 
 
-def test_long_sequence_policy_and_token_budget(tmp_path, demo, small_train):
+def test_long_sequence_policy_and_token_budget(tmp_path, demo, few_rows):
     common = dict(num_processes=1, strategy="single", max_steps=1)
-    drop = make_run(tmp_path, demo, small_train, "drop", **common, max_seq_len=48, long_sequence_policy="drop")
-    trunc = make_run(tmp_path, demo, small_train, "trunc", **common, max_seq_len=48, long_sequence_policy="truncate")
-    small = make_run(tmp_path, demo, small_train, "small", **common, max_tokens_per_batch=256)
+    drop = make_run(tmp_path, demo, few_rows, "drop", **common, max_seq_len=48, long_sequence_policy="drop")
+    trunc = make_run(tmp_path, demo, few_rows, "trunc", **common, max_seq_len=48, long_sequence_policy="truncate")
+    small = make_run(tmp_path, demo, few_rows, "small", **common, max_tokens_per_batch=256)
     for r in (drop, trunc, small): launch(r, 1, in_process=True)
     sd, st = records(drop, "header")[0]["data_stats"]["train"], records(trunc, "header")[0]["data_stats"]["train"]
     assert sd["dropped_too_long"] > 0 and sd["truncated"] == 0
@@ -179,19 +215,19 @@ def test_long_sequence_policy_and_token_budget(tmp_path, demo, small_train):
     assert st["note"].startswith(f"{st['truncated'] + st['dropped_too_long']:,} samples of {st['records']:,} were longer than "
                                  "max_seq_len=48 tokens and truncated")
     # a smaller per-rank token budget means more, smaller micro-batches
-    big = make_run(tmp_path, demo, small_train, "big", **common, max_tokens_per_batch=1024)
+    big = make_run(tmp_path, demo, few_rows, "big", **common, max_tokens_per_batch=1024)
     launch(big, 1, in_process=True)
     assert records(small, "train")[0]["tokens"] < records(big, "train")[0]["tokens"]
     assert records(small, "header")[0]["plan"]["computed_tokens"] <= 256
 
 
-def test_packed_layout_gives_the_same_loss_as_bucketed(tmp_path, demo, small_train):
+def test_packed_layout_gives_the_same_loss_as_bucketed(tmp_path, demo, few_rows):
     """`batching` is honoured: the packed layout (one row, position_ids restarting per sequence, no attention
     mask) and the bucketed one (padded rows) evaluate the same held-out samples to the same mean token loss,
     because packed sequences do not see each other."""
     common = dict(num_processes=1, strategy="single", max_steps=1, max_tokens_per_batch=512, eval_split=0.05)
-    packed = make_run(tmp_path, demo, small_train, "packed", **common, batching="packed")
-    bucketed = make_run(tmp_path, demo, small_train, "bucketed", **common, batching="bucketed")
+    packed = make_run(tmp_path, demo, few_rows, "packed", **common, batching="packed")
+    bucketed = make_run(tmp_path, demo, few_rows, "bucketed", **common, batching="bucketed")
     for r in (packed, bucketed): launch(r, 1, in_process=True)
     hp, hb = records(packed, "header")[0], records(bucketed, "header")[0]
     assert (hp["layout"], hb["layout"]) == ("packed", "bucketed")
@@ -200,7 +236,7 @@ def test_packed_layout_gives_the_same_loss_as_bucketed(tmp_path, demo, small_tra
     assert ep["eval_loss"] == pytest.approx(eb["eval_loss"], rel=1e-5)
 
 
-def test_lora_final_is_merged_by_rank0_after_the_group_is_gone_in_the_base_dtype(tmp_path, demo, small_train, monkeypatch):
+def test_lora_final_is_merged_by_rank0_after_the_group_is_gone_in_the_base_dtype(tmp_path, demo, few_rows, monkeypatch):
     """A one-process FSDP LoRA run in this process (a group of one, as on one GPU): the group holds the run's
     `ddp_timeout` (read back from its backend as the group is destroyed); the adapters are merged only after that, when
     no rank can be waiting in a collective; and final/ is in the base's dtype (a bf16 copy of the demo model: bf16 files,
@@ -216,7 +252,7 @@ def test_lora_final_is_merged_by_rank0_after_the_group_is_gone_in_the_base_dtype
     def merge_spy(*a, **kw): events.append(("merge", dist.is_initialized())); return merge(*a, **kw)
     monkeypatch.setattr(dist, "destroy_process_group", destroy_spy)
     monkeypatch.setattr(L, "merge_adapter", merge_spy)
-    rd = make_run(tmp_path, demo, small_train, "lora1", model=str(base), num_processes=1, strategy="fsdp", max_steps=2,
+    rd = make_run(tmp_path, demo, few_rows, "lora1", model=str(base), num_processes=1, strategy="fsdp", max_steps=2,
                   lora=dict(r=4, lora_alpha=8, lora_dropout=0.1), ddp_timeout=1234)
     assert launch(rd, 1, in_process=True) == "completed"
     assert events == [("destroy", {"gloo": 1234.0}), ("merge", False)], events
