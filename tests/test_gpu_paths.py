@@ -3,7 +3,7 @@ run by `tools/gpu_check.py`): torch's variable-length kernel picked by its signa
 with grouped-query heads and a sliding window, generation from a packed model, the GPU slots under a parent's
 `CUDA_VISIBLE_DEVICES`, the benchmark's FLOPs count, the version floors, LoRA's dropout under FSDP's bf16 policy with
 gradient checkpointing (one dtype and one mask in the forward and the recompute), and `ddp_timeout` in the nccl group."""
-import importlib.util, json, os, re, subprocess, sys
+import importlib.util, json, re, sys
 from pathlib import Path
 
 import pytest
@@ -175,11 +175,25 @@ def test_declared_floors_are_the_ones_the_code_checks(monkeypatch):
 
 
 @pytest.mark.processes
-def test_gpu_check_dry_run_runs_every_stage(tmp_path):
-    "The GPU check's CPU form: every stage's code runs (the first run trains, the others are preflighted), one summary."
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "ILAB_NB_CPU_SLOTS": "2"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_gpu_check_dry_run_runs_every_stage(tmp_path, demo, monkeypatch):
+    """The GPU check's CPU form: every stage's code runs (the first run trains, the others are preflighted), one
+    summary. Run here, through the `main(argv)` that `python tools/gpu_check.py --dry-run` calls: the check's own
+    stages use the torch, transformers and ilab_nb this process has imported (a fresh interpreter's imports: 5.2 CPU-s
+    measured), and the suite's demo assets, which the check reuses as a complete demo folder (building them again:
+    5.3 CPU-s). The CUDA tests' collection, the run and the bench are still processes of their own, as on a GPU
+    machine."""
+    from conftest import kill_processes_under
+    (tmp_path / "demo").symlink_to(demo.root)           # what `demo_assets(<out>/demo)` finds complete and reuses
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "2")
+    monkeypatch.setenv("ILAB_NB_LOCKS", str(tmp_path / "locks"))     # what main() would set, undone after the test
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec); spec.loader.exec_module(gpu_check)
+    try:
+        rc = gpu_check.main(["--dry-run", "--out", str(tmp_path)])
+    finally:
+        kill_processes_under(tmp_path / "runs")
+    assert rc == 0, (tmp_path / "summary.md").read_text()[-3000:]
     res = {x["stage"]: x for x in json.loads((tmp_path / "summary.json").read_text())}
     assert [s for s, x in res.items() if x["status"] == "failed"] == []
     assert res["pytest -m cuda"]["collected"] >= 2                          # the CUDA tests exist and collect
