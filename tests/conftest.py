@@ -226,6 +226,25 @@ def train_here(s) -> str:
     return worker.run(RunPaths(s.run_dir))
 
 
+def fork_here(s, *args, **changes):
+    """`s.fork(*args, **changes)` made as `fork()` makes it (preflight, run directory, the checkpoint linked in), without
+    its supervisor, and trained here as rank 0 of 1 from that checkpoint, as `train_here` trains a new run: `(fork,
+    outcome)`. Launched, a 1-process fork is the same `run()` behind a supervisor and `accelerate launch`, two more
+    interpreters that import torch; a fork launched in the background is tests/test_lineage.py's and test_grpo's."""
+    import torch.distributed as dist
+    from ilab_nb import worker
+    from ilab_nb.rundir import RunPaths
+    from ilab_nb.session import FineTuneSession
+    spawned = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): mp.delenv(k, raising=False)
+        mp.setattr(FineTuneSession, "_spawn", lambda self, attempt, resume=None: spawned.update(a=attempt, r=resume))
+        f = s.fork(*args, **changes)
+        try: return f, worker.run(RunPaths(f.run_dir), resume=spawned["r"], attempt=spawned["a"])
+        finally:
+            if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+
+
 @pytest.fixture
 def runs_root(tmp_path, monkeypatch):
     "A fresh runs root (and device-lock directory, and 2 CPU slots); every process of its runs is killed afterwards."

@@ -24,7 +24,7 @@ from ilab_nb.demo import FAMILIES, family_model
 from ilab_nb.lora import load_adapted
 from ilab_nb.rundir import RunPaths, State
 
-from conftest import REPO, kill_processes_under, runs_env, train_here, within, max_abs_diff
+from conftest import REPO, kill_processes_under, runs_env, fork_here, train_here, within, max_abs_diff
 
 pytestmark = pytest.mark.processes
 
@@ -43,22 +43,6 @@ def train_losses(s) -> dict:
 
 def header(s) -> dict:
     return s.metrics(kinds=("header",))[0]
-
-
-def fork_here(s, **changes):
-    """`s.fork(**changes)` made as `fork()` makes it (preflight, run directory, the checkpoint linked in), without its
-    supervisor, and trained here as rank 0 of 1 from that checkpoint, as `train_here` trains a new run: `(fork,
-    outcome)`. Launched, a 1-process fork is the same `run()` behind a supervisor and `accelerate launch`, two more
-    interpreters that import torch; a fork launched in the background is tests/test_lineage.py's and test_grpo's."""
-    import torch.distributed as dist
-    from ilab_nb import worker
-    spawned = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(FineTuneSession, "_spawn", lambda self, attempt, resume=None: spawned.update(a=attempt, r=resume))
-        f = s.fork(**changes)
-    try: return f, worker.run(RunPaths(f.run_dir), resume=spawned["r"], attempt=spawned["a"])
-    finally:
-        if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
 
 FAMILY_ROWS = 64     # small_train's first rows (about 7,300 tokens) for the family runs: 4 steps of 1,024 use fewer,

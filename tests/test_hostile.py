@@ -14,7 +14,7 @@ from ilab_nb.preflight import PreflightError
 from ilab_nb.rundir import OwnerError, RunDirLinkError, RunPaths, State
 from ilab_nb.runstore import RunStore
 
-from conftest import FIELDS, cli_env, ilab, make_session, runs_env
+from conftest import FIELDS, cli_env, fork_here, ilab, make_session, runs_env
 
 ONE = {**FIELDS, "num_processes": 1}
 ROOT = os.geteuid() == 0
@@ -189,23 +189,6 @@ def test_a_huge_learning_rate_fails_the_run_then_resume_starts_it_over_and_a_for
     assert outcome == State.completed and f.config.merge_lora is False
     final = RunPaths(f.run_dir).final
     assert (final / "adapter" / "adapter_model.safetensors").exists() and not (final / "config.json").exists()
-
-
-def fork_here(s, *args, **changes):
-    """`s.fork(*args, **changes)` made as `fork()` makes it, without its supervisor, and trained here as rank 0 of 1
-    from its checkpoint (as tests/test_families.py's `fork_here`): `(fork, outcome)`. What merge_lora=False keeps is
-    the point, not the launch (a 1-process launch is a supervisor and a rank that import torch again; a launched fork
-    is tests/test_lineage.py's)."""
-    import torch.distributed as dist
-    from ilab_nb import worker
-    spawned = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(FineTuneSession, "_spawn", lambda self, attempt, resume=None: spawned.update(a=attempt, r=resume))
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): mp.delenv(k, raising=False)
-        f = s.fork(*args, **changes)
-        try: return f, worker.run(RunPaths(f.run_dir), resume=spawned["r"], attempt=spawned["a"])
-        finally:
-            if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
 
 def test_adapters_whose_base_moved_say_so_and_load_onto_it_where_it_is(demo, tmp_path):

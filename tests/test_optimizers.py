@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_session
+from conftest import fork_here, make_session
 
 pytestmark = pytest.mark.processes
 
@@ -20,23 +20,6 @@ QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
 
 def losses(s) -> dict:
     return {r["step"]: r["loss"] for r in s.metrics(as_frame=False) if r["kind"] == "train"}
-
-
-def fork_here(s, step, **changes):
-    """`s.fork(step, **changes)` made as `fork()` makes it, without its supervisor, and trained in this process as rank
-    0 of 1 from the checkpoint (the launch adds two interpreters that import torch and nothing this test checks; the
-    launched 2-rank fork beside it is the run's own launch): `(fork, outcome)`."""
-    import torch.distributed as dist
-    from ilab_nb import FineTuneSession, worker
-    from ilab_nb.rundir import RunPaths
-    spawned = {}
-    with pytest.MonkeyPatch.context() as mp:
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"): mp.delenv(k, raising=False)
-        mp.setattr(FineTuneSession, "_spawn", lambda self, attempt, resume=None: spawned.update(a=attempt, r=resume))
-        f = s.fork(step, **changes)
-        try: return f, worker.run(RunPaths(f.run_dir), resume=spawned["r"], attempt=spawned["a"])
-        finally:
-            if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
 
 def test_qlora_with_8bit_adamw_keeps_byte_moments_forks_on_the_same_trajectory_and_merges(demo, small_train, runs_root):
