@@ -21,10 +21,10 @@ from .sweep import run_fields
 # %% auto #0
 __all__ = ['RANGES', 'SPACE_TIMEOUT_S', 'SEARCHES_DIR', 'SAMPLER_TIMEOUT_S', 'LOCK_WAIT_S', 'DRIVER_START_S', 'SEARCH_COLOURS',
            'check_space', 'trial_values', 'space_in_child', 'trial_fields', 'metric_problem', 'searches_dir',
-           'trial_run_id', 'SearchPaths', 'make_sampler', 'make_pruner', 'users_own', 'UserObject', 'SamplerError',
-           'GatedSampler', 'GatedPruner', 'as_driven', 'storage_url', 'open_storage', 'new_study', 'metric_values',
-           'probe_point', 'Search', 'Driver', 'main', 'rank_seconds', 'search_table_html', 'search_curves_png',
-           'importance_html', 'search_head_html', 'search_record_html', 'SearchDashboard']
+           'trial_run_id', 'SearchPaths', 'make_sampler', 'make_pruner', 'user_code_in', 'users_own', 'UserObject',
+           'SamplerError', 'GatedSampler', 'GatedPruner', 'as_driven', 'storage_url', 'open_storage', 'new_study',
+           'metric_values', 'probe_point', 'Search', 'Driver', 'main', 'rank_seconds', 'search_table_html',
+           'search_curves_png', 'importance_html', 'search_head_html', 'search_record_html', 'SearchDashboard']
 
 # %% ../nbs/66_search.ipynb #956ec87c
 RANGES = ("float", "log", "int")
@@ -183,16 +183,37 @@ def make_pruner(pruner):
 # %% ../nbs/66_search.ipynb #9e91641e
 SAMPLER_TIMEOUT_S = 60.0     # how long one call of a user's own sampler or pruner may take
 
-def users_own(obj) -> bool:
-    "Whether `obj`'s class is the user's code (a notebook's, or a module file of theirs), not an installed package's."
+def user_code_in(obj, depth: int = 3) -> list:
+    """The user's code (a notebook's, or a module file of theirs) that `obj` holds: its class, and the functions,
+    classes and objects of theirs in its attributes `depth` levels down (the `gamma` of Optuna's `TPESampler`)."""
+    import functools, inspect
     from ilab_nb.usercode import _by_value_module
-    cls = type(obj)
-    return cls.__module__ == "__main__" or _by_value_module(cls) is not None
+    own = lambda x: getattr(x, "__module__", None) == "__main__" or _by_value_module(x) is not None
+    found, seen = [], set()
+    def walk(x, d):
+        if d < 0 or id(x) in seen or isinstance(x, (str, bytes, int, float, complex, bool, type(None))): return
+        seen.add(id(x))
+        if isinstance(x, type) or inspect.isroutine(x):
+            if own(x): found.append(x)
+            return
+        if own(type(x)): found.append(type(x))
+        inner = (x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple, set, frozenset))
+                 else [x.func, *x.args, *x.keywords.values()] if isinstance(x, functools.partial)
+                 else vars(x).values() if hasattr(x, "__dict__") else ())
+        for v in list(inner): walk(v, d - 1)
+    walk(obj, depth)
+    return found
+
+def users_own(obj) -> bool:
+    "Whether `obj` is or holds the user's code (`user_code_in`): then only a child process may run it."
+    return bool(user_code_in(obj))
 
 class UserObject:
-    "A sampler or pruner of the user's own class, kept pickled by value: only a child process unpickles it."
+    "A sampler or pruner that is or holds the user's code, kept pickled by value: only a child process unpickles it."
     def __init__(self, obj):
-        from ilab_nb.usercode import pickled
+        import cloudpickle
+        from ilab_nb.usercode import _by_value_module, pickled
+        for m in {_by_value_module(c) for c in user_code_in(obj)} - {None}: cloudpickle.register_pickle_by_value(m)
         self.name, self.data = type(obj).__name__, pickled(obj)
 
     @staticmethod
@@ -218,11 +239,15 @@ class _Hosted:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.obj = cloudpickle.loads(data)
         objs = {"sampler": self.obj, "pruner": pruner} if kind == "sampler" else {"pruner": self.obj}
-        self.study = optuna.load_study(study_name=study, storage=open_storage(storage), **objs)
+        self.load = lambda: optuna.load_study(study_name=study, storage=open_storage(storage), **objs)
+        self.study = self.load()
 
     def call(self, method: str, trial, *args):
         "`method` of the object, given the study as Optuna gives it (a Hyperband pruner's bracket), `trial`, `args`."
         from optuna.pruners import _filter_study
+        # Optuna's ask() reads the study's trials anew once for each trial, then calls before_trial: so here, else
+        # the sampler would see the trials of the first ask for ever (TPE, its startup trials alone)
+        if method == "before_trial": self.study = self.load()
         return getattr(self.obj, method)(_filter_study(self.study, trial), trial, *args)
 
 class _Gated:
