@@ -284,7 +284,7 @@ def resume_position(ckpt) -> dict | None:
     return dict(ts["data_position"], step=int(ts["step"]),
                 total_steps=ts.get("total_steps")) if ts.get("data_position") else None
 
-# %% ../nbs/34_worker.ipynb #e28e0b1e
+# %% ../nbs/34_worker.ipynb #b77af2b3
 def _attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metrics: MetricsWriter, resume, method,
              tokenizer, no_template, records=None) -> Attempt:
     "The data, the plan of steps, the (sharded) model, optimizer and scheduler of `setup_attempt`."
@@ -295,7 +295,7 @@ def _attempt(paths: RunPaths, cfg: TrainConfig, env: DistEnv, layout: str, metri
     lengths, weights = method.lengths(train_ds, layout), method.weights(train_ds)
     position = resume_position(resume) if resume else None
     steps = plan_steps(lengths, method.plan_config(cfg), env.world_size, layout, method.budget(layout), position)
-    if position and position["step"] >= len(steps):
+    if position and position["step"] > len(steps):     # at len(steps): final/ was not written; `finish` writes it
         raise RuntimeError(f"The checkpoint {resume} is at step {position['step']}, and the plan ends at step "
                            f"{len(steps)}: there is nothing left to train (resume with a larger max_steps or "
                            f"num_train_epochs).")
@@ -526,14 +526,15 @@ def train_loop(self:Attempt) -> dict:
                              "lower learning_rate (or check the data), then resume() or start again")
     return dict(status="trained", step=step, last=last, eval_loss=eval_loss, seen=seen)
 
-# %% ../nbs/34_worker.ipynb #935d8b62
+# %% ../nbs/34_worker.ipynb #e028718b
 @patch
 def finish(self:Attempt, end: dict) -> str:
     """After the last step: evaluate, checkpoint, write `final/`, leave the process group; then rank 0 alone seals
     `final/`."""
     total, epoch = len(self.steps), self.steps[-1]["epoch_float"]
-    eval_loss = self.evaluate_now(total, epoch) if end["step"] == total else end["eval_loss"]
-    self.checkpoint(total, epoch, end["last"], eval_loss)
+    if self.start < total:          # else resumed from the plan's last checkpoint: evaluated and saved already
+        eval_loss = self.evaluate_now(total, epoch) if end["step"] == total else end["eval_loss"]
+        self.checkpoint(total, epoch, end["last"], eval_loss)
     write_final(self.paths, self.model, self.files, self.env)
     seen = {} if end["seen"] is None else dict(data_seen=data_seen_by_ranks(end["seen"], self.env))
     merge = bool(self.cfg.merge_lora and L.is_adapted(unwrap(self.model)))
