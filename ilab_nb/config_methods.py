@@ -191,7 +191,8 @@ class _GRPOFields(_FieldGroup):
     mask_truncated_completions: bool = Field(False, description=(
         "GRPO: completions that reach max_completion_length without an end-of-sequence token bear no loss."))
     reward_funcs: list[Any] = Field([], description=(
-        "GRPO: reward functions `fn(prompts, completions, **columns)`, one float (or None) a completion: "
+        "GRPO: reward functions `fn(prompts, completions, **kwargs)` (kwargs: the data's columns, completion_ids, "
+        "trainer_state), one float (or None) a completion: "
         "functions (saved by value into the run directory at start()), 'module:function', or a .py file "
         "('file.py:name')."))
     reward_weights: list[float] | None = Field(None, description=(

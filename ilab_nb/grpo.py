@@ -605,13 +605,21 @@ def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list,
     `objects`: the child's objects the reward functions get (the rollouts' `environments`)."""
     keys = sorted({k for c in columns for k in c})
     kw = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-              **{k: [c.get(k) for c in columns] for k in keys})
+              **{k: [c.get(k) for c in columns] for k in keys}, trainer_state=self.trainer_state())
     out, failed, err = self.score_mine(kw, len(completions), env, objects)
     every = _all_objects((err, out, failed, share), env)
     if errs := [(r, e) for r, (e, *_) in enumerate(every) if e]:
         raise (RewardError if errs[0][0] == env.rank else OtherRankRewardError)(errs[0][1])
     self.failure_frequency = [sum(f[j] for _, _, f, _ in every) / len(every) for j in range(len(self.names))]
     return out, [(o, sh) for _, o, _, sh in every]
+
+@patch
+def trainer_state(self:GRPO) -> A.TrainerState:
+    "TRL's `trainer_state` as the step being scored sees it: the steps done before it, the plan's, their epoch."
+    steps, c, done = getattr(self.attempt, "steps", None) or [], self.cfg, max(self.step - 1, 0)
+    return A.TrainerState(global_step=done, max_steps=len(steps), num_train_epochs=c.num_train_epochs,
+                          epoch=steps[done - 1]["epoch_float"] if 0 < done <= len(steps) else 0.0,
+                          logging_steps=c.logging_steps, eval_steps=c.eval_steps, save_steps=c.save_steps)
 
 @patch
 def score(self:GRPO, prompts: list, completions: list, completion_ids: list, columns: list, env) -> torch.Tensor:
