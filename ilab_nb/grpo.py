@@ -827,18 +827,22 @@ def held_out(self:GRPO, attempt) -> dict:
                 **tools)
 
 # %% ../nbs/31_grpo.ipynb #b40dabf1
-def _trial(r: dict) -> dict:
-    "A reward call's arguments for record `r`'s prompt and two dummy completions."
+def _trial(r: dict, state) -> dict:
+    "A reward call's arguments for record `r`'s prompt and two dummy completions, at the `trainer_state` `state`."
     texts = ["", "a dummy completion"]
     completions = [t if isinstance(r["prompt"], str) else [{"role": "assistant", "content": t}] for t in texts]
     return dict(prompts=[r["prompt"]] * 2, completions=completions, completion_ids=[[], [0]],
-                **{k: [v] * 2 for k, v in r.get("columns", {}).items()})
+                **{k: [v] * 2 for k, v in r.get("columns", {}).items()}, trainer_state=state)
 
-def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=None, code=None) -> tuple:
+def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=None, code=None,
+                  total_steps: int | None = None) -> tuple:
     """Each reward function called on the first prompt (and held-out prompt) with dummy completions, after the tools
     and environments are checked (`agents.check_tools`): `(their names, [problem])`. `code`: `A.user_code(cfg)`,
-    launched or not (else one is made); closed at the end."""
-    out = []
+    launched or not (else one is made); closed at the end. The calls' `trainer_state` is step 1's, of a plan of
+    `total_steps` (the preflight's estimate)."""
+    out, c = [], cfg
+    state = A.TrainerState(max_steps=total_steps or max(c.max_steps, 0), num_train_epochs=c.num_train_epochs,
+                           logging_steps=c.logging_steps, eval_steps=c.eval_steps, save_steps=c.save_steps)
     with code or A.user_code(cfg) as code:
         try: names = unique_names(code.start()[:len(cfg.reward_funcs)])
         except UserCodeError as e: return [], [str(e)]
@@ -849,7 +853,7 @@ def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=No
             except UserCodeError as e:
                 return names, [f"environment {e.name!r} {e} in the preflight ({r.get('source')})"]
             for j, name in enumerate(names):
-                try: call_reward(code, j, name, _trial(r), 0, objects)
+                try: call_reward(code, j, name, _trial(r, state), 0, objects)
                 except RewardError as e:
                     out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})"
                                + (f"\n{e.detail.rstrip()}" if e.detail else ""))

@@ -733,14 +733,14 @@ def launch_user_code(cfg, trust_owner: bool = False):
     return launched(cfg)
 
 def check_reward_funcs(cfg, records: list, evals: list = (), trust_owner: bool = False, tokenizer=None,
-                       code=None) -> dict:
+                       code=None, total_steps: int | None = None) -> dict:
     """The reward functions' names and how they are called (and the tools'); a `PreflightError` for a file of theirs
     that another user owns (unless trusted), or naming each that fails on the first prompt (and held-out prompt) with
     dummy completions, and each tool or environment that cannot be used (`agents.check_tools`). `code`: their
     process, from `launch_user_code` (else one is started)."""
     from ilab_nb.grpo import check_rewards
     if code is None: gate_user_code(cfg, trust_owner)
-    names, problems = check_rewards(cfg, records, evals, tokenizer, code)
+    names, problems = check_rewards(cfg, records, evals, tokenizer, code, total_steps)
     tools = bool(cfg.tools or cfg.environment_factory is not None)
     if problems: raise PreflightError("; ".join(problems), "tools" if tools else "reward_funcs")
     return dict(names=names, reward_timeout=cfg.reward_timeout, reward_errors=cfg.reward_errors,
@@ -824,7 +824,8 @@ def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
     if cfg.eval_tasks: check_eval_tasks(cfg, records, evals)
     data = check_data(cfg, records, evals, tok, built["layout"], processor)
     check_vocab(tok, built["embedding_rows"], mp, data.pop("top_token_id"))
-    rewards = check_reward_funcs(cfg, records, evals, trust_owner, tok, code) if code is not None else None
+    rewards = (check_reward_funcs(cfg, records, evals, trust_owner, tok, code, data["total_steps"]) if code is not None
+               else None)
     if no_template: data["chat_template"] = no_template
     memory = check_memory(cfg, kind, query_gpus() if kind == "cuda" and cfg.backend == "local" else [],
                           generation_tokens=(prompts or {}).get("generation_tokens", 0) + grpo_generation_tokens(cfg),

@@ -98,6 +98,9 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
         if self.munged_pid:
             try: os.kill(self.munged_pid, signal.SIGTERM)
             except ProcessLookupError: pass
+            # gone before stop() returns: a cluster started next would find it still answering, use it, and lose it
+            end = time.monotonic() + 10
+            while Path(f"/proc/{self.munged_pid}").exists() and time.monotonic() < end: time.sleep(0.05)
             self.munged_pid = None
 
     def _kill_strays(self):

@@ -3,7 +3,7 @@
 submissions queue in SLURM, a queued job is cancelled from outside, a run (GRPO with tools: the agent demo's model and
 environment, and a reward function defined here) is stopped, resumed and requeued to the end while a second (continued
 pretraining on plain text) runs and loses a rank, and a new process attaches; a DPO run with LoRA adapters saves before its time limit, resumes and loses a node."""
-import os, re, signal, subprocess, sys
+import os, re, signal, subprocess, sys, time
 from pathlib import Path
 
 import psutil
@@ -43,9 +43,16 @@ def run_cfg(demo, small_train, **kw):
                    learning_rate=3e-3, logging_steps=1, slurm={"partition": "debug", "time": "00:20:00"}), **kw}
 
 
-def letters(prompts, completions, **kw):
-    "A GRPO reward defined in this test module: the runs' processes on the nodes get it saved by value."
-    return [sum(ch.isalpha() for ch in c[-1]["content"]) / 8 for c in completions]
+def letters_holding(hold: Path):
+    """A GRPO reward defined in this test module (the runs' processes on the nodes get it saved by value). While the
+    file `hold` names a step, the scoring of the step after it (TRL's `trainer_state.global_step`: the steps done)
+    waits until the file is gone (5 minutes at most): no checkpoint can follow that step's until the test lets it."""
+    def letters(prompts, completions, trainer_state, **kw):
+        if hold.exists() and trainer_state.global_step == int(hold.read_text()):
+            t = time.time()
+            while hold.exists() and time.time() - t < 300: time.sleep(0.2)
+        return [sum(ch.isalpha() for ch in c[-1]["content"]) / 8 for c in completions]
+    return letters
 
 
 def rank_process(run_dir, rank):
@@ -78,11 +85,13 @@ def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small
 def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, demo, small_train, tmp_path):
     from ilab_nb.agent_demo import agent_assets
     agent = agent_assets()                # built once per machine (test_agents builds it too, under a lock)
-    grpo = dict(method="grpo", model=str(agent.model_dir), data=str(agent.train_file), reward_funcs=[letters],
+    hold = tmp_path / "hold"                  # the step whose checkpoint run a is requeued at (below)
+    grpo = dict(method="grpo", model=str(agent.model_dir), data=str(agent.train_file),
+                reward_funcs=[letters_holding(hold)],
                 environment_factory="ilab_nb.agent_demo:AgentVault", max_tool_calling_iterations=1, tool_timeout=30,
                 num_generations=4, per_device_train_batch_size=4, max_completion_length=32)   # a prompt per rank a step
-    # 12 steps, a checkpoint every 4: stopped after its first steps (1-3), resumed, requeued once it saved step 4, it
-    # has 8 steps left, twice the 4 in which the requeue must come before it saves again (below).
+    # 12 steps, a checkpoint every 4: stopped after its first steps (1-3), resumed, requeued once it saved step 4 (and
+    # held there: its reward waits at step 5 until then), it has 8 steps left.
     a = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=12, save_steps=4, **grpo),
                            "slurm": {"partition": "debug", "time": "00:20:00", "requeue": True}}, name="a").start()
     script = (a.run_dir / "slurm-attempt-1.sbatch").read_text()
@@ -120,6 +129,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     # saved its last checkpoint before the requeue came, leaving nothing to train): the resume's max_steps leaves 8
     # steps after the first checkpoint past the stop, wherever the stop landed (12 when it landed in steps 1-3).
     total = (stopped_at // 4 + 1) * 4 + 8
+    hold.write_text(str(total - 8))           # its second attempt's scoring waits after that checkpoint (below)
     a.resume(max_steps=total)
     assert a.state["attempt"] == 2
     wait_until(lambda: b.status == "running", 300, poll=1, what="run b running")
@@ -137,18 +147,20 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     assert f"rank 1 on node {node} was killed by signal SIGKILL" in RunPaths(b.run_dir).report.read_text()   # its observer's report
 
     # A runs from its checkpoint; once it has saved another, `scontrol requeue` of its job (as a preemption does):
-    # SLURM starts the job again, and it resumes from the latest complete checkpoint as attempt 3.
-    # (Once a second while it waits for b's nodes and starts, every 0.2 s once it trains: the requeue must come before
-    # it saves again.)
+    # SLURM starts the job again, and it resumes from the latest complete checkpoint as attempt 3. Its reward holds
+    # the step after that checkpoint until the requeued job is pending (its processes gone): no later checkpoint can
+    # come between, however slowly the requeue lands.
     wait_until(lambda: a.status == "running" and any(r.get("attempt") == 2 for r in a.metrics(kinds=("train",))), 400,
                poll=1, what="run a's second attempt training")
-    wait_until(lambda: a.checkpoints and a.checkpoints[-1]["step"] > stopped_at, 300,
+    wait_until(lambda: a.checkpoints and a.checkpoints[-1]["step"] > stopped_at, 300, poll=1,
                what="run a's second attempt to save a checkpoint")
     requeued_at = a.checkpoints[-1]["step"]
+    assert requeued_at == total - 8, a.checkpoints
     subprocess.run(["scontrol", "requeue", a.state["job_id"]], check=True)
     # SLURM holds a requeued job before it is eligible again (about 2 minutes here); an administrator's release:
     wait_until(lambda: "PENDING" in subprocess.run(["scontrol", "show", "job", "-o", a.state["job_id"]], capture_output=True,
                                                    text=True).stdout, 120, poll=1, what="the requeued job pending")
+    hold.unlink()                             # attempt 3 scores that step on
     subprocess.run(["scontrol", "update", f"JobId={a.state['job_id']}", "StartTime=now"], check=True)
     # A finishes; the model loads; a new process sees every step.
     assert a.wait(timeout=400, poll_s=1) == "completed", a.reason
