@@ -10,10 +10,10 @@ from .core import patch
 from .usercode import UserCode, UserCodeError, callable_name
 
 # %% auto #0
-__all__ = ['ToolError', 'tool_schema', 'describe_tool', 'env_methods', 'describe_environment', 'tool_chat', 'tool_suffix_ids',
-           'RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names', 'TrainerState', 'call_reward',
-           'Toolbox', 'environments', 'run_episodes', 'user_code', 'toolbox_of', 'launched', 'check_tools',
-           'trial_objects']
+__all__ = ['REWARD_SINKS', 'ToolError', 'tool_schema', 'describe_tool', 'env_methods', 'describe_environment', 'tool_chat',
+           'tool_suffix_ids', 'RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names', 'TrainerState',
+           'call_reward', 'Toolbox', 'environments', 'run_episodes', 'user_code', 'toolbox_of', 'launched',
+           'check_tools', 'trial_objects']
 
 # %% ../nbs/10_agents.ipynb #abd81d97
 class ToolError(ValueError):
@@ -118,7 +118,7 @@ def unique_names(names: list) -> list:
         out.append(n if k == 0 else f"{n}_{k}")
     return out
 
-# %% ../nbs/10_agents.ipynb #6c490120
+# %% ../nbs/10_agents.ipynb #5a654522
 def _bad_value(v) -> bool:
     return not (v is None or (isinstance(v, numbers.Real) and math.isfinite(float(v))))
 
@@ -132,6 +132,7 @@ def _raises(code: UserCode, j: int, kw: dict, objects: dict | None = None):
     "The index of the first single completion function `j` raises on, and what it raised; or None."
     for i in range(len(kw["completions"])):
         try: code.call(j, objects={k: v[i:i + 1] for k, v in (objects or {}).items()},
+                       sinks=REWARD_SINKS,
                        **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kw.items()})   # trainer_state whole
         except UserCodeError as e: return (i, e) if e.kind == "raised" else None
     return None
@@ -148,23 +149,47 @@ class TrainerState:
     eval_steps: int | None = None
     save_steps: int | None = None
 
-# %% ../nbs/10_agents.ipynb #7ca467bb
+# %% ../nbs/10_agents.ipynb #abb4268b
 def _failed(e: UserCodeError, name: str, step: int) -> RewardError:
     "The error of a call that ran past its time or ended its process."
     hint = "; give it more time with reward_timeout" if e.kind == "timeout" else ""
     return RewardError(f"reward function {name!r} {e} at step {step}{hint}")
 
-def call_reward(code: UserCode, j: int, name: str, kw: dict, step: int, objects: dict | None = None) -> list:
+REWARD_SINKS = ("log_metric", "log_extra")     # TRL's: what a reward function may log beside its rewards
+
+def _cell_value(v):
+    "A `log_extra` value as the completions record keeps it (JSON): a number, string, bool or None; else its text."
+    if isinstance(v, float) and not math.isfinite(v): return None
+    return v if v is None or isinstance(v, (str, bool, int, float)) else str(v)
+
+def _logged(sent: list, n: int, logs: dict) -> str | None:
+    """What a call sent through TRL's `log_metric(name, value)` and `log_extra(column, values)`, added to `logs`
+    (`{"metrics": {name: [value]}, "extra": {column: values}}`); or why it cannot be."""
+    for sink, a in sent:
+        ok = len(a) == 2 and isinstance(a[0], str) and a[0]
+        if sink == "log_metric":
+            if not ok or a[1] is None or _bad_value(a[1]):
+                return "called log_metric without a name and a finite number (log_metric(name, value))"
+            logs["metrics"].setdefault(a[0], []).append(float(a[1]))
+        elif not ok or not isinstance(a[1], (list, tuple)) or len(a[1]) != n:
+            return f"called log_extra without a column name and one value for each of the {n} completions"
+        else: logs["extra"][a[0]] = [_cell_value(v) for v in a[1]]
+    return None
+
+def call_reward(code: UserCode, j: int, name: str, kw: dict, step: int, objects: dict | None = None,
+                logs: dict | None = None) -> list:
     """The rewards of function `j` of `code` (named `name`) on the completions in `kw` (lists: prompts, completions,
-    completion_ids, columns), checked; `objects`: the child's objects it is given too (`environments`)."""
+    completion_ids, columns), checked; `objects`: the child's objects it is given too (`environments`); `logs`: where
+    what it logs through TRL's `log_metric` and `log_extra` goes (`_logged`; None: checked, not kept)."""
     n = len(kw["completions"])
     def fail(i, what, tb=""):
         raise RewardError(f"reward function {name!r} {what} at step {step}, on prompt {kw['prompts'][i]!r}", tb)
-    try: out = code.call(j, objects=objects, **kw)
+    try: out, sent = code.call(j, objects=objects, sinks=REWARD_SINKS, **kw)
     except UserCodeError as e:
         if e.kind != "raised": raise _failed(e, name, step) from None
         i, e = _raises(code, j, kw, objects) or (0, e)
         fail(i, str(e), e.detail)                     # "raised ValueError: ...", and its traceback beside
+    if sent and (why := _logged(sent, n, logs if logs is not None else {"metrics": {}, "extra": {}})): fail(0, why)
     out, why = _as_list(out, n)
     if why: fail(0, why)
     if len(out) != n: fail(0, f"returned {len(out)} rewards for {n} completions (one each)")

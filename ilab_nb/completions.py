@@ -55,21 +55,24 @@ def _prompt_cell(c: dict):
     return html_join([*thumbs, html_of("<br>") if thumbs else "", _cell(c.get("prompt"))])
 
 def completions_html(rec: dict) -> str:
-    """A table of a step's kept completions: prompt, completion, total reward, advantage and each function's reward; a
-    row with its `episode` (a run with tools) shows the episode turn by turn in place of the completion."""
+    """A table of a step's kept completions: prompt, completion, total reward, advantage, each function's reward and
+    the columns they logged (`log_extra`); a row with its `episode` (a run with tools) shows the episode turn by turn
+    in place of the completion."""
     rows = rec.get("completions") or []
     names = list(dict.fromkeys(k for c in rows for k in (c.get("rewards") or {})))
+    extra = list(dict.fromkeys(k for c in rows for k in (c.get("extra") or {})))     # the functions' log_extra
     episodes = any(isinstance(c.get("episode"), list) for c in rows)
     th = "<th style='text-align:left;padding:3px 8px;border-bottom:1px solid #dadce0'>{}</th>"
     head = html_join([html_of(th, h) for h in ["prompt", "episode" if episodes else "completion", "reward",
-                                                "advantage", *names]])
+                                                "advantage", *names, *extra]])
     td = "<td " + _TD + ">{}</td>"
     def shown(c: dict) -> str:
         return episode_html(c["episode"]) if isinstance(c.get("episode"), list) else _cell(c.get("completion"))
     body = html_join(html_of("<tr>{}</tr>", html_join(
         [html_of(td, _prompt_cell(c)), html_of(td, shown(c))]
         + [html_of(td, _cell(c.get(k))) for k in ("reward", "advantage")]
-        + [html_of(td, _cell((c.get("rewards") or {}).get(n))) for n in names])) for c in rows)
+        + [html_of(td, _cell((c.get("rewards") or {}).get(n))) for n in names]
+        + [html_of(td, _cell((c.get("extra") or {}).get(k))) for k in extra])) for c in rows)
     how = "; episodes turn by turn: → a tool call, ← its result, ✗ a failed call" if episodes else ""
     return html_of("<div style='font-size:12.5px'><b>Completions at step {}</b> <span style='color:#5f6368'>(sampled; "
                    "rewards per function{})</span><table " + _TABLE + "><tr>{}</tr>{}"

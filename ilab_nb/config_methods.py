@@ -191,10 +191,9 @@ class _GRPOFields(_FieldGroup):
     mask_truncated_completions: bool = Field(False, description=(
         "GRPO: completions that reach max_completion_length without an end-of-sequence token bear no loss."))
     reward_funcs: list[Any] = Field([], description=(
-        "GRPO: reward functions `fn(prompts, completions, **kwargs)` (kwargs: the data's columns, completion_ids, "
-        "trainer_state), one float (or None) a completion: "
-        "functions (saved by value into the run directory at start()), 'module:function', or a .py file "
-        "('file.py:name')."))
+        "GRPO: reward functions `fn(prompts, completions, **kwargs)` (kwargs as TRL's: the columns, completion_ids, "
+        "trainer_state, log_metric, log_extra), a float or None each: functions (saved into the run), "
+        "'module:function' or 'file.py:name'."))
     reward_weights: list[float] | None = Field(None, description=(
         "GRPO: each reward function's weight in the total reward; None = 1.0 each."))
     reward_timeout: float = Field(600.0, gt=0, description=(

@@ -351,7 +351,8 @@ def _preference_record(obj: dict) -> dict:
     return {"kind": "preference", "prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 # %% ../nbs/20_data.ipynb #ec589b0a
-_REWARD_ARGS = ("prompts", "completions", "completion_ids")
+_REWARD_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                "environments")       # what TRL gives a reward function beside the data's columns
 
 def _prompt_record(obj: dict) -> dict:
     "A prompt: `{'kind': 'prompt', 'prompt': str | [messages], 'columns': {other columns}}`."

@@ -53,10 +53,12 @@ def episode_text(episode: list) -> str:
     return "\n".join(lines if final else [*lines, "(no final answer)"])
 
 def completions_table(rec: dict) -> tuple:
-    "`(columns, rows)` of a `completions` record, TRL's table: step, prompt, completion/episode, rewards, advantage."
+    """`(columns, rows)` of a `completions` record, TRL's table: step, prompt, completion/episode, rewards, the columns
+    the reward functions logged (`log_extra`), advantage."""
     rows = rec.get("completions") or []
     names = list(dict.fromkeys(k for c in rows for k in (c.get("rewards") or {})))
+    extra = list(dict.fromkeys(k for c in rows for k in (c.get("extra") or {})))
     def shown(c): return episode_text(c["episode"]) if isinstance(c.get("episode"), list) else c.get("completion")
-    return (["step", "prompt", "completion", *names, "advantage"],
+    return (["step", "prompt", "completion", *names, *extra, "advantage"],
             [[rec.get("step"), c.get("prompt"), shown(c), *((c.get("rewards") or {}).get(n) for n in names),
-              c.get("advantage")] for c in rows])
+              *((c.get("extra") or {}).get(k) for k in extra), c.get("advantage")] for c in rows])

@@ -579,15 +579,17 @@ def env_rewards(self:GRPO) -> dict:
     return got
 
 @patch
-def score_mine(self:GRPO, kw: dict, n: int, env, objects: dict | None = None) -> tuple:
+def score_mine(self:GRPO, kw: dict, n: int, env, objects: dict | None = None, logs: dict | None = None) -> tuple:
     """`(rewards [n, functions] (NaN for None), failed calls by function, this rank's error or None)` of this rank's
-    `n` completions; each failure said in the rank's log with the function's traceback."""
+    `n` completions; each failure said in the rank's log with the function's traceback; what the functions log
+    (`log_metric`, `log_extra`) into `logs`."""
     out, failed = torch.full((n, len(self.names)), float("nan")), [0.0] * len(self.names)
     own = None
     for j, name in enumerate(self.names):
         try:
             if j >= self.n_funcs: own = self.env_rewards() if own is None else own
-            got = call_reward(self.rewards, j, name, kw, self.step, objects) if j < self.n_funcs else own[name]
+            got = (call_reward(self.rewards, j, name, kw, self.step, objects, logs) if j < self.n_funcs
+                   else own[name])
             out[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in got])
         except RewardError as e:
             skip = self.cfg.reward_errors == "skip"
@@ -606,12 +608,17 @@ def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list,
     keys = sorted({k for c in columns for k in c})
     kw = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
               **{k: [c.get(k) for c in columns] for k in keys}, trainer_state=self.trainer_state())
-    out, failed, err = self.score_mine(kw, len(completions), env, objects)
-    every = _all_objects((err, out, failed, share), env)
+    logs = {"metrics": {}, "extra": {}}
+    out, failed, err = self.score_mine(kw, len(completions), env, objects, logs)
+    every = _all_objects((err, out, failed, share, logs["metrics"]), env)
     if errs := [(r, e) for r, (e, *_) in enumerate(every) if e]:
         raise (RewardError if errs[0][0] == env.rank else OtherRankRewardError)(errs[0][1])
-    self.failure_frequency = [sum(f[j] for _, _, f, _ in every) / len(every) for j in range(len(self.names))]
-    return out, [(o, sh) for _, o, _, sh in every]
+    self.failure_frequency = [sum(f[j] for _, _, f, _, _ in every) / len(every) for j in range(len(self.names))]
+    # TRL's: a logged metric's values over every process, averaged; a logged column, this rank's completions'
+    values = lambda k: [v for *_, m in every for v in m.get(k, [])]
+    self.logged = dict(metrics={k: sum(values(k)) / len(values(k)) for k in sorted({k for *_, m in every for k in m})},
+                       extra=logs["extra"])
+    return out, [(o, sh) for _, o, _, sh, _ in every]
 
 @patch
 def trainer_state(self:GRPO) -> A.TrainerState:
@@ -649,7 +656,7 @@ def texts(self:GRPO, g: dict, prompts: list) -> tuple:
 @patch
 def keep_completions(self:GRPO, prompts, completions, rpf, rewards, adv, env, images=None):
     """Rank 0 writes a `completions` record: the step's first `num_completions_to_print` completions, their rewards
-    (and the files of their prompts' `images`)."""
+    (and the files of their prompts' `images`, and the columns its reward functions logged: `extra`)."""
     n = self.cfg.num_completions_to_print
     if n == 0 or env.rank != 0: return
     def show(x): return x if isinstance(x, str) else text_of(x[-1]["content"])
@@ -660,6 +667,8 @@ def keep_completions(self:GRPO, prompts, completions, rpf, rewards, adv, env, im
     if self.toolbox is not None:                      # the whole episode: turns, tool calls and their results
         for row, c in zip(rows, completions): row["episode"] = c
     for row, i in zip(rows, images or []): row["images"] = list(i)
+    for col, vals in getattr(self, "logged", {}).get("extra", {}).items():       # log_extra's, this rank's
+        for row, v in zip(rows, vals): row.setdefault("extra", {})[col] = v
     self.attempt.metrics.write("completions", step=self.step, completions=rows)
 
 @patch
@@ -698,6 +707,7 @@ def generation_batch(self:GRPO, rows: list, env) -> dict:
                     **completion_stats(lengths, torch.cat([sh[1] for _, sh in every]))}
     if c.reward_errors == "skip":
         g["metrics"].update({f"rewards/{n}/failure_frequency": f for n, f in zip(self.names, self.failure_frequency)})
+    g["metrics"].update(self.logged["metrics"])                # the reward functions' log_metric, as TRL logs it
     if self.toolbox is not None: g["metrics"].update(tool_metrics([sh[3:] for _, sh in every], len(lengths)))
     g["num_items_in_batch"] = sum(sh[2] for _, sh in every)
     self.keep_completions(g["prompts"], g["completions"], mine, rewards[start:], g["advantages"], env, g.get("images"))

@@ -573,7 +573,8 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                                                   "`[{prompt, completion, reward, advantage, rewards: {function: "
                                                   "reward}}]`; with tools each also has its `episode`, the "
                                                   "messages (assistant turns with their tool_calls, tool results); "
-                                                  "a prompt about images: their `images`, files",
+                                                  "a prompt about images: their `images`, files; the columns the "
+                                                  "reward functions logged (`log_extra`): `extra: {column: value}`",
                         required=dict(step="int", completions="list")),
     "task": dict(file="metrics.jsonl", doc="an evaluation's (eval/<eval_id>/metrics.jsonl): each model x task as it "
                                            "starts and ends",

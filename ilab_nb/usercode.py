@@ -101,9 +101,12 @@ def _run(fns: list, msg: tuple):
     "What one message asks for: a call of function `i`, a new object, an object's method, or a helper on either."
     op = msg[0]
     if op == "call":
-        i, args, kw, objs = msg[1:]
-        kw = {**kw, **{k: [_OBJECTS[key] for key in keys] for k, keys in objs.items()}}
-        return _awaited(fns[i](*args, **kw))
+        i, args, kw, objs, *sinks = msg[1:]
+        sent = []                                    # what it sent through the sinks: (sink, args), in order
+        kw = {**kw, **{k: [_OBJECTS[key] for key in keys] for k, keys in objs.items()},
+              **{s: (lambda *a, s=s: sent.append((s, a))) for s in (sinks[0] if sinks else ())}}
+        out = _awaited(fns[i](*args, **kw))
+        return (out, sent) if sinks else out
     if op == "new":
         _OBJECTS[msg[2]] = obj = fns[msg[1]]()
         return type(obj).__name__
@@ -112,10 +115,11 @@ def _run(fns: list, msg: tuple):
     raise ValueError(f"unknown message {op!r}")
 
 def _answer(fns: list, msg: tuple) -> tuple:
-    """The reply to one message: `('load', refs, path)`, `('call', i, args, kwargs, objects)` (`objects`: keyword
-    arguments that are lists of the child's objects, by key), `('new', i, key)` (the object function `i` makes, kept
-    as `key`), `('method', key, name, args, kwargs)` or `('apply', helper, i)` (the helper `'module:function'` on
-    function `i`)."""
+    """The reply to one message: `('load', refs, path)`, `('call', i, args, kwargs, objects[, sinks])` (`objects`:
+    keyword arguments that are lists of the child's objects, by key; `sinks`: names of keyword arguments that are
+    functions recording what they are called with, sent back beside the result as `(result, [(sink, args)])`),
+    `('new', i, key)` (the object function `i` makes, kept as `key`), `('method', key, name, args, kwargs)` or
+    `('apply', helper, i)` (the helper `'module:function'` on function `i`)."""
     if msg[0] == "load":
         sys.path[:] = msg[2]
         for i, ref in enumerate(msg[1]):
@@ -271,11 +275,13 @@ def _do(self:UserCode, msg: tuple, name: str, doing: str = "it ran", i: int | No
     return got[1]
 
 @patch
-def call(self:UserCode, i: int, *args, objects: dict | None = None, **kwargs):
+def call(self:UserCode, i: int, *args, objects: dict | None = None, sinks: tuple = (), **kwargs):
     """What function `i` returns for `args`/`kwargs`, called in the child; `UserCodeError` when it fails there.
-    `objects`: keyword arguments that are lists of the child's objects, by key (`{"environments": [key, ...]}`)."""
+    `objects`: keyword arguments that are lists of the child's objects, by key (`{"environments": [key, ...]}`);
+    `sinks`: names of keyword arguments it gets as functions to send records through (TRL's `log_metric`): then
+    `(result, [(sink, args), ...])`."""
     if self.proc is None: self.start()
-    return self._do(("call", i, args, kwargs, objects or {}), self.names[i], i=i)
+    return self._do(("call", i, args, kwargs, objects or {}, *([tuple(sinks)] if sinks else [])), self.names[i], i=i)
 
 @patch
 def new(self:UserCode, i: int, key) -> str:
