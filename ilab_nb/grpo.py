@@ -27,10 +27,10 @@ from .vision import text_of
 from .agents import RewardError, OtherRankRewardError, reward_name, unique_names, call_reward
 
 # %% auto #0
-__all__ = ['reward_blob', 'save_reward', 'save_rewards', 'prompt_text', 'prompt_ids', 'build_prompts', 'GRPO', 'sampler_seed',
-           'completion_mask', 'whole_fits', 'whole_weights', 'completion_logps', 'model_forward', 'nanstd',
-           'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss', 'clip_metrics', 'completion_stats',
-           'tool_metrics', 'eval_metrics', 'check_rewards']
+__all__ = ['own_why', 'reward_blob', 'save_reward', 'save_rewards', 'prompt_text', 'prompt_ids', 'build_prompts', 'GRPO',
+           'sampler_seed', 'completion_mask', 'whole_fits', 'whole_weights', 'completion_logps', 'model_forward',
+           'nanstd', 'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss', 'clip_metrics', 'own_metric',
+           'completion_stats', 'tool_metrics', 'eval_metrics', 'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #c1f13de8
 def reward_blob(fn) -> bytes:
@@ -578,6 +578,15 @@ def env_rewards(self:GRPO) -> dict:
                               "a finite number or None")
     return got
 
+def own_metric(name: str) -> bool:
+    "Whether `name` is a field of the run's own train records, which a reward function's `log_metric` may not take."
+    from ilab_nb.rundir import SCHEMA
+    tr, rec = SCHEMA["train"], SCHEMA["record"]
+    return (name in {**rec["required"], **tr["required"], **tr["optional"], **tr["listed"]}
+            or any(re.fullmatch(p, name) for p in tr["patterns"]))
+
+own_why = "that is the name of one of the run's own metrics; log it under another"
+
 @patch
 def score_mine(self:GRPO, kw: dict, n: int, env, objects: dict | None = None, logs: dict | None = None) -> tuple:
     """`(rewards [n, functions] (NaN for None), failed calls by function, this rank's error or None)` of this rank's
@@ -618,6 +627,9 @@ def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list,
     values = lambda k: [v for *_, m in every for v in m.get(k, [])]
     self.logged = dict(metrics={k: sum(values(k)) / len(values(k)) for k in sorted({k for *_, m in every for k in m})},
                        extra=logs["extra"])
+    if own := [k for k in self.logged["metrics"] if own_metric(k)]:           # the same on every rank: all fail alike
+        raise RewardError(f"a reward function called log_metric({own[0]!r}, ...) at step {self.step}: {own_why}")
+    self.user_metrics = getattr(self, "user_metrics", set()) | set(self.logged["metrics"])
     return out, [(o, sh) for _, o, _, sh, _ in every]
 
 @patch
@@ -808,6 +820,7 @@ def record(self:GRPO, loss_sum: float, weight: float, sums: dict) -> dict:
     out = dict(loss=loss_sum / n, prompts=int(weight))
     out.update({k[8:] if k.startswith("sampled:") else k: v / (g if k.startswith("sampled:") else n)
                 for k, v in sums.items() if k != "sampled"})
+    if logged := sorted(k for k in out if k in getattr(self, "user_metrics", ())): out["logged"] = logged   # schema
     return out
 
 # %% ../nbs/31_grpo.ipynb #d36585c2
@@ -863,8 +876,11 @@ def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=No
             except UserCodeError as e:
                 return names, [f"environment {e.name!r} {e} in the preflight ({r.get('source')})"]
             for j, name in enumerate(names):
-                try: call_reward(code, j, name, _trial(r, state), 0, objects)
+                logs = {"metrics": {}, "extra": {}}
+                try: call_reward(code, j, name, _trial(r, state), 0, objects, logs)
                 except RewardError as e:
                     out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})"
                                + (f"\n{e.detail.rstrip()}" if e.detail else ""))
+                if own := [k for k in logs["metrics"] if own_metric(k)]:
+                    out.append(f"reward function {name!r} called log_metric({own[0]!r}, ...) in the preflight: {own_why}")
     return names, out

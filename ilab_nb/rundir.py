@@ -531,7 +531,8 @@ _GRPO_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy"
                                                 "mean_terminated_length", "min_terminated_length",
                                                 "max_terminated_length")))
 
-SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: {regex: type}, values: {field: allowed}}
+SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: {regex: type}, values: {field: allowed},
+             #          listed: {field: type of the fields it names}}
     "record": dict(file="metrics.jsonl", doc="every metrics record; `kind` is one of header, train, eval, samples, "
                                              "completions, event",
                    required=dict(schema="int", kind="str", run_id="str", attempt="int", time="float")),
@@ -554,7 +555,8 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                   optional={"pairs": "int", **{k: "float" for k in _DPO_METRICS}, "prompts": "int",
                             **{k: "float" for k in _GRPO_METRICS}},
                   patterns={r"rewards/.+/(mean|std|failure_frequency)": "float",
-                            r"tools/(call|failure)_frequency": "float"}),
+                            r"tools/(call|failure)_frequency": "float"},
+                  listed={"logged": "float"}),      # a GRPO run's: what its reward functions logged (log_metric)
     "eval": dict(file="metrics.jsonl", doc="at step 0, every `eval_steps`, each epoch's end and the last step; "
                                            "`eval_loss` and `eval_tokens` in every one but a GRPO run's, whose "
                                            "evaluation scores greedy answers (`eval_prompts`, `eval_reward`, ...)",
@@ -626,6 +628,9 @@ def schema_problems(rec: dict, kind: str) -> list:
     rows = ([SCHEMA["record"]] if SCHEMA[kind]["file"] == "metrics.jsonl" else []) + [SCHEMA[kind]]
     known = {f: t for r in rows for f, t in {**r.get("required", {}), **r.get("optional", {})}.items()}
     known |= {f: t for r in rows for pat, t in r.get("patterns", {}).items() for f in rec if re.fullmatch(pat, f)}
+    known |= {f: t for r in rows for lf, t in r.get("listed", {}).items() if isinstance(rec.get(lf), list)
+              for f in rec[lf] if isinstance(f, str) and f not in known}
+    known |= {lf: "list" for r in rows for lf in r.get("listed", {})}
     out = [f"{kind} record lacks required field {f!r}" for r in rows for f in r.get("required", {}) if f not in rec]
     out += [f"{kind} record field {f!r} = {v!r:.60} is not {known[f]}" for f, v in rec.items()
             if f in known and not _type_ok(v, known[f])]
@@ -655,7 +660,7 @@ def schema_markdown() -> str:
                         f"`tools/schema_doc.py`; do not edit it here.", 112) + [""]
     for kind, row in SCHEMA.items():
         out.append(f"- `{kind}` ({row['file']}): {row['doc']}.")
-        for label in ("required", "optional", "patterns"):
+        for label in ("required", "optional", "patterns", "listed"):
             if row.get(label):
                 out += textwrap.wrap(f"  - {label}: " + ", ".join(f"`{f}` {t}" for f, t in row[label].items()), 112,
                                      subsequent_indent="    ", break_on_hyphens=False)

@@ -171,12 +171,16 @@ def test_grpo_agrees_with_trl(demo, tmp_path, case):
 # --- one 2-rank FSDP run from a kernel that exits, and its fork from a new one --------------------------------------
 
 KERNEL = '''
-import json, sys
+import json, os, sys
 from ilab_nb import FineTuneSession
 
-def letters(prompts, completions, **kw):
-    "Defined in this kernel's __main__: the training processes cannot import it (it reaches them saved by value)."
-    return [sum(ch.isalpha() for ch in c[0]["content"]) / 8 for c in completions]
+def letters(prompts, completions, trainer_state, log_metric, log_extra, **kw):
+    """Defined in this kernel's __main__: the training processes cannot import it (it reaches them saved by value).
+    It logs as TRL's reward functions may: the steps done and its rank (averaged over the ranks), each count."""
+    counts = [sum(ch.isalpha() for ch in c[0]["content"]) for c in completions]
+    log_metric("steps_done", trainer_state.global_step); log_metric("rank", int(os.environ.get("RANK", 0)))
+    log_extra("letter_count", counts)
+    return [n / 8 for n in counts]
 
 s = FineTuneSession(model=sys.argv[1], data=sys.argv[2], reward_funcs=[letters], **json.loads(sys.argv[3]))
 s.start()
@@ -263,6 +267,9 @@ def test_a_run_from_a_kernel_that_exits_trains_on_two_ranks(grpo_run):
     assert sorted(q.name for q in p.reference.iterdir()) == ["rank-0.pt", "rank-1.pt"]      # each rank its shard
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
     assert sorted(comp) == list(SAMPLED) and all(len(c) == 4 and set(c[0]["rewards"]) == {"letters"} for c in comp.values())
+    # what the reward logged (TRL's log_metric, averaged over the ranks; log_extra, a column of rank 0's completions)
+    assert [(r["step"], r["steps_done"], r["rank"]) for r in train if "rank" in r] == [(1, 0, 0.5), (3, 2, 0.5)], train
+    assert all(c["extra"]["letter_count"] == sum(ch.isalpha() for ch in c["completion"]) for cs in comp.values() for c in cs)
     ev = _records(s.run_dir, "eval")                  # greedy answers to the held-out prompts, scored by `letters`
     assert [(r["step"], r["eval_prompts"]) for r in ev] == [(0, HELD_OUT), (3, HELD_OUT), (4, HELD_OUT)]
     assert all(math.isfinite(r[k]) for r in ev for k in ("eval_reward", "eval_rewards/letters/mean",
@@ -284,7 +291,8 @@ def test_stopped_and_resumed_from_a_new_kernel_it_samples_what_the_uninterrupted
     assert [h["resumed_from_step"] for h in _records(f.run_dir, "header")] == [1, 3]
     comp = {r["step"]: r["completions"] for r in _records(s.run_dir, "completions")}
     again = {r["step"]: r["completions"] for r in _records(f.run_dir, "completions")}
-    assert sorted(again) == [3] and again[3] == comp[3]            # steps 2 and 4 sampled nothing: the batch was kept
+    no_extra = lambda rows: [{k: v for k, v in c.items() if k != "extra"} for c in rows]   # the run's reward logs it
+    assert sorted(again) == [3] and again[3] == no_extra(comp[3])  # steps 2 and 4 sampled nothing: the batch was kept
     train, fork_train = _records(s.run_dir, "train"), {r["step"]: r for r in _records(f.run_dir, "train")}
     assert sorted(fork_train) == [2, 3, 4]
     for r in train[1:]:
@@ -312,10 +320,12 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
     assert f"held-out reward {held:.3f} (step 4)" in dash.progress_text.value
     assert "Completions at step 3" in dash.completions_view.value
     assert html.escape(last[0]["completion"]) in dash.completions_view.value
+    shown_completions = dash.completions_view.value
     dash.close()
     s.report()
     report = RunPaths(s.run_dir).report.read_text()
-    assert "Reward function" in report and html.escape("def letters(prompts, completions, **kw):") in report
+    assert "Reward function" in report and html.escape("def letters(prompts, completions, trainer_state,") in report
+    assert ">letter_count</th>" in report and ">letter_count</th>" in shown_completions     # log_extra's column
     assert "last held-out reward" in report
     assert main(["status", s.run_id, "--runs-root", str(Path(s.run_dir).parent)]) == 0
     out = capsys.readouterr().out
