@@ -882,5 +882,6 @@ def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=No
                     out.append(f"{e}".replace(" at step 0", " in the preflight") + f" ({r.get('source')})"
                                + (f"\n{e.detail.rstrip()}" if e.detail else ""))
                 if own := [k for k in logs["metrics"] if own_metric(k)]:
-                    out.append(f"reward function {name!r} called log_metric({own[0]!r}, ...) in the preflight: {own_why}")
+                    out.append(f"reward function {name!r} called log_metric({own[0]!r}, ...) in the preflight: "
+                               + own_why)
     return names, out
