@@ -30,8 +30,10 @@ def _tracked(name: str, keys) -> bool:
 def record_scalars(rec: dict) -> dict:
     "The `{name: value}` scalars a tracker logs for one metrics record (empty for headers and events)."
     k, num = rec.get("kind"), (int, float)
-    if k == "train":
-        return {f"train/{n}": float(v) for n, v in rec.items() if _tracked(n, _TRAIN_KEYS) and isinstance(v, num)}
+    if k == "train":                 # and what a GRPO run's reward functions logged (TRL's log_metric: `logged`)
+        own = rec.get("logged") if isinstance(rec.get("logged"), list) else ()
+        return {f"train/{n}": float(v) for n, v in rec.items()
+                if (_tracked(n, _TRAIN_KEYS) or n in own) and isinstance(v, num) and not isinstance(v, bool)}
     if k == "eval":
         return {f"eval/{n[5:]}": float(v) for n, v in rec.items()
                 if n.startswith("eval_") and _tracked(n[5:], _EVAL_KEYS) and isinstance(v, num)}
