@@ -579,11 +579,14 @@ def env_rewards(self:GRPO) -> dict:
     return got
 
 def own_metric(name: str) -> bool:
-    "Whether `name` is a field of the run's own train records, which a reward function's `log_metric` may not take."
+    """Whether `name` is a field of the run's own train records (or `eval_<name>` of its eval records), which a reward
+    function's `log_metric` may not take."""
     from ilab_nb.rundir import SCHEMA
-    tr, rec = SCHEMA["train"], SCHEMA["record"]
+    tr, ev, rec = SCHEMA["train"], SCHEMA["eval"], SCHEMA["record"]
     return (name in {**rec["required"], **tr["required"], **tr["optional"], **tr["listed"]}
-            or any(re.fullmatch(p, name) for p in tr["patterns"]))
+            or f"eval_{name}" in {**ev["required"], **ev["optional"], **ev["listed"]}
+            or any(re.fullmatch(p, name) for p in tr["patterns"])
+            or any(re.fullmatch(p, f"eval_{name}") for p in ev["patterns"]))
 
 own_why = "that is the name of one of the run's own metrics; log it under another"
 
@@ -630,12 +633,15 @@ def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list,
     if own := [k for k in self.logged["metrics"] if own_metric(k)]:           # the same on every rank: all fail alike
         raise RewardError(f"a reward function called log_metric({own[0]!r}, ...) at step {self.step}: {own_why}")
     self.user_metrics = getattr(self, "user_metrics", set()) | set(self.logged["metrics"])
+    self.logged_mine = logs["metrics"]                                   # this rank's values (a held-out evaluation's)
     return out, [(o, sh) for _, o, _, sh, _ in every]
 
 @patch
 def trainer_state(self:GRPO) -> A.TrainerState:
-    "TRL's `trainer_state` as the step being scored sees it: the steps done before it, the plan's, their epoch."
-    steps, c, done = getattr(self.attempt, "steps", None) or [], self.cfg, max(self.step - 1, 0)
+    """TRL's `trainer_state` as the step being scored sees it: the steps done before it (a held-out evaluation's: the
+    steps done), the plan's, their epoch."""
+    done = self.step if getattr(self, "evaluating", False) else max(self.step - 1, 0)
+    steps, c = getattr(self.attempt, "steps", None) or [], self.cfg
     return A.TrainerState(global_step=done, max_steps=len(steps), num_train_epochs=c.num_train_epochs,
                           epoch=steps[done - 1]["epoch_float"] if 0 < done <= len(steps) else 0.0,
                           logging_steps=c.logging_steps, eval_steps=c.eval_steps, save_steps=c.save_steps)
@@ -837,17 +843,23 @@ def held_out(self:GRPO, attempt) -> dict:
     a, env, ds = attempt, attempt.env, attempt.eval_ds
     per = self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps    # a step's completions
     mine, parts = list(range(env.rank, len(ds), env.world_size)), []
-    for k in range(-(-len(ds) // (per * env.world_size))):            # as many calls on every process
-        idx = mine[k * per:(k + 1) * per]
-        rows = [ds[i] for i in idx or [0]]                              # none left here: one, not counted
-        g = self.rollouts(rows, env, greedy=True)
-        rpf = self.score_all(g["prompts"], g["completions"], g["ids"], g["columns"], env, objects=g["objects"])[0]
-        if idx: parts.append((rpf, g["lengths"], g["truncated"], (g.get("calls", 0), g.get("failures", 0))))
+    self.evaluating = True
+    try:
+        for k in range(-(-len(ds) // (per * env.world_size))):            # as many calls on every process
+            idx = mine[k * per:(k + 1) * per]
+            rows = [ds[i] for i in idx or [0]]                              # none left here: one, not counted
+            g = self.rollouts(rows, env, greedy=True)
+            rpf = self.score_all(g["prompts"], g["completions"], g["ids"], g["columns"], env, objects=g["objects"])[0]
+            if idx: parts.append((rpf, g["lengths"], g["truncated"], (g.get("calls", 0), g.get("failures", 0)),
+                                  self.logged_mine))
+    finally: self.evaluating = False
     every = [p for ps in _all_objects(parts, env) for p in ps]
     rpf, lengths, truncated = (torch.cat(x) for x in list(zip(*every))[:3])
     tools = tool_metrics([p[3] for p in every], len(rpf), "eval_") if self.toolbox is not None else {}
+    values = lambda k: [v for p in every for v in p[4].get(k, [])]       # log_metric's: as TRL's, eval_<name>
+    logged = {f"eval_{k}": sum(values(k)) / len(values(k)) for k in sorted({k for p in every for k in p[4]})}
     return dict(eval_prompts=len(rpf), **eval_metrics(rpf, lengths, truncated, self.reward_weights, self.names),
-                **tools)
+                **tools, **logged, **(dict(eval_logged=list(logged)) if logged else {}))
 
 # %% ../nbs/31_grpo.ipynb #b40dabf1
 def _trial(r: dict, state) -> dict:

@@ -566,7 +566,8 @@ SCHEMA = {   # kind -> {file, doc, required, optional: {field: type}, patterns: 
                            **{f"eval_{k}": "float" for k in _GRPO_METRICS if k in ("reward", "reward_std")
                               or k.startswith("completions/")}},
                  patterns={r"eval_rewards/.+/(mean|std)": "float",
-                           r"eval_tools/(call|failure)_frequency": "float"}),
+                           r"eval_tools/(call|failure)_frequency": "float"},
+                 listed={"eval_logged": "float"}),  # a GRPO run's: what its reward functions logged (log_metric)
     "samples": dict(file="metrics.jsonl",
                     doc="with `eval_prompts`, at each evaluation: greedy answers `[{prompt, answer}]` (a prompt "
                         "about images: and their `images`, files) and the seconds they took",

@@ -35,8 +35,10 @@ def record_scalars(rec: dict) -> dict:
         return {f"train/{n}": float(v) for n, v in rec.items()
                 if (_tracked(n, _TRAIN_KEYS) or n in own) and isinstance(v, num) and not isinstance(v, bool)}
     if k == "eval":
+        own = rec.get("eval_logged") if isinstance(rec.get("eval_logged"), list) else ()
         return {f"eval/{n[5:]}": float(v) for n, v in rec.items()
-                if n.startswith("eval_") and _tracked(n[5:], _EVAL_KEYS) and isinstance(v, num)}
+                if n.startswith("eval_") and (_tracked(n[5:], _EVAL_KEYS) or n in own) and isinstance(v, num)
+                and not isinstance(v, bool)}
     if k == "samples" and isinstance(rec.get("seconds"), (int, float)):
         return {"eval/samples_seconds": float(rec["seconds"])}
     return {}

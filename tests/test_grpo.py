@@ -269,6 +269,8 @@ def test_a_run_from_a_kernel_that_exits_trains_on_two_ranks(grpo_run):
     assert sorted(comp) == list(SAMPLED) and all(len(c) == 4 and set(c[0]["rewards"]) == {"letters"} for c in comp.values())
     # what the reward logged (TRL's log_metric, averaged over the ranks; log_extra, a column of rank 0's completions)
     assert [(r["step"], r["steps_done"], r["rank"]) for r in train if "rank" in r] == [(1, 0, 0.5), (3, 2, 0.5)], train
+    evals = _records(s.run_dir, "eval")       # the held-out evaluations' calls: TRL's eval_<name>, the steps done
+    assert [(r["step"], r["eval_steps_done"], r["eval_rank"]) for r in evals] == [(0, 0, 0.5), (3, 3, 0.5), (4, 4, 0.5)]
     assert all(c["extra"]["letter_count"] == sum(ch.isalpha() for ch in c["completion"]) for cs in comp.values() for c in cs)
     ev = _records(s.run_dir, "eval")                  # greedy answers to the held-out prompts, scored by `letters`
     assert [(r["step"], r["eval_prompts"]) for r in ev] == [(0, HELD_OUT), (3, HELD_OUT), (4, HELD_OUT)]
