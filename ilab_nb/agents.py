@@ -149,6 +149,12 @@ class TrainerState:
     eval_steps: int | None = None
     save_steps: int | None = None
 
+    @classmethod
+    def of(cls, cfg, global_step: int = 0, max_steps: int = 0, epoch: float = 0.0) -> "TrainerState":
+        "The state at `global_step` of a plan of `max_steps`, with run config `cfg`'s epochs and intervals."
+        return cls(global_step=global_step, max_steps=max_steps, epoch=epoch, num_train_epochs=cfg.num_train_epochs,
+                   logging_steps=cfg.logging_steps, eval_steps=cfg.eval_steps, save_steps=cfg.save_steps)
+
 # %% ../nbs/10_agents.ipynb #abb4268b
 def _failed(e: UserCodeError, name: str, step: int) -> RewardError:
     "The error of a call that ran past its time or ended its process."

@@ -30,7 +30,7 @@ from .agents import RewardError, OtherRankRewardError, reward_name, unique_names
 __all__ = ['own_why', 'reward_blob', 'save_reward', 'save_rewards', 'prompt_text', 'prompt_ids', 'build_prompts', 'GRPO',
            'sampler_seed', 'completion_mask', 'whole_fits', 'whole_weights', 'completion_logps', 'model_forward',
            'nanstd', 'advantages', 'reward_metrics', 'masked_means_global', 'policy_loss', 'clip_metrics', 'own_metric',
-           'completion_stats', 'tool_metrics', 'eval_metrics', 'check_rewards']
+           'logged_means', 'completion_stats', 'tool_metrics', 'eval_metrics', 'check_rewards']
 
 # %% ../nbs/31_grpo.ipynb #c1f13de8
 def reward_blob(fn) -> bytes:
@@ -590,6 +590,11 @@ def own_metric(name: str) -> bool:
 
 own_why = "that is the name of one of the run's own metrics; log it under another"
 
+def logged_means(logged: list) -> dict:
+    "`{name: mean}` of what `log_metric` logged, over `logged` (`{name: [value]}` each: ranks, calls), as TRL's."
+    values = lambda k: [v for m in logged for v in m.get(k, [])]
+    return {k: sum(values(k)) / len(values(k)) for k in sorted({k for m in logged for k in m})}
+
 @patch
 def score_mine(self:GRPO, kw: dict, n: int, env, objects: dict | None = None, logs: dict | None = None) -> tuple:
     """`(rewards [n, functions] (NaN for None), failed calls by function, this rank's error or None)` of this rank's
@@ -627,9 +632,7 @@ def score_all(self:GRPO, prompts: list, completions: list, completion_ids: list,
         raise (RewardError if errs[0][0] == env.rank else OtherRankRewardError)(errs[0][1])
     self.failure_frequency = [sum(f[j] for _, _, f, _, _ in every) / len(every) for j in range(len(self.names))]
     # TRL's: a logged metric's values over every process, averaged; a logged column, this rank's completions'
-    values = lambda k: [v for *_, m in every for v in m.get(k, [])]
-    self.logged = dict(metrics={k: sum(values(k)) / len(values(k)) for k in sorted({k for *_, m in every for k in m})},
-                       extra=logs["extra"])
+    self.logged = dict(metrics=logged_means([m for *_, m in every]), extra=logs["extra"])
     if own := [k for k in self.logged["metrics"] if own_metric(k)]:           # the same on every rank: all fail alike
         raise RewardError(f"a reward function called log_metric({own[0]!r}, ...) at step {self.step}: {own_why}")
     self.user_metrics = getattr(self, "user_metrics", set()) | set(self.logged["metrics"])
@@ -641,10 +644,9 @@ def trainer_state(self:GRPO) -> A.TrainerState:
     """TRL's `trainer_state` as the step being scored sees it: the steps done before it (a held-out evaluation's: the
     steps done), the plan's, their epoch."""
     done = self.step if getattr(self, "evaluating", False) else max(self.step - 1, 0)
-    steps, c = getattr(self.attempt, "steps", None) or [], self.cfg
-    return A.TrainerState(global_step=done, max_steps=len(steps), num_train_epochs=c.num_train_epochs,
-                          epoch=steps[done - 1]["epoch_float"] if 0 < done <= len(steps) else 0.0,
-                          logging_steps=c.logging_steps, eval_steps=c.eval_steps, save_steps=c.save_steps)
+    steps = getattr(self.attempt, "steps", None) or []
+    return A.TrainerState.of(self.cfg, done, len(steps), steps[done - 1]["epoch_float"] if 0 < done <= len(steps)
+                             else 0.0)
 
 @patch
 def score(self:GRPO, prompts: list, completions: list, completion_ids: list, columns: list, env) -> torch.Tensor:
@@ -856,8 +858,7 @@ def held_out(self:GRPO, attempt) -> dict:
     every = [p for ps in _all_objects(parts, env) for p in ps]
     rpf, lengths, truncated = (torch.cat(x) for x in list(zip(*every))[:3])
     tools = tool_metrics([p[3] for p in every], len(rpf), "eval_") if self.toolbox is not None else {}
-    values = lambda k: [v for p in every for v in p[4].get(k, [])]       # log_metric's: as TRL's, eval_<name>
-    logged = {f"eval_{k}": sum(values(k)) / len(values(k)) for k in sorted({k for p in every for k in p[4]})}
+    logged = {f"eval_{k}": v for k, v in logged_means([p[4] for p in every]).items()}   # as TRL's, eval_<name>
     return dict(eval_prompts=len(rpf), **eval_metrics(rpf, lengths, truncated, self.reward_weights, self.names),
                 **tools, **logged, **(dict(eval_logged=list(logged)) if logged else {}))
 
@@ -875,9 +876,7 @@ def check_rewards(cfg: TrainConfig, records: list, held: list = (), tokenizer=No
     and environments are checked (`agents.check_tools`): `(their names, [problem])`. `code`: `A.user_code(cfg)`,
     launched or not (else one is made); closed at the end. The calls' `trainer_state` is step 1's, of a plan of
     `total_steps` (the preflight's estimate)."""
-    out, c = [], cfg
-    state = A.TrainerState(max_steps=total_steps or max(c.max_steps, 0), num_train_epochs=c.num_train_epochs,
-                           logging_steps=c.logging_steps, eval_steps=c.eval_steps, save_steps=c.save_steps)
+    out, state = [], A.TrainerState.of(cfg, max_steps=total_steps or max(cfg.max_steps, 0))
     with code or A.user_code(cfg) as code:
         try: names = unique_names(code.start()[:len(cfg.reward_funcs)])
         except UserCodeError as e: return [], [str(e)]
