@@ -13,7 +13,7 @@ from .trackers import tracker_notes
 # %% auto #0
 __all__ = ['COMMANDS', 'parse_overrides', 'format_runs', 'format_status', 'follow_log', 'demo_summary', 'run_demo',
            'checkpoint_arg', 'step_arg', 'count_arg', 'amount_arg', 'limit_arg', 'lines_arg', 'lines_check',
-           'parse_space', 'build_parser', 'main']
+           'parse_space', 'build_parser', 'main', 'console']
 
 # %% ../nbs/67_cli.ipynb #473f0f18
 def parse_overrides(items) -> dict:
@@ -616,4 +616,9 @@ def main(argv=None) -> int:
         return 2
 
 # %% ../nbs/67_cli.ipynb #0eee40bf
-if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs
+def console():
+    "The `ilab-nb` console script: `main` on the command line, then `exit_frozen` with its exit code."
+    from ilab_nb.core import exit_frozen
+    exit_frozen(main())
+
+if __name__ == "__main__" and "IPython" not in sys.modules: console()   # not when the notebook itself runs

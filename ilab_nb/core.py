@@ -9,7 +9,8 @@ from contextlib import contextmanager
 
 # %% auto #0
 __all__ = ['TORCH_FLOOR', 'patch_to', 'patch', 'html_of', 'html_join', 'require_torch', 'no_space', 'writing', 'is_vision_model',
-           'auto_class', 'build_once', 'gc_paused', 'leave_out', 'no_hf_progress_bars', 'size_text', 'count_text']
+           'auto_class', 'build_once', 'gc_paused', 'exit_frozen', 'leave_out', 'no_hf_progress_bars', 'size_text',
+           'count_text']
 
 # %% ../nbs/08_core.ipynb #5960fd12
 def patch_to(cls, as_prop: bool = False, cls_method: bool = False):
@@ -120,6 +121,13 @@ def gc_paused():
     try: yield
     finally:
         if was: gc.enable()
+
+# %% ../nbs/08_core.ipynb #64ae085c
+def exit_frozen(code=0):
+    "`sys.exit(code)`, the objects alive now frozen first, so that the interpreter's exit does not walk them."
+    gc.collect(1)
+    gc.freeze()
+    sys.exit(code)
 
 # %% ../nbs/08_core.ipynb #ffde832f
 def leave_out(name: str) -> bool:

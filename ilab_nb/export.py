@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                           modelfile=modelfile)), flush=True)
     return 0
 
-if __name__ == "__main__" and "IPython" not in sys.modules: sys.exit(main())   # not when the notebook itself runs
+if __name__ == "__main__" and "IPython" not in sys.modules:   # not when the notebook itself runs
+    from ilab_nb.core import exit_frozen
+    exit_frozen(main())   # no last walk over torch's and transformers' objects (08_core)
 
 # %% ../nbs/52_export.ipynb #86683d4f
 FORMATS = ("gguf",)

@@ -978,4 +978,5 @@ def _ipython_display_(self:Search):
 # %% ../nbs/66_search.ipynb #ba3dba5d
 if __name__ == "__main__" and Path(sys.argv[0]).name == "search.py":      # not in a notebook
     from ilab_nb.search import main as _main
-    sys.exit(_main())
+    from ilab_nb.core import exit_frozen
+    exit_frozen(_main())      # no last walk over what it imported (08_core)

@@ -265,7 +265,7 @@ def wait_until(pred, timeout, poll=0.2, what="condition"):
 
 # --- the command line ------------------------------------------------------------------------------------------------
 
-CLI = [sys.executable, "-c", "import sys; from ilab_nb.cli import main; sys.exit(main())"]   # `ilab-nb`, this checkout
+CLI = [sys.executable, "-c", "from ilab_nb.cli import console; console()"]   # `ilab-nb`, this checkout
 
 
 def cli_env(**extra) -> dict:
