@@ -4,9 +4,9 @@
 
 # %% ../nbs/64_supervisor.ipynb #b99cf028
 from __future__ import annotations
-import argparse, importlib, os, sys, threading
+import argparse, gc, importlib, os, sys, threading
 
-from .core import patch
+from .core import gc_paused, patch
 from .launcher import Supervisor, log_note
 from .rundir import RunPaths, State, read_json
 
@@ -23,7 +23,14 @@ class RunSupervisor(Supervisor):
 
     def _running(self):
         "Import the report's libraries (matplotlib) in the background while the ranks train, not as the run ends."
-        threading.Thread(target=importlib.import_module, args=("ilab_nb.record",), daemon=True).start()
+        threading.Thread(target=_import_frozen, args=("ilab_nb.record",), daemon=True).start()
+
+
+def _import_frozen(name: str):
+    """Import `name` with the garbage collector paused, and freeze what is alive after: the objects of matplotlib and
+    the dashboard's modules are not walked again by the collections of the hours the supervisor may wait."""
+    with gc_paused(): importlib.import_module(name)
+    gc.freeze()
 
 # %% ../nbs/64_supervisor.ipynb #2457538c
 @patch
