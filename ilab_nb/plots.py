@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['run_curves', 'smooth_ema', 'LRFormatter', 'nice_ceiling', 'LossPlot', 'round_limits', 'format_number',
-           'reward_curves', 'tool_curves', 'reward_png']
+           'reward_curves', 'tool_curves', 'logged_curves', 'reward_png']
 
 # %% ../nbs/36_plots.ipynb #c09734af
 import io
@@ -266,7 +266,7 @@ def format_number(v, spec: str, none: str = "—") -> str:
     "`format(v, spec)` for a finite number, else `none` (a dash): for tables and progress lines."
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else none
 
-# %% ../nbs/36_plots.ipynb #9777bd32
+# %% ../nbs/36_plots.ipynb #0143199d
 def reward_curves(records) -> dict:
     """`{series: (steps, values)}`: `reward` and each `rewards/<function>/mean` of the train records, and the eval
     records' as `held-out reward` and `held-out <function>` (the latest record of a step wins)."""
@@ -301,16 +301,41 @@ def _tools_panel(ax, curves: dict):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
 
+def logged_curves(records) -> dict:
+    """`{series: (steps, values)}` of what a GRPO run's reward functions logged (`log_metric`): the names a train
+    record lists in `logged`, and those an eval record lists in `eval_logged` as `held-out <name>` ({} when none)."""
+    out = {}
+    for r in standing_records(records, ("train", "eval")):
+        held = r["kind"] == "eval"
+        names = r.get("eval_logged" if held else "logged")
+        for n in names if isinstance(names, list) else ():
+            if isinstance(v := r.get(n), (int, float)) and not isinstance(v, bool):
+                out.setdefault(f"held-out {n[5:]}" if held else n, {})[r["step"]] = v
+    return {k: (sorted(d), [d[s] for s in sorted(d)]) for k, d in out.items()}
+
+def _logged_panel(ax, curves: dict):
+    "Each logged metric in a colour of its own, its held-out values dashed in the same colour."
+    colours = {}
+    for name, (steps, vals) in curves.items():
+        base = name.removeprefix("held-out ")
+        c = colours.setdefault(base, f"C{len(colours) % 10}")
+        ax.plot(steps, vals, "o--" if name != base else "-", ms=4, lw=1.5, label=name, color=c)
+    ax.set_title("Logged metrics", loc="left", fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
+
 def reward_png(records, fig: Figure | None = None) -> bytes:
     """The reward curves as PNG bytes, drawn into `fig` (a `matplotlib.figure.Figure`, reused) or a new one; with
-    tools, the tool calls' frequencies in a panel beside them."""
+    tools, the tool calls' frequencies in a panel beside them, and what the reward functions logged in another."""
     fig = fig or Figure(figsize=(9.0, 2.4), dpi=100)
     fig.clear()
-    tools = tool_curves(records)
-    if tools:
-        gs = fig.add_gridspec(1, 2, width_ratios=(2.2, 1))
+    side = [(draw, c) for draw, c in ((_tools_panel, tool_curves(records)), (_logged_panel, logged_curves(records)))
+            if c]
+    if side:
+        gs = fig.add_gridspec(1, 1 + len(side), width_ratios=(2.2,) + (1,) * len(side))
         ax = fig.add_subplot(gs[0])
-        _tools_panel(fig.add_subplot(gs[1]), tools)
+        for i, (draw, curves) in enumerate(side): draw(fig.add_subplot(gs[i + 1]), curves)
     else: ax = fig.add_subplot(1, 1, 1)
     for name, (steps, vals) in reward_curves(records).items():
         ax.plot(steps, vals, "o--" if name.startswith("held-out") else "-", lw=2 if name.endswith("reward") else 1,

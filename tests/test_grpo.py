@@ -307,8 +307,8 @@ def test_stopped_and_resumed_from_a_new_kernel_it_samples_what_the_uninterrupted
 
 @pytest.mark.processes
 def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
-    """The dashboard's reward plot and completions table, the record (report.html) with the reward's source, status,
-    and the row a sweep compares it by."""
+    """The dashboard's reward plot (and beside it, what the reward function logged) and completions table, the record
+    (report.html) with the reward's source, status, and the row a sweep compares it by."""
     import html
     from ilab_nb.cli import main
     from ilab_nb.sweep import run_summary
@@ -318,6 +318,8 @@ def test_its_rewards_and_completions_are_watched(grpo_run, capsys):
     dash = s.dashboard(autostart=False)
     dash.update()
     assert f"reward {rw['reward']:.3f}" in dash.progress_text.value and dash.reward_view.value[:4] == b"\x89PNG"
+    panels = {a.get_title(loc="left"): {l.get_label() for l in a.lines} for a in dash._reward_fig.axes}
+    assert panels["Logged metrics"] == {"steps_done", "rank", "held-out steps_done", "held-out rank"}
     held = _records(s.run_dir, "eval")[-1]["eval_reward"]
     assert f"held-out reward {held:.3f} (step 4)" in dash.progress_text.value
     assert "Completions at step 3" in dash.completions_view.value
