@@ -63,7 +63,7 @@ def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_m
     dict)."""
     c = launch_config(cfg)
     n = int(c.num_processes)
-    cmd = [sys.executable, "-m", "ilab_nb.accelerate_launch"]        # accelerate's (46_accelerate_launch)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if c.accelerate_config: cmd += ["--config_file", str(c.accelerate_config)]
     else: cmd += ["--config_file", str(RunPaths(run_dir).accelerate_config), "--num_machines", str(c.num_machines),
                   "--mixed_precision", "no", "--dynamo_backend", "no"]
