@@ -10,10 +10,10 @@ from .core import patch
 from .usercode import UserCode, UserCodeError, callable_name
 
 # %% auto #0
-__all__ = ['REWARD_SINKS', 'ToolError', 'tool_schema', 'describe_tool', 'env_methods', 'describe_environment', 'tool_chat',
-           'tool_suffix_ids', 'RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names', 'TrainerState',
-           'call_reward', 'Toolbox', 'environments', 'run_episodes', 'user_code', 'toolbox_of', 'launched',
-           'check_tools', 'trial_objects']
+__all__ = ['REWARD_SINKS', 'CELL_CHARS', 'ToolError', 'tool_schema', 'describe_tool', 'env_methods', 'describe_environment',
+           'tool_chat', 'tool_suffix_ids', 'RewardError', 'OtherRankRewardError', 'reward_name', 'unique_names',
+           'TrainerState', 'call_reward', 'Toolbox', 'environments', 'run_episodes', 'user_code', 'toolbox_of',
+           'launched', 'check_tools', 'trial_objects']
 
 # %% ../nbs/10_agents.ipynb #abd81d97
 class ToolError(ValueError):
@@ -155,7 +155,7 @@ class TrainerState:
         return cls(global_step=global_step, max_steps=max_steps, epoch=epoch, num_train_epochs=cfg.num_train_epochs,
                    logging_steps=cfg.logging_steps, eval_steps=cfg.eval_steps, save_steps=cfg.save_steps)
 
-# %% ../nbs/10_agents.ipynb #abb4268b
+# %% ../nbs/10_agents.ipynb #9e3aaef8
 def _failed(e: UserCodeError, name: str, step: int) -> RewardError:
     "The error of a call that ran past its time or ended its process."
     hint = "; give it more time with reward_timeout" if e.kind == "timeout" else ""
@@ -163,10 +163,15 @@ def _failed(e: UserCodeError, name: str, step: int) -> RewardError:
 
 REWARD_SINKS = ("log_metric", "log_extra")     # TRL's: what a reward function may log beside its rewards
 
+CELL_CHARS = 4000      # the longest text a log_extra cell keeps: the records are read back by every view, every second
+
 def _cell_value(v):
-    "A `log_extra` value as the completions record keeps it (JSON): a number, string, bool or None; else its text."
+    """A `log_extra` value as the completions record keeps it (JSON): a number, bool or None, or a text of at most
+    `CELL_CHARS` characters (a longer one cut, saying how long it was); any other value as its text."""
     if isinstance(v, float) and not math.isfinite(v): return None
-    return v if v is None or isinstance(v, (str, bool, int, float)) else str(v)
+    if v is None or isinstance(v, (bool, int, float)): return v
+    v = v if isinstance(v, str) else str(v)
+    return v if len(v) <= CELL_CHARS else f"{v[:CELL_CHARS]}… (cut: {len(v):,} characters)"
 
 def _logged(sent: list, n: int, logs: dict) -> str | None:
     """What a call sent through TRL's `log_metric(name, value)` and `log_extra(column, values)`, added to `logs`
