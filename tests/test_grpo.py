@@ -544,7 +544,8 @@ def test_grpo_raises_the_held_out_reward_of_a_partly_trained_demo_model(demo, de
     print(f"\n[measured] GRPO from {start.name} of the demo run, {LEARN['max_steps']} steps: held-out expected reward (right "
           f"capital, {len(held)} questions) {before:.4f} -> {after:.4f}; training reward {train[0]['reward']:.3f} "
           f"(step 1) -> {train[-1]['reward']:.3f}")
-    assert after >= before + 0.03, (before, after)      # measured: LEARNED_BEFORE -> LEARNED_AFTER, a rise of 0.058
+    rise = LEARNED_AFTER - LEARNED_BEFORE           # 0.058, measured: the rise asked is half of it (twice the margin)
+    assert after - before >= rise / 2, (before, after)
 
 
 # --- user code that misbehaves on 2 ranks: the run goes on as asked, or fails naming it ------------------------------
