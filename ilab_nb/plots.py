@@ -266,7 +266,7 @@ def format_number(v, spec: str, none: str = "—") -> str:
     "`format(v, spec)` for a finite number, else `none` (a dash): for tables and progress lines."
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else none
 
-# %% ../nbs/36_plots.ipynb #0143199d
+# %% ../nbs/36_plots.ipynb #5737188e
 def reward_curves(records) -> dict:
     """`{series: (steps, values)}`: `reward` and each `rewards/<function>/mean` of the train records, and the eval
     records' as `held-out reward` and `held-out <function>` (the latest record of a step wins)."""
@@ -301,6 +301,7 @@ def _tools_panel(ax, curves: dict):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
 
+# %% ../nbs/36_plots.ipynb #9b230acb
 def logged_curves(records) -> dict:
     """`{series: (steps, values)}` of what a GRPO run's reward functions logged (`log_metric`): the names a train
     record lists in `logged`, and those an eval record lists in `eval_logged` as `held-out <name>` ({} when none)."""
@@ -325,6 +326,7 @@ def _logged_panel(ax, curves: dict):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
 
+# %% ../nbs/36_plots.ipynb #fc5d7dcb
 def reward_png(records, fig: Figure | None = None) -> bytes:
     """The reward curves as PNG bytes, drawn into `fig` (a `matplotlib.figure.Figure`, reused) or a new one; with
     tools, the tool calls' frequencies in a panel beside them, and what the reward functions logged in another."""
