@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import Formatter, MaxNLocator
 
 from .core import patch
-from .rundir import standing_records
+from .rundir import listed_fields, standing_records
 
 # %% ../nbs/36_plots.ipynb #13472084
 def _num(v) -> float:
@@ -291,15 +291,19 @@ def tool_curves(records) -> dict:
             if isinstance(v := r.get(pre + k), (int, float)): out.setdefault(said + name, {})[r["step"]] = v
     return {k: (sorted(d), [d[s] for s in sorted(d)]) for k, d in out.items()}
 
+def _side_panel(ax, title: str):
+    "A panel beside the rewards: its title, steps, grid and a small legend."
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
+
 def _tools_panel(ax, curves: dict):
     for name, (steps, vals) in curves.items():
         ax.plot(steps, vals, "o--" if name.startswith("held-out") else "-", ms=4, lw=1.5, label=name,
                 color="#d93025" if name.endswith("failed per call") else "#1a73e8")
-    ax.set_title("Tool calls", loc="left", fontsize=10)
-    ax.set_xlabel("step")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
+    _side_panel(ax, "Tool calls")
 
 # %% ../nbs/36_plots.ipynb #9b230acb
 def logged_curves(records) -> dict:
@@ -308,8 +312,7 @@ def logged_curves(records) -> dict:
     out = {}
     for r in standing_records(records, ("train", "eval")):
         held = r["kind"] == "eval"
-        names = r.get("eval_logged" if held else "logged")
-        for n in names if isinstance(names, list) else ():
+        for n in listed_fields(r):
             if isinstance(v := r.get(n), (int, float)) and not isinstance(v, bool):
                 out.setdefault(f"held-out {n[5:]}" if held else n, {})[r["step"]] = v
     return {k: (sorted(d), [d[s] for s in sorted(d)]) for k, d in out.items()}
@@ -321,10 +324,7 @@ def _logged_panel(ax, curves: dict):
         base = name.removeprefix("held-out ")
         c = colours.setdefault(base, f"C{len(colours) % 10}")
         ax.plot(steps, vals, "o--" if name != base else "-", ms=4, lw=1.5, label=name, color=c)
-    ax.set_title("Logged metrics", loc="left", fontsize=10)
-    ax.set_xlabel("step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best", framealpha=0.7, handlelength=1.4, labelspacing=0.3)
+    _side_panel(ax, "Logged metrics")
 
 # %% ../nbs/36_plots.ipynb #fc5d7dcb
 def reward_png(records, fig: Figure | None = None) -> bytes:

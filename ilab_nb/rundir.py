@@ -19,7 +19,8 @@ __all__ = ['STATES', 'TERMINAL', 'ACTIVE', 'LIFECYCLE_EVENTS', 'METRICS_EVENTS',
            'no_follow', 'links_in', 'refuse_links', 'OwnerError', 'owner_problem', 'refuse_foreign',
            'RemoteCodeWarning', 'remote_code_files', 'say_remote_code', 'Action', 'hard_links_in', 'RunGoneError',
            'gate', 'gated', 'write_file', 'open_append', 'read_json', 'tail_lines', 'checkpoint_step',
-           'complete_checkpoints', 'standing_records', 'schema_problems', 'record_problem', 'schema_markdown']
+           'complete_checkpoints', 'standing_records', 'schema_problems', 'listed_fields', 'record_problem',
+           'schema_markdown']
 
 # %% ../nbs/11_rundir.ipynb #a3a6030c
 class Name(StrEnum):
@@ -640,6 +641,14 @@ def schema_problems(rec: dict, kind: str) -> list:
     out += [f"{kind} record has field {f!r} that ilab_nb.rundir.SCHEMA[{kind!r}] does not list: add it there "
             "(nbs/11_rundir.ipynb), then run tools/schema_doc.py" for f in rec if f not in known]
     return out
+
+# %% ../nbs/11_rundir.ipynb #e5346155
+def listed_fields(rec: dict, kind: str | None = None) -> list:
+    """The fields a record of `kind` (its own `kind` by default) names in its schema's `listed` fields (a GRPO run's
+    train `logged` and eval `eval_logged`: what its reward functions logged); the names that are strings, in order."""
+    k = kind or rec.get("kind")
+    lists = SCHEMA[k].get("listed", {}) if isinstance(k, str) and k in SCHEMA else {}
+    return [f for lf in lists if isinstance(rec.get(lf), list) for f in rec[lf] if isinstance(f, str)]
 
 # %% ../nbs/11_rundir.ipynb #43ae9914
 _STEPPED = ("train", "eval", "samples")   # kinds whose readers need their step

@@ -8,7 +8,7 @@ import json, os, time
 from pathlib import Path
 
 from .core import patch
-from .rundir import Event, RunPaths
+from .rundir import Event, RunPaths, listed_fields
 
 # %% auto #0
 __all__ = ['record_scalars', 'config_params', 'tensorboard_dir', 'TensorBoardTracker', 'completions_of', 'completion_markdown',
@@ -30,12 +30,11 @@ def _tracked(name: str, keys) -> bool:
 def record_scalars(rec: dict) -> dict:
     "The `{name: value}` scalars a tracker logs for one metrics record (empty for headers and events)."
     k, num = rec.get("kind"), (int, float)
-    if k == "train":                 # and what a GRPO run's reward functions logged (TRL's log_metric: `logged`)
-        own = rec.get("logged") if isinstance(rec.get("logged"), list) else ()
+    own = listed_fields(rec)         # what a GRPO run's reward functions logged (TRL's log_metric): `logged`
+    if k == "train":
         return {f"train/{n}": float(v) for n, v in rec.items()
                 if (_tracked(n, _TRAIN_KEYS) or n in own) and isinstance(v, num) and not isinstance(v, bool)}
     if k == "eval":
-        own = rec.get("eval_logged") if isinstance(rec.get("eval_logged"), list) else ()
         return {f"eval/{n[5:]}": float(v) for n, v in rec.items()
                 if n.startswith("eval_") and (_tracked(n[5:], _EVAL_KEYS) or n in own) and isinstance(v, num)
                 and not isinstance(v, bool)}
