@@ -336,7 +336,7 @@ def _same_episodes_as(s, f, timeout):
     assert [e.step for e in acc.Scalars("train/tools/call_frequency")] == [2]
 
 
-def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
+def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path, monkeypatch):
     """`ilab-nb run` of a YAML config naming the environment as 'module:Class' (its get_reward the only reward): the
     held-out greedy episodes start without the tool (reward 0, no call) and end calling it (the vault opened).
     One process with the 2-rank run's global batch (2 prompts x 8 episodes a step): a second rank would prove nothing
@@ -348,16 +348,16 @@ def test_the_agent_learns_to_use_its_tool_from_a_yaml_config(agent, tmp_path):
     margin."""
     import yaml
     from ilab_nb import FineTuneSession
-    from conftest import cli_env, ilab, kill_processes_under, runs_env
+    from ilab_nb.cli import main
+    from conftest import kill_processes_under, runs_env
     cfg = {**AGENT_RUN, "model": str(agent.model_dir), "data": str(agent.train_file), "eval_data": str(agent.eval_file),
            "environment_factory": "ilab_nb.agent_demo:AgentVault", "num_generations": 8, "num_processes": 1,
            "per_device_train_batch_size": 16, "max_steps": 4, "eval_steps": 4, "save_steps": None, "seed": 0,
            "max_completion_length": 32, "tool_timeout": 10, "lr_scheduler_type": "constant"}
     (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    env = cli_env(**runs_env(tmp_path))
-    try:
-        ilab("run", tmp_path / "agent.yaml", "--runs-root", tmp_path / "runs", "--name", "agent", check=0, env=env,
-             timeout=300)
+    for k, v in runs_env(tmp_path).items(): monkeypatch.setenv(k, v)
+    try:        # the command line's `main`, here: its own process would only import what this one has
+        assert main(["run", str(tmp_path / "agent.yaml"), "--runs-root", str(tmp_path / "runs"), "--name", "agent"]) == 0
         s = FineTuneSession.attach(next(p.name for p in (tmp_path / "runs").iterdir() if "agent" in p.name),
                                    tmp_path / "runs")
         assert s.wait(timeout=600) == "completed", s.reason

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, ilab, within, max_abs_diff
+from conftest import REPO, within, max_abs_diff
 
 try: import llama_cpp
 except ImportError: llama_cpp = None
@@ -283,7 +283,7 @@ def llama_answers(path, items, max_tokens=10):
 
 @needs_llama_cpp
 @pytest.mark.processes
-def test_the_demo_runs_model_read_back_by_transformers_and_llama_cpp(demo_run, demo):
+def test_the_demo_runs_model_read_back_by_transformers_and_llama_cpp(demo_run, demo, capsys):
     """The demo run's final model exported through `ilab-nb export` (f32) and the session (f16, q8_0). Transformers'
     GGUF reader: the f32 file's logits equal the final model's (1e-5; bitwise equal seen) and its tokenizer tokenizes
     every held-out conversation as the final tokenizer does; the q8_0 file answers the held-out questions within 2
@@ -294,10 +294,13 @@ def test_the_demo_runs_model_read_back_by_transformers_and_llama_cpp(demo_run, d
     from ilab_nb.demo import answer_prompts, evaluate_answers
     r, run_dir = demo_run
     after = float(re.search(r"held-out accuracy:\s+([\d.]+) ?% -> ([\d.]+) ?%", r.stdout).group(2))
-    p = ilab("export", run_dir.name, "--runs-root", run_dir.parent, "--dtype", "f32", check=0)
-    f32 = Path(p.stdout.splitlines()[0])
+    from ilab_nb.cli import main       # `ilab-nb export` here: the export has its own process either way
+    capsys.readouterr()
+    assert main(["export", run_dir.name, "--runs-root", str(run_dir.parent), "--dtype", "f32"]) == 0
+    said = capsys.readouterr().out
+    f32 = Path(said.splitlines()[0])
     assert f32 == run_dir / "export" / f"{run_dir.name}-final-f32.gguf" and f32.with_suffix(".Modelfile").exists()
-    assert f"ollama create {f32.stem.lower()} -f {f32.with_suffix('.Modelfile')}" in p.stdout
+    assert f"ollama create {f32.stem.lower()} -f {f32.with_suffix('.Modelfile')}" in said
     s = FineTuneSession.attach(run_dir.name, runs_root=run_dir.parent)
     f16, q8 = s.export(dtype="f16", progress=False), s.export(progress=False)
     assert q8.name == f"{run_dir.name}-final-q8_0.gguf" and q8.stat().st_size < 0.35 * f32.stat().st_size

@@ -16,7 +16,7 @@ from conftest import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
-# The kernel: it starts the search and would go on working; the test kills it. Trial 0 learns at 3e-3 for 20 steps,
+# The kernel: it starts the search and would go on working; the test kills it. Trial 0 learns at 3e-3 for 10 steps,
 # trial 1 at 1e-6 for 2,000 (trial 2, added by extend, asks for a negative learning rate: refused before it runs):
 # after trial 0 has completed, trial 1's first evaluation is worse than trial 0's at that step, so the median rule
 # (n_startup_trials=1) prunes it there. The pruner is of the kernel's own class, so it prunes from a child of the
@@ -27,7 +27,7 @@ KERNEL = textwrap.dedent("""
     from ilab_nb import FineTuneSession
     model, data, root = sys.argv[1:4]
     def space(trial): return {"learning_rate": [3e-3, 1e-6, -1.0][trial.number % 3],
-                              "max_steps": [20, 2000, 20][trial.number % 3]}
+                              "max_steps": [10, 2000, 10][trial.number % 3]}
     class Median(optuna.pruners.MedianPruner):
         "The kernel's own class (Optuna's median rule): user code, so the driver asks it in a child of its own."
     s = FineTuneSession.search(model, data, space=space, n_trials=2, runs_root=root,

@@ -97,7 +97,7 @@ def test_start_is_fast_and_the_run_outlives_its_killed_parent(demo, small_train,
 
 
 KEPT = ("supervisor", "launcher", "request", "preflight", "num_processes", "device")   # state.json's fields a repair keeps
-LONG = 5000            # steps of a run that is stopped, never finished (planning 100,000 steps took 21 s a rank)
+LONG = 1000            # steps of a run that is stopped, never finished (a step is ~1 CPU-s: it outlasts every test here)
 
 
 def ls_row(run_id, runs_root):
@@ -354,7 +354,7 @@ START_RACER = textwrap.dedent("""
         while len(list(Path(go).parent.glob(Path(go).name + ".*"))) < 2: time.sleep(0.01)
         return out
     S.DeviceSlots.blockers = at_the_same_instant
-    s = S.FineTuneSession(model, data, runs_root=runs, queue=False, max_steps=5000, **eval(fields)).start()
+    s = S.FineTuneSession(model, data, runs_root=runs, queue=False, max_steps=1000, **eval(fields)).start()
     print(s.run_id)
 """)
 

@@ -125,11 +125,11 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     assert sorted(p.name for p in (a.run_dir / "logs").glob("node-*.log")) == ["node-n1.log", "node-n2.log"]
 
     # A resumes as a new job, queued behind B, which now runs; a rank of B is killed on its node.
-    # Where the stop lands depends on how fast a trains (step 9 was seen under load, and a resumed plan of 12 steps then
-    # saved its last checkpoint before the requeue came, leaving nothing to train): the resume's max_steps leaves 8
-    # steps after the first checkpoint past the stop, wherever the stop landed (12 when it landed in steps 1-3).
-    total = (stopped_at // 4 + 1) * 4 + 8
-    hold.write_text(str(total - 8))           # its second attempt's scoring waits after that checkpoint (below)
+    # Where the stop lands depends on how fast a trains (step 9 was seen under load): the resume's max_steps leaves 4
+    # steps (one checkpoint's worth) after the first checkpoint past the stop, wherever the stop landed (8 when it
+    # landed in steps 1-3); the hold below keeps attempt 2 at the step after that checkpoint until it is requeued.
+    total = (stopped_at // 4 + 1) * 4 + 4
+    hold.write_text(str(total - 4))           # its second attempt's scoring waits after that checkpoint (below)
     a.resume(max_steps=total)
     assert a.state["attempt"] == 2
     wait_until(lambda: b.status == "running", 300, poll=1, what="run b running")
@@ -155,7 +155,7 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
     wait_until(lambda: a.checkpoints and a.checkpoints[-1]["step"] > stopped_at, 300, poll=1,
                what="run a's second attempt to save a checkpoint")
     requeued_at = a.checkpoints[-1]["step"]
-    assert requeued_at == total - 8, a.checkpoints
+    assert requeued_at == total - 4, a.checkpoints
     subprocess.run(["scontrol", "requeue", a.state["job_id"]], check=True)
     # SLURM holds a requeued job before it is eligible again (about 2 minutes here); an administrator's release:
     wait_until(lambda: "PENDING" in subprocess.run(["scontrol", "show", "job", "-o", a.state["job_id"]], capture_output=True,
