@@ -16,45 +16,21 @@ Every process of a run, and of the test suite, starts with these imports, so the
 interpreters run back to back, in an order that turns each round, so the machine's drift falls on both; the table
 gives the median of each and the median of the rounds' ratios to the first interpreter.
 """
-import argparse, datetime, os, resource, statistics, subprocess, sys, tempfile, time
+import argparse, datetime, os, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_startup import PREFLIGHT, RANK        # the same start-ups as bench_startup.py's
-
-
-def timed(python, code, variant, model, data) -> tuple[float, float]:
-    "Wall and CPU seconds of one fresh process of `python` running `code`."
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    subprocess.run([python, "-c", code, variant, model, data], check=True, cwd=ROOT,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+from bench_startup import PREFLIGHT, RANK, demo_data, measure, timed     # bench_startup.py's start-ups
 
 
 def describe(python) -> str:
     "The interpreter's version, where it comes from, and whether it links libpython as a shared library."
-    out = subprocess.run([python, "-c", "import sys, sysconfig; print(sys.version.split()[0], sys.base_prefix, "
-                          "sysconfig.get_config_var('Py_ENABLE_SHARED'))"], capture_output=True, text=True, check=True)
-    version, prefix, shared = out.stdout.split()
-    exe = Path(subprocess.run([python, "-c", "import sys, os; print(os.path.realpath(sys.executable))"],
-                              capture_output=True, text=True, check=True).stdout.strip())
+    out = subprocess.run([python, "-c", "import os, sys; print(sys.version.split()[0], sys.base_prefix, "
+                          "os.path.realpath(sys.executable))"], capture_output=True, text=True, check=True)
+    version, prefix, exe = out.stdout.split()
     linked = subprocess.run(["ldd", str(exe)], capture_output=True, text=True).stdout
     return f"Python {version} from {prefix} ({'libpython shared' if 'libpython' in linked else 'linked statically'})"
-
-
-def measure(code, variant, pythons, rounds, model, data) -> dict:
-    "Each interpreter's median wall and CPU seconds, and the median of the rounds' ratios to the first one."
-    got = {p: [] for p in pythons}
-    for i in range(rounds):
-        for p in pythons[i % len(pythons):] + pythons[:i % len(pythons)]:
-            got[p].append(timed(p, code, variant, model, data))
-    first = got[pythons[0]]
-    return {p: dict(wall=statistics.median(x[0] for x in got[p]), cpu=statistics.median(x[1] for x in got[p]),
-                    cpu_ratio=statistics.median(x[1] / o[1] for x, o in zip(got[p], first))) for p in pythons}
 
 
 def main():
@@ -63,19 +39,15 @@ def main():
     ap.add_argument("--pairs", type=int, default=5); ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     if len(a.python) < 2: ap.error("give --python twice: the interpreters to compare")
-    sys.path.insert(0, str(ROOT))
-    from ilab_nb.demo import demo_assets
-    demo = demo_assets(Path(tempfile.mkdtemp()) / "demo")
-    few = Path(tempfile.mkdtemp()) / "train.jsonl"                        # the suite's slice of the demo's data
-    few.write_text("".join(demo.train_file.read_text().splitlines(keepends=True)[:200]))
+    model, data = demo_data()
     names = {p: describe(p) for p in a.python}
-    rows = {"a rank, through its first 4 steps (`_train`)":
-                measure(RANK, "no scipy", a.python, a.pairs, str(demo.model_dir), str(few)),
+    rows = {"a rank, through its first 4 steps (`_train`)":          # as a rank runs it: frozen, without scipy
+                measure(a.python, a.pairs, lambda p: timed(RANK, "no scipy", model, data, python=p)),
             "a session's preflight (FineTuneSession(...))":
-                measure(PREFLIGHT, "paused", a.python, a.pairs, str(demo.model_dir), str(few))}
+                measure(a.python, a.pairs, lambda p: timed(PREFLIGHT, "paused", model, data, python=p))}
     lines = ["# The same start-ups under two Python interpreters\n",
-             f"`python bench/bench_interpreter.py --python A --python B --pairs {a.pairs}`, {datetime.date.today()}, {os.cpu_count()} CPUs, "
-             f"one fresh process a sample, medians of {a.pairs} rounds. The interpreters:\n"]
+             f"`python bench/bench_interpreter.py --python A --python B --pairs {a.pairs}`, {datetime.date.today()}, "
+             f"{os.cpu_count()} CPUs, one fresh process a sample, medians of {a.pairs} rounds. The interpreters:\n"]
     lines += [f"- `{p}`: {names[p]}" for p in a.python]
     lines += ["", "| start-up | interpreter | wall | CPU | CPU / first |", "|---|---|---:|---:|---:|"]
     for name, r in rows.items():

@@ -51,22 +51,23 @@ assert s.preflight["num_train_records"] > 0
 """
 
 
-def timed(code, variant, model, data) -> tuple[float, float]:
-    "Wall and CPU seconds of one fresh process running `code`."
+def timed(code, variant, model, data, python=sys.executable) -> tuple[float, float]:
+    "Wall and CPU seconds of one fresh process of `python` running `code`."
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, variant, model, data], check=True, cwd=ROOT,
+    subprocess.run([python, "-c", code, variant, model, data], check=True, cwd=ROOT,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def measure(code, variants, rounds, model, data) -> dict:
-    "Each variant's median wall and CPU seconds, and the median of the rounds' ratios to the first variant."
+def measure(variants, rounds, sample) -> dict:
+    """Each variant's median wall and CPU seconds (`sample(variant)`: one of each), and the median of the rounds'
+    ratios to the first variant; the variants run in an order that turns each round."""
     got = {v: [] for v in variants}
     for i in range(rounds):
-        for v in variants[i % len(variants):] + variants[:i % len(variants)]: got[v].append(timed(code, v, model, data))
+        for v in variants[i % len(variants):] + variants[:i % len(variants)]: got[v].append(sample(v))
     out = {}
     for v in variants:
         out[v] = dict(wall=statistics.median(x[0] for x in got[v]), cpu=statistics.median(x[1] for x in got[v]),
@@ -74,19 +75,25 @@ def measure(code, variants, rounds, model, data) -> dict:
     return out
 
 
+def demo_data() -> tuple[str, str]:
+    "The demo model's folder, and the suite's slice of the demo's data (its first 200 conversations)."
+    sys.path.insert(0, str(ROOT))
+    from ilab_nb.demo import demo_assets
+    demo = demo_assets(Path(tempfile.mkdtemp()) / "demo")
+    few = Path(tempfile.mkdtemp()) / "train.jsonl"
+    few.write_text("".join(demo.train_file.read_text().splitlines(keepends=True)[:200]))
+    return str(demo.model_dir), str(few)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=5); ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from ilab_nb.demo import demo_assets
-    demo = demo_assets(Path(tempfile.mkdtemp()) / "demo")
-    few = Path(tempfile.mkdtemp()) / "train.jsonl"                        # the suite's slice of the demo's data
-    few.write_text("".join(demo.train_file.read_text().splitlines(keepends=True)[:200]))
+    model, data = demo_data()
     rows = {"a rank, through its first 4 steps (`_train`)":
-                measure(RANK, ["on", "paused", "frozen", "no scipy"], a.pairs, str(demo.model_dir), str(few)),
+                measure(["on", "paused", "frozen", "no scipy"], a.pairs, lambda v: timed(RANK, v, model, data)),
             "a session's preflight (FineTuneSession(...))":
-                measure(PREFLIGHT, ["on", "paused"], a.pairs, str(demo.model_dir), str(few))}
+                measure(["on", "paused"], a.pairs, lambda v: timed(PREFLIGHT, v, model, data))}
     lines = [f"# Start-up with the garbage collector on, paused, and paused then frozen; and without scipy\n",
              f"`python bench/bench_startup.py --pairs {a.pairs}`, {datetime.date.today()}, {os.cpu_count()} CPUs, "
              f"Python {sys.version.split()[0]}, one fresh process a sample, medians of {a.pairs} rounds.\n",
