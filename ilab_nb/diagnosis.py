@@ -262,15 +262,17 @@ def unfinished(run_dir, attempt, rank=None) -> dict | None:
 
 # %% ../nbs/33_diagnosis.ipynb #2321ad38
 def rank_gone(rec) -> bool:
-    "Whether the process of rank account `rec` is gone for certain: no such pid, a zombie, or not a process of the run."
+    """Whether the process of rank account `rec` is gone for certain: no such pid, a zombie, or not a process of the run
+    (not tagged with it, another rank's, or started after the account was written: its pid reused)."""
     if not rec.get("pid") or rec.get("host") != socket.gethostname(): return False
     try:
         p = psutil.Process(rec["pid"])
         if p.status() == psutil.STATUS_ZOMBIE: return True
-        env = p.environ()
+        env, born = p.environ(), p.create_time()
     except psutil.NoSuchProcess: return True
     except psutil.Error: return False                     # no permission: it cannot be told
-    return RUN_ENV not in env or env.get("RANK", str(rec.get("rank"))) != str(rec.get("rank"))
+    later = rec.get("time") is not None and born > rec["time"] + 1.0      # 1 s: the two clocks' rounding
+    return later or RUN_ENV not in env or env.get("RANK", str(rec.get("rank"))) != str(rec.get("rank"))
 
 def vanished_ranks(run_dir, attempt) -> list:
     "Ranks of `attempt` whose process is gone while their account still says `running`: they ended without a word."
