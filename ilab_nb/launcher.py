@@ -21,8 +21,8 @@ from .diagnosis import (LAUNCHER_SIGNALS, classify_exit, describe_exit, failing_
 
 # %% auto #0
 __all__ = ['ACCELERATE_CONFIG', 'STOP_GRACE_S', 'TERM_GRACE_S', 'RESERVE_BYTES', 'launch_config', 'machine_args', 'free_ports',
-           'free_port', 'accelerate_command', 'launches_directly', 'launch_command', 'run_env', 'launch_env',
-           'write_accelerate_config', 'log_note', 'Supervisor', 'disk_full_reason', 'spawn_detached',
+           'free_port', 'launch_module', 'accelerate_command', 'launches_directly', 'launch_command', 'run_env',
+           'launch_env', 'write_accelerate_config', 'log_note', 'Supervisor', 'disk_full_reason', 'spawn_detached',
            'spawn_supervisor']
 
 # %% ../nbs/35_launcher.ipynb #c0458f6a
@@ -58,12 +58,19 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 # %% ../nbs/35_launcher.ipynb #dc2dcd6f
+def launch_module(cfg) -> str:
+    """The module that runs `accelerate launch` for `cfg`: `ilab_nb.warm_launch` where its ranks can be forked (several
+    CPU processes, no accelerate config of the user's), else `accelerate.commands.launch`."""
+    c = launch_config(cfg)
+    warm = int(c.num_processes) > 1 and c.device == "cpu" and not c.accelerate_config
+    return "ilab_nb.warm_launch" if warm else "accelerate.commands.launch"
+
 def accelerate_command(run_dir, cfg, attempt=1, resume=None, port=None, worker_module="ilab_nb.worker") -> list:
     """The `accelerate launch` argv for one attempt of the run in `run_dir` (`cfg`: its `TrainConfig` or config.json
     dict)."""
     c = launch_config(cfg)
     n = int(c.num_processes)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd = [sys.executable, "-m", launch_module(c)]
     if c.accelerate_config: cmd += ["--config_file", str(c.accelerate_config)]
     else: cmd += ["--config_file", str(RunPaths(run_dir).accelerate_config), "--num_machines", str(c.num_machines),
                   "--mixed_precision", "no", "--dynamo_backend", "no"]

@@ -202,6 +202,19 @@ def run_processes_under(root) -> list:
     return out
 
 
+def rank_process(run_dir, rank):
+    """The live process of `rank` of the run in `run_dir` while its account (`ranks/rank-N.json`, its pid) says it is
+    running, else None. By its account, not its environment: a rank forked from its launcher (`ilab_nb.warm_launch`)
+    has the launcher's command line, and its `RANK` is not in the environment `/proc` shows."""
+    import json
+    from ilab_nb.rundir import RunPaths
+    try:
+        rec = json.loads(RunPaths(run_dir).rank_account(rank).read_text())
+        p = psutil.Process(rec["pid"])
+        return p if rec["status"] == "running" and p.create_time() <= rec["time"] + 1 and p.status() != psutil.STATUS_ZOMBIE else None
+    except (OSError, ValueError, KeyError, psutil.Error): return None
+
+
 def kill_processes_under(root):
     "SIGKILL every live process of the runs under `root` and reap what can be reaped."
     left = run_processes_under(root)

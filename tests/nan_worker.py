@@ -4,6 +4,7 @@ and its gradient norm are NaN on every rank (with NAN_EVERY_STEP set: every step
 import dataclasses, os
 
 import ilab_nb.worker as W
+from ilab_nb.worker import main
 
 _train_step, _calls = W.Attempt.train_step, [0]
 
@@ -25,4 +26,4 @@ def _nan_on_the_second_step(self, *args, **kwargs):
 
 W.Attempt.train_step = _nan_on_the_second_step
 
-if __name__ == "__main__": W.main()
+if __name__ == "__main__": main()

@@ -14,7 +14,7 @@ from ilab_nb.data import DataError
 from ilab_nb.monitor import RunMonitor
 from ilab_nb.runstore import ProcessRef, RunStore, new_run_id, read_json, run_processes
 from ilab_nb.session import FineTuneSession, PreflightError, DevicesBusyError
-from conftest import FIELDS, cli_env, ilab, make_session, run_processes_under, wait_until
+from conftest import FIELDS, cli_env, ilab, make_session, rank_process, run_processes_under, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -228,8 +228,7 @@ def test_killed_supervisor_and_killed_rank_fail_with_a_reason_then_a_chat_over_t
     d = make(demo, small_train, runs_root, max_steps=LONG, launcher_args=["--monitor_interval", "3"]).start()
     wait_until(lambda: d.status in ("starting", "running"), 20, what="the next run to get its devices")
     first_train_record(d.run_dir)
-    rank1 = wait_until(lambda: [p for p in run_processes(d.run_dir) if p.environ().get("RANK") == "1"
-                                and "ilab_nb.worker" in " ".join(p.cmdline())], 10, what="rank 1")[0]
+    rank1 = wait_until(lambda: rank_process(d.run_dir, 1), 10, what="rank 1")
     # The SIGKILL comes from the kernel's OOM killer: rank 1 is moved into a memory cgroup of its own whose limit its
     # next steps exceed (where this machine lets us; else a plain SIGKILL, which the reason must not call an OOM kill).
     with memory_cgroup_limit(rank1.pid) as oom:

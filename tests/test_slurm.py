@@ -14,7 +14,7 @@ from ilab_nb import FineTuneSession
 from ilab_nb.cli import main
 from ilab_nb.rundir import RunPaths
 from ilab_nb.session import PreflightError
-from conftest import run_processes_under, wait_until
+from conftest import rank_process, run_processes_under, wait_until
 from slurm_cluster import Cluster, why_not
 
 pytestmark = pytest.mark.processes      # the cluster's daemons, and the runs
@@ -53,17 +53,6 @@ def letters_holding(hold: Path):
             while hold.exists() and time.time() - t < 300: time.sleep(0.2)
         return [sum(ch.isalpha() for ch in c[-1]["content"]) / 8 for c in completions]
     return letters
-
-
-def rank_process(run_dir, rank):
-    "The live worker process of `rank` of the run in `run_dir` (found by its tag and RANK)."
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            env = p.environ()
-            if env.get("ILAB_NB_RUN_DIR") == str(run_dir) and env.get("RANK") == str(rank) and "ilab_nb.worker" in p.info["cmdline"]:
-                return p
-        except psutil.Error: pass
-    return None
 
 
 def test_preflight_refuses_what_slurm_cannot_run(cluster, runs_root, demo, small_train, tmp_path, capsys):

@@ -18,7 +18,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 # (a piece of the command line, the kind): the first that matches names the process
-KINDS = [("accelerate.commands.launch", "accelerate launch"), ("torch.distributed.run", "torchrun"),
+KINDS = [("accelerate.commands.launch", "accelerate launch"), ("ilab_nb.warm_launch", "warm launcher"),
+         ("torch.distributed.run", "torchrun"),
          ("bin/torchrun ", "torchrun"),
          ("ilab_nb.worker", "rank"), ("nan_worker", "rank"), ("fault_worker", "rank"), ("paced_worker", "rank"),
          ("ilab_nb.supervisor", "supervisor"), ("ilab_nb.usercode", "user-code worker"),
@@ -65,6 +66,9 @@ def sample(seen: dict, me: set, first: bool = False):
                                                                "cmdline": "", "kind": None, "test": None})
             if cl and cl != e["cmdline"]:          # after an exec the command line is the new program's
                 e["cmdline"], e["kind"] = cl[:400], kind_of(cl)
+                try:                               # a rank forked by its launcher has the launcher's command line
+                    if e["kind"] == "warm launcher" and " ".join(p.parent().cmdline()).strip() == cl: e["kind"] = "rank"
+                except (psutil.Error, AttributeError): pass
                 try: e["test"] = test_of(p.environ(), cl) or e["test"]
                 except psutil.Error: pass
             e["cpu"] = max(e["cpu"], cpu - e["base"])
