@@ -612,6 +612,9 @@ def rank_imports(cfg: TrainConfig):
     if not uses_bitsandbytes(cfg): leave_out("bitsandbytes")
     causal_lm_class(model_config(cfg), cfg.trust_remote_code)
     import transformers.optimization      # make_scheduler's (28_placement)
+    import torch.distributed.checkpoint, torch.distributed.checkpoint.state_dict   # placement's load, checkpoints (29)
+    if cfg.method == "grpo" and (cfg.tools or cfg.environment_factory is not None):
+        import trl.chat_template_utils    # episodes' parse_response (31_grpo)
 
 # %% ../nbs/34_worker.ipynb #fc61c474
 def quiet_progress_bars():
