@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_session
+from conftest import make_session, wait_until
 from ilab_nb.rundir import RunPaths, standing_records
+from ilab_nb.runstore import ProcessRef
 
 pytestmark = pytest.mark.timeout(900)
 LR, LINES = 1e-3, 80
@@ -44,6 +45,8 @@ def test_resume_longer_on_one_process_then_fork_on_two(demo, small_train, runs_r
     assert s.wait(timeout=300) == "completed", s.logs()
     s.resume(num_processes=1, gradient_accumulation_steps=2, max_steps=-1)
     assert s.wait(timeout=300) == "completed", s.logs()
+    sup = ProcessRef.from_dict(s.state["supervisor"])             # after the state, its event, log line and reserve:
+    wait_until(lambda: not sup.alive(), 60, what="the supervisor to end")   # the parent at rest before its snapshot
     parent = snapshot(s.run_dir)
     f = s.fork(step=4, num_processes=2, gradient_accumulation_steps=1)
     assert f.wait(timeout=300) == "completed", f.logs()
