@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc, importlib, os, signal, sys
 
 # %% auto #0
-__all__ = ['RANK_FLAG', 'warm_up', 'main', 'rank']
+__all__ = ['RANK_FLAG', 'RANK_SIGNALS', 'warm_up', 'forked_ranks', 'main', 'rank']
 
 # %% ../nbs/46_warm_launch.ipynb #0cf6603f
 RANK_FLAG = "--ilab-nb-forked-rank"    # first argument of this file run as a forked rank: the worker module follows
@@ -29,6 +29,12 @@ def warm_up(module: str, worker_args: list):
     gc.freeze()
 
 # %% ../nbs/46_warm_launch.ipynb #1a2bed51
+RANK_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # a fresh process dies of these
+
+def _child_as_rank():
+    for s in RANK_SIGNALS: signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_SIGNALS)
+
 def _forked_ranks_context():
     "torchrun's context of ranks started as functions, its failures listing every rank that did not exit 0."
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
@@ -45,6 +51,16 @@ def _forked_ranks_context():
             return result
     return _ForkedRanks
 
+
+def forked_ranks():
+    """From here on, torchrun's ranks started as functions in this process are reported as binaries are, and every
+    fork of this process starts with the default handlers of `RANK_SIGNALS`, none of them lost or handled before."""
+    import torch.distributed.elastic.multiprocessing as tem
+    tem.MultiprocessContext = _forked_ranks_context()      # the name `start_processes` reads
+    os.register_at_fork(before=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS),
+                        after_in_parent=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_SIGNALS),
+                        after_in_child=_child_as_rank)
+
 # %% ../nbs/46_warm_launch.ipynb #dafdc1b3
 def main(argv=None):
     "`accelerate launch` with `argv`, its ranks (`-m MODULE ARGS…`) forked from this process after `warm_up`."
@@ -57,8 +73,7 @@ def main(argv=None):
     args.training_script_args = [RANK_FLAG, args.training_script, *args.training_script_args]
     args.training_script, args.module = __file__, False
     args.run_path, args.start_method = True, "fork"    # torchrun's: this file, run in each forked child
-    import torch.distributed.elastic.multiprocessing as tem
-    tem.MultiprocessContext = _forked_ranks_context()  # the name `start_processes` reads
+    forked_ranks()
     launch_command(args)
 
 # %% ../nbs/46_warm_launch.ipynb #ebafbc75
@@ -68,7 +83,6 @@ def _leave(code: int):
 
 def rank(module: str, worker_args: list):
     "One rank forked by `main`: the worker module's `main` (`ilab_nb.worker.main`) on `worker_args`."
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT): signal.signal(s, signal.SIG_DFL)
     import torch
     if os.environ.get("OMP_NUM_THREADS"): torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.modules[module].main(worker_args, leave=_leave)
