@@ -205,13 +205,14 @@ def run_processes_under(root) -> list:
 def rank_process(run_dir, rank):
     """The live process of `rank` of the run in `run_dir` while its account (`ranks/rank-N.json`, its pid) says it is
     running, else None. By its account, not its environment: a rank forked from its launcher (`ilab_nb.warm_launch`)
-    has the launcher's command line, and its `RANK` is not in the environment `/proc` shows."""
+    has the launcher's command line, and its `RANK` is not in the environment `/proc` shows. Whether the pid is still
+    that rank: the supervisor's own test (`diagnosis.rank_gone`)."""
     import json
+    from ilab_nb.diagnosis import rank_gone
     from ilab_nb.rundir import RunPaths
     try:
         rec = json.loads(RunPaths(run_dir).rank_account(rank).read_text())
-        p = psutil.Process(rec["pid"])
-        return p if rec["status"] == "running" and p.create_time() <= rec["time"] + 1 and p.status() != psutil.STATUS_ZOMBIE else None
+        return psutil.Process(rec["pid"]) if rec["status"] == "running" and not rank_gone(rec) else None
     except (OSError, ValueError, KeyError, psutil.Error): return None
 
 
