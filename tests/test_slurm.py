@@ -4,6 +4,7 @@ submissions queue in SLURM, a queued job is cancelled from outside, a run (GRPO 
 environment, and a reward function defined here) is stopped, resumed and requeued to the end while a second (continued
 pretraining on plain text) runs and loses a rank, and a new process attaches; a DPO run with LoRA adapters saves before its time limit, resumes and loses a node."""
 import os, re, signal, subprocess, sys, time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -179,7 +180,8 @@ def test_two_node_runs_queue_stop_resume_fail_and_attach(cluster, runs_root, dem
         assert not probs, (s.run_id, probs)
 
 
-def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(cluster, runs_root, demo, small_train, tmp_path):
+def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(cluster, runs_root, demo, small_train, tmp_path,
+                                                                          monkeypatch):
     # A job with a 2-minute limit is signalled before it: every rank saves, and the run ends failed saying "time
     # limit", with that checkpoint, before SLURM has to kill anything. slurmctld sends a job's --signal at its first
     # time-limit check (every 30 s) once the job is within the lead of its limit. The default lead, a tenth of the limit
@@ -188,7 +190,11 @@ def test_time_limit_saves_first_resume_continues_and_a_node_failure_ends_it(clus
     # 115 s, signalling 5-35 s in, saved no CPU that could be measured and left the trap 5 s.) The ranks look for a
     # stop request after each step, so they train at least one step and save it whenever the signal comes. The run is
     # DPO with LoRA adapters on 64 of the demo's preference pairs: the adapters' checkpoint and the kept reference
-    # log-probabilities carry it across the jobs.
+    # log-probabilities carry it across the jobs. Its ranks pause a second after each step (tests/paced_worker.py):
+    # until the signal comes they would otherwise train flat out, on both cores, steps nothing reads.
+    import ilab_nb.slurm as slurm_mod
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(slurm_mod, "accelerate_command", partial(slurm_mod.accelerate_command, worker_module="paced_worker"))
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(Path(demo.pref_train_file).read_text().splitlines(keepends=True)[:64]))
     t = FineTuneSession(**{**run_cfg(demo, small_train, max_steps=2000, save_steps=1000, data=str(pairs), method="dpo",
