@@ -80,13 +80,22 @@ SHARED_BY = {"demo_run": "demo_run", "lab": "demo_run", "tracked_run": "tracked_
 
 # --- the collector in a pytest worker: what collection imported is frozen --------------------------------------------
 
-def pytest_collection_finish(session):
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
     """Collection imports torch, transformers, datasets, ray and Jupyter's libraries: about 500,000 objects that live
-    to the end of the session. Frozen (`gc.freeze`, as a rank freezes its own: nbs/34_worker.ipynb), the collector's
-    collections during the tests no longer walk them. Measured in one process, the collector's own CPU time (its
-    `gc.callbacks`): the families' in-process runs and the DPO/TRL comparisons 5.27 -> 3.26 s, the modules that start
-    no process 2.29 -> 1.26 s."""
-    gc.freeze()
+    to the end of the session. It runs with the collector off, as a rank's imports do (nbs/34_worker.ipynb): each of
+    its full collections walked everything imported so far, a quarter of collection's CPU (one process collecting
+    the suite: 10.1 CPU-s, 7.3 with the collector off). Then what it made is frozen (`gc.freeze`): the collections
+    during the tests no longer walk it. Measured in one process, the collector's own CPU time (its `gc.callbacks`):
+    the families' in-process runs and the DPO/TRL comparisons 5.27 -> 3.26 s, the modules that start no process
+    2.29 -> 1.26 s."""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.collect()
+        gc.freeze()
+        gc.enable()
 
 
 @pytest.hookimpl(tryfirst=True)       # before pytest-xdist's own, which reads the groups
