@@ -10,7 +10,7 @@ import pytest
 
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import answer_prompts, read_chat_jsonl
-from ilab_nb.evaluation import EvalError, check_tasks, evaluate_task, lm_eval_tasks, run_evaluation, write_own_tasks
+from ilab_nb.evaluation import EvalError, check_tasks, evaluate_task, run_evaluation, write_own_tasks
 from ilab_nb.evaluations import Evaluation
 from ilab_nb.rundir import RunPaths, State
 from ilab_nb.runstore import RunStore, write_json_atomic
@@ -76,6 +76,11 @@ def test_a_missing_task_a_missing_data_set_and_a_stop_are_said_clearly(demo, tmp
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
     held = [{"kind": "chat", "messages": c} for c in read_chat_jsonl(demo.eval_file)[:2]]
+    # lm-eval's index of the two task folders these names come from, its own YAML files: the whole index (14,683
+    # tasks) takes 7.6 CPU-s to build, and the checks read only these
+    import lm_eval.tasks as lm_tasks, ilab_nb.evaluation as E
+    folders = [str(Path(lm_tasks.__file__).parent / f) for f in ("arc", "hellaswag")]
+    monkeypatch.setattr(E, "lm_eval_tasks", lambda: lm_tasks.TaskManager(include_path=folders, include_defaults=False))
     with pytest.raises(EvalError, match="'hellaswagg' is neither one of the run's own .* did you mean 'hellaswag'"):
         check_tasks(["hellaswagg"], held)
     # a real lm-eval task, offline: the data set it needs is named
@@ -88,7 +93,7 @@ def test_a_missing_task_a_missing_data_set_and_a_stop_are_said_clearly(demo, tmp
     tok = AutoTokenizer.from_pretrained(demo.model_dir)
     lm = HFLM(pretrained=AutoModelForCausalLM.from_pretrained(demo.model_dir), tokenizer=tok, batch_size=2)
     with pytest.raises(RuntimeError, match=r"task 'arc_easy': its data set \(allenai/ai2_arc / ARC-Easy\) could not be loaded"):
-        evaluate_task(lm, "arc_easy", lm_eval_tasks(), 2, tmp_path / "out")   # the index check_tasks built
+        evaluate_task(lm, "arc_easy", E.lm_eval_tasks(), 2, tmp_path / "out")
     # a stop: the evaluation process honours control/stop before its next task
     store = RunStore(tmp_path / "eval"); d = store.create_run("e-stop")
     write_own_tasks(d / "tasks", ["heldout"], held, tok)
