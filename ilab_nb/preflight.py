@@ -17,7 +17,7 @@ from .sizes import (_estimate, activation_bytes, fit_hint, checkpoint_bytes, kv_
 __all__ = ['PREFLIGHT_ROWS', 'PreflightError', 'mount_of', 'check_destination', 'check_runs_root', 'resolve_hub_model',
            'load_run_data', 'check_processor', 'check_model', 'check_remote_code', 'check_model_dir', 'query_gpus',
            'used_gpus', 'check_bf16', 'preflight_device', 'check_cpu_slots', 'cpu_flags', 'check_optim', 'check_memory',
-           'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample',
+           'host_memory', 'read_json_file', 'check_disk', 'cluster_device', 'backend_preflight', 'first_sample',
            'check_tracker_imports', 'check_mlflow_uri', 'check_wandb', 'check_trackio', 'check_destinations',
            'check_eval_prompts', 'tied_adapted', 'lora_problem', 'freeze_problem', 'traced_activations', 'float_blocks',
            'check_model_build', 'check_vocab', 'check_eval_tasks', 'gate_user_code', 'launch_user_code',
@@ -279,8 +279,9 @@ def check_optim(cfg, kind: str, flags: set | None = None):
 # %% ../nbs/60_preflight.ipynb #26cb2e83
 def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
                  adapters: int | None = None, frozen: int = 0, activations: dict | None = None,
-                 float_blocks: int = 0) -> dict | None:
-    """Compare the per-rank estimate with the smallest of `gpus` used; refuse with the numbers unless
+                 float_blocks: int = 0, host_bytes: int | None = None) -> dict | None:
+    """Compare the per-rank estimate with the smallest of `gpus` used, or on CPU with a process's share of
+    `host_bytes` (the memory this machine has available: `host_memory`); refuse with the numbers unless
     `ignore_memory_estimate`.
     `generation_tokens` (the eval prompts' batch, `check_eval_prompts`) adds the key/value cache their generation keeps;
     `adapters`, LoRA's trainable parameters as built (`check_model_build`), replaces the count from the files'
@@ -299,13 +300,22 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
         est["generation_bytes"] = g = kv_cache_bytes(mc, generation_tokens, cfg.precision)
         est["extra"] += g
         est["device_bytes"] += g
-    if kind != "cuda" or not gpus: return est
-    used = used_gpus(cfg, gpus) or gpus
-    est["device_total_bytes"] = cap = min(g["total_bytes"] for g in used)
+    G = 2**30
+    if kind == "cuda" and gpus:
+        used = used_gpus(cfg, gpus) or gpus
+        est["device_total_bytes"] = cap = min(g["total_bytes"] for g in used)
+        per, has = "GPU", f"the smallest GPU has {cap / G:.1f} GiB"
+        more = "; more processes under strategy='fsdp' divide it too"
+    elif kind == "cpu" and host_bytes:
+        here = max(1, cfg.num_processes // max(1, cfg.num_machines))       # the processes on this machine
+        est["host_available_bytes"], cap = host_bytes, host_bytes // here
+        per, has = "process", (f"this machine has {host_bytes / G:.1f} GiB of memory available"
+                               + (f" for its {here} processes, {cap / G:.1f} GiB each" if here > 1 else ""))
+        more = ""                           # more processes on one machine share the same memory
+    else: return est
     if est["device_bytes"] > 0.9 * cap and not cfg.ignore_memory_estimate:
-        G = 2**30
         raise PreflightError(
-            f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per GPU "
+            f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per {per} "
             + (f"with the activations of {traced['tokens']:,} tokens a micro-batch" if traced else "before activations")
             + f" (strategy={cfg.strategy!r}, {cfg.num_processes} processes, "
             f"precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: {est['per_rank_state'] / G:.1f} GiB of "
@@ -314,10 +324,15 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
             + f", {est['gathered'] / G:.1f} GiB gathered, "
             + (f"{est['activations'] / G:.1f} GiB of activations"
                + (" under gradient checkpointing" if cfg.gradient_checkpointing else "") + ", " if traced else "")
-            + f"{est['extra'] / G:.1f} GiB other), but the smallest GPU has {cap / G:.1f} GiB: "
-            f"{fit_hint(cfg, shapes, cap, traced, float_blocks)}; more processes under strategy='fsdp' divide it too; "
+            + f"{est['extra'] / G:.1f} GiB other), but {has}: "
+            f"{fit_hint(cfg, shapes, cap, traced, float_blocks, host=kind == 'cpu')}{more}; "
             f"or set ignore_memory_estimate=True to start anyway.")
     return est
+
+def host_memory() -> int:
+    "The bytes of memory this machine has available now (the kernel's MemAvailable), for a CPU run's processes."
+    import psutil
+    return psutil.virtual_memory().available
 
 # %% ../nbs/60_preflight.ipynb #65c594f9
 def read_json_file(path) -> dict:
@@ -831,7 +846,8 @@ def _preflight(cfg, runs_root, trust_owner: bool, code) -> dict:
                           generation_tokens=(prompts or {}).get("generation_tokens", 0) + grpo_generation_tokens(cfg),
                           adapters=built["trainable_params"], frozen=built["frozen_params"],
                           float_blocks=built["float_blocks"],
-                          activations=built["activations"])
+                          activations=built["activations"],
+                          host_bytes=host_memory() if kind == "cpu" and cfg.backend == "local" else None)
     disk = check_disk(cfg, runs_root, data["total_steps"], built["trainable_params"], built["trainable_tensors"])
     gpus = query_gpus() if kind == "cuda" and cfg.backend == "local" else []
     return {"device": kind, "gpu_count": n_gpus, **({"gpus": gpus} if gpus else {}), "num_train_records": len(records),

@@ -106,36 +106,38 @@ def _estimate(cfg, shapes: dict, adapters: int | None = None, frozen: int = 0, a
 
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}   # QLoRA's own
 
-def _lighter(cfg, traced: bool = False) -> list[tuple[str, dict]]:
+def _lighter(cfg, traced: bool = False, host: bool = False) -> list[tuple[str, dict]]:
     """Changes that lower what a rank holds, the ones that change the run least first: gradient checkpointing (the
     same numbers, slower; when the activations were `traced`), half the micro-batch with twice the accumulation (the
     same tokens a step; traced activations too), bf16, 8-bit AdamW moments (not under FSDP), LoRA
     adapters (peft's default rank, 8), both, FSDP's shards moved to host memory, and a 4-bit base (QLoRA, with the
-    run's strategy)."""
+    run's strategy). On CPU (`host`) neither bf16 nor moving shards to host memory is offered: both are refused there."""
     out = [("gradient_checkpointing=True", dict(gradient_checkpointing=True))] if traced and not \
         cfg.gradient_checkpointing else []
     half, ga = cfg.max_tokens_per_batch // 2, 2 * cfg.gradient_accumulation_steps     # the same tokens a step
     if traced and cfg.method != "grpo" and half >= cfg.max_seq_len:
         out.append((f"max_tokens_per_batch={half} and gradient_accumulation_steps={ga}",
                     dict(max_tokens_per_batch=half, gradient_accumulation_steps=ga)))
-    if cfg.precision != "bf16": out.append(("precision='bf16'", dict(precision="bf16")))
+    if cfg.precision != "bf16" and not host: out.append(("precision='bf16'", dict(precision="bf16")))
     if cfg.strategy != "fsdp" and cfg.optim in ("adamw_torch", "adamw_torch_fused"):
         out.append(("optim='adamw_8bit'", dict(optim="adamw_8bit")))
     if cfg.lora is None:
         out.append(("lora={'r': 8}", dict(lora={"r": 8})))
-        if cfg.precision != "bf16": out.append(("lora={'r': 8} and precision='bf16'", dict(lora={"r": 8},
+        if cfg.precision != "bf16" and not host: out.append(("lora={'r': 8} and precision='bf16'", dict(lora={"r": 8},
                                                                                            precision="bf16")))
-    if cfg.strategy == "fsdp" and not cfg.cpu_offload: out.append(("cpu_offload=True", dict(cpu_offload=True)))
+    if cfg.strategy == "fsdp" and not cfg.cpu_offload and not host:
+        out.append(("cpu_offload=True", dict(cpu_offload=True)))
     if cfg.quantization is None:
         out.append((f"{'' if cfg.lora else 'lora={' + repr('r') + ': 8} and '}quantization={QLORA}",
                     dict(quantization=QLORA, lora=cfg.lora or {"r": 8})))
     return out
 
-def fit_hint(cfg, shapes: dict, cap: int, activations: dict | None = None, float_blocks: int = 0) -> str:
+def fit_hint(cfg, shapes: dict, cap: int, activations: dict | None = None, float_blocks: int = 0,
+             host: bool = False) -> str:
     """The first of the `_lighter` changes whose estimate fits in 90% of `cap` bytes, with its numbers (or that none
     does), as the memory refusal says it; `activations` as the run's (`activation_bytes`) for each change;
-    `float_blocks` as `_estimate`'s."""
-    G, lighter = 2**30, _lighter(cfg, traced=activations is not None)
+    `float_blocks` as `_estimate`'s; `host`: the run is on CPU, `cap` a process's share of the machine's memory."""
+    G, lighter = 2**30, _lighter(cfg, traced=activations is not None, host=host)
     for said, change in lighter:
         need = _estimate(cfg.model_copy(update=change), shapes, activations=activations,
                          float_blocks=float_blocks)["device_bytes"]

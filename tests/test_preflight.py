@@ -36,6 +36,31 @@ def test_more_cpu_processes_than_slots_is_refused_with_the_numbers(demo, small_t
     assert listing(tmp_path) == before and not runs_root.exists()
 
 
+def test_a_cpu_run_that_does_not_fit_this_machines_memory_is_refused_with_a_choice_that_fits(demo, small_train, runs_root,
+                                                                                               tmp_path, monkeypatch):
+    """The ranks of a CPU run share this machine's memory: with 1.5 times the demo run's per-process estimate (as the
+    same preflight measures it first) available for its 2 processes, the run is refused before anything is written,
+    with its numbers and a lighter choice; that choice, taken, passes the same check. ignore_memory_estimate lets the
+    first through."""
+    import ast, re
+    import ilab_nb.preflight as P
+    need = make_session(demo, small_train, runs_root, num_processes=2).preflight["memory"]["device_bytes"]
+    monkeypatch.setattr(P, "host_memory", lambda: int(1.5 * need))     # 0.75 of the estimate for each process
+    before = listing(tmp_path)
+    with pytest.raises(PreflightError) as e:
+        make_session(demo, small_train, runs_root, num_processes=2)
+    msg = str(e.value)
+    assert "GiB per process" in msg and "of memory available for its 2 processes" in msg, msg
+    assert listing(tmp_path) == before
+    said = re.search(r"GiB each: (.+) fits: about", msg)
+    assert said and "bf16" not in msg and "cpu_offload=True" not in msg, msg      # both refused on CPU: not offered
+    choice = dict((k, ast.literal_eval(v)) for k, v in (kv.split("=", 1) for kv in said[1].split(" and ")))
+    fits = make_session(demo, small_train, runs_root, num_processes=2, **choice)
+    assert fits.preflight["memory"]["device_bytes"] <= 0.9 * 0.75 * need, (choice, fits.preflight["memory"])
+    s = make_session(demo, small_train, runs_root, num_processes=2, ignore_memory_estimate=True)
+    assert s.preflight["memory"]["host_available_bytes"] == int(1.5 * need)
+
+
 def test_start_never_launches_more_ranks_than_slots(demo, small_train, runs_root, monkeypatch):
     s = make_session(demo, small_train, runs_root, num_processes=2)
     monkeypatch.setenv("ILAB_NB_CPU_SLOTS", "1")     # the machine's slots shrank between construction and start()
