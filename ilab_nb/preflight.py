@@ -315,7 +315,8 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
     else: return est
     if est["device_bytes"] > 0.9 * cap and not cfg.ignore_memory_estimate:
         raise PreflightError(
-            f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB per {per} "
+            f"The model ({count_text(est['params'])} parameters) needs about {est['device_bytes'] / G:.1f} GiB "
+            f"per {per} "
             + (f"with the activations of {traced['tokens']:,} tokens a micro-batch" if traced else "before activations")
             + f" (strategy={cfg.strategy!r}, {cfg.num_processes} processes, "
             f"precision={cfg.precision!r}, cpu_offload={cfg.cpu_offload}: {est['per_rank_state'] / G:.1f} GiB of "

@@ -111,7 +111,8 @@ def _lighter(cfg, traced: bool = False, host: bool = False) -> list[tuple[str, d
     same numbers, slower; when the activations were `traced`), half the micro-batch with twice the accumulation (the
     same tokens a step; traced activations too), bf16, 8-bit AdamW moments (not under FSDP), LoRA
     adapters (peft's default rank, 8), both, FSDP's shards moved to host memory, and a 4-bit base (QLoRA, with the
-    run's strategy). On CPU (`host`) neither bf16 nor moving shards to host memory is offered: both are refused there."""
+    run's strategy). On CPU (`host`) neither bf16 nor moving shards to host memory is offered: both are refused
+    there."""
     out = [("gradient_checkpointing=True", dict(gradient_checkpointing=True))] if traced and not \
         cfg.gradient_checkpointing else []
     half, ga = cfg.max_tokens_per_batch // 2, 2 * cfg.gradient_accumulation_steps     # the same tokens a step
