@@ -84,25 +84,26 @@ def main():
                     res = one_run(model, data, root, value, extra)
                     out.setdefault((choice, way), []).append(res)
                     print(choice, way, res, flush=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
     lines = ["# glibc's heap and a QLoRA run's memory on CPU (`bench/bench_malloc.py`)", "",
-             f"`python bench/bench_malloc.py` on {platform.node()} ({os.cpu_count()} CPUs), "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: bench_qlora's ~1B-shaped Llama (hidden "
-             "2304 x 14 layers, random weights, the demo's tokenizer), 2 CPU processes, DDP, fp32, one epoch over 16 demo "
-             "rows (a budget of 128 tokens a micro-batch), lr 1e-3 constant; one whole run per cell, the two ways "
-             "alternating.", "",
+             f"`python bench/bench_malloc.py` on {platform.node()} ({os.cpu_count()} CPUs), {now:%Y-%m-%d %H:%M} UTC: "
+             "bench_qlora's ~1B-shaped Llama (hidden 2304 x 14 layers, random weights, the demo's tokenizer), 2 CPU "
+             "processes, DDP, fp32, one epoch over 16 demo rows (a budget of 128 tokens a micro-batch), lr 1e-3 "
+             "constant; one whole run per cell, the two ways alternating.", "",
              "| run | allocation policy | peak RssAnon MiB, each run | median | training loop s, each run | median | "
              "last loss |", "|---|---|---|---:|---|---:|---:|"]
+    med = statistics.median
     for (choice, way), rs in out.items():
         peaks, loops = [r["peak"] for r in rs], [r["loop"] for r in rs]
-        lines.append(f"| {choice} | {way} | {', '.join(f'{x:,.0f}' for x in peaks)} | {statistics.median(peaks):,.0f} | "
-                     f"{', '.join(f'{x:.1f}' for x in loops)} | {statistics.median(loops):.1f} | {rs[-1]['loss']:.4f} |")
+        lines.append(f"| {choice} | {way} | {', '.join(f'{x:,.0f}' for x in peaks)} | {med(peaks):,.0f} | "
+                     f"{', '.join(f'{x:.1f}' for x in loops)} | {med(loops):.1f} | {rs[-1]['loss']:.4f} |")
     lines.append("")
     for choice in CHOICES:
         d, f = (out[(choice, w)] for w in WAYS)
-        lines.append(f"{choice}: the fixed threshold against the default: peak RssAnon "
-                     f"x{statistics.median(r['peak'] for r in f) / statistics.median(r['peak'] for r in d):.2f}, "
-                     f"training loop x{statistics.median(r['loop'] for r in f) / statistics.median(r['loop'] for r in d):.2f}"
-                     f"; the same last loss: {len({r['loss'] for r in d + f}) == 1}.")
+        peak = med(r["peak"] for r in f) / med(r["peak"] for r in d)
+        loop = med(r["loop"] for r in f) / med(r["loop"] for r in d)
+        lines.append(f"{choice}: the fixed threshold against the default: peak RssAnon x{peak:.2f}, training loop "
+                     f"x{loop:.2f}; the same last loss: {len({r['loss'] for r in d + f}) == 1}.")
     text = "\n".join(lines) + "\n"
     print(text)
     if not a.no_write: (ROOT / "bench" / "results_malloc.md").write_text(text)
