@@ -276,7 +276,7 @@ def check_optim(cfg, kind: str, flags: set | None = None):
                              "instructions, which this machine's CPU lacks; use optim='adamw_torch' here, or a GPU",
                              "optim")
 
-# %% ../nbs/60_preflight.ipynb #26cb2e83
+# %% ../nbs/60_preflight.ipynb #63545d3f
 def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
                  adapters: int | None = None, frozen: int = 0, activations: dict | None = None,
                  float_blocks: int = 0, host_bytes: int | None = None) -> dict | None:
@@ -330,6 +330,7 @@ def check_memory(cfg, kind: str, gpus: list = (), generation_tokens: int = 0,
             f"or set ignore_memory_estimate=True to start anyway.")
     return est
 
+# %% ../nbs/60_preflight.ipynb #2cbe69e3
 def host_memory() -> int:
     "The bytes of memory this machine has available now (the kernel's MemAvailable), for a CPU run's processes."
     import psutil
