@@ -13,17 +13,15 @@ sampled five times a second) of any of the run's processes, the training loop's 
     python bench/bench_malloc.py                  # ~12 minutes on 2 cores; writes bench/results_malloc.md
     python bench/bench_malloc.py --rounds 1 --no-write
 """
-import argparse, datetime, os, platform, statistics, sys, tempfile, threading, time
+import argparse, datetime, os, platform, statistics, sys, tempfile
 from pathlib import Path
-
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "bench"))
 os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 from bench_lora import build_model
-from bench_qlora import rss_anon_mb
+from bench_qlora import PeakAnon
 from ilab_nb import FineTuneSession
 from ilab_nb.demo import demo_assets
 from ilab_nb.sizes import QLORA
@@ -34,25 +32,11 @@ LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
 CHOICES = {"QLoRA r=16 (nf4, double quant)": dict(lora=LORA, quantization=QLORA), "LoRA r=16": dict(lora=LORA)}
 
 
-class PeakAnon(threading.Thread):
-    "The largest RssAnon (MiB) of any process whose command line holds `marker`, until `stop`."
-    def __init__(self, marker: str):
-        super().__init__(daemon=True); self.marker, self.peak, self.done = marker, 0.0, threading.Event()
-    def run(self):
-        while not self.done.wait(0.2):
-            for p in psutil.process_iter(["cmdline"]):
-                try:
-                    if self.marker in " ".join(p.info["cmdline"] or ()): self.peak = max(self.peak, rss_anon_mb(p.pid))
-                except (psutil.Error, OSError): pass
-    def stop(self) -> float:
-        self.done.set(); self.join(); return self.peak
-
-
 def one_run(model, data, root, value, extra) -> dict:
     if value is None: os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     else: os.environ["MALLOC_MMAP_THRESHOLD_"] = value
     runs = Path(tempfile.mkdtemp(dir=root, prefix="runs-"))
-    peak = PeakAnon(str(runs)); peak.start()
+    peak = PeakAnon(str(runs), every=0.2); peak.start()
     s = FineTuneSession(model=str(model), data=str(data), runs_root=runs, num_processes=2, strategy="ddp", device="cpu",
                         precision="fp32", num_train_epochs=1, logging_steps=1, save_steps=None, learning_rate=1e-3,
                         lr_scheduler_type="constant", max_tokens_per_batch=128, max_seq_len=128, batching="bucketed",

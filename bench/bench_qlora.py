@@ -72,11 +72,13 @@ def rss_anon_mb(pid: int) -> float:
 
 
 class PeakAnon(threading.Thread):
-    "The largest anonymous resident memory (MiB) of any process whose command line holds `marker`, until `stop`."
-    def __init__(self, marker: str):
-        super().__init__(daemon=True); self.marker, self.peak, self.done = marker, 0.0, threading.Event()
+    """The largest anonymous resident memory (MiB) of any process whose command line holds `marker`, read every
+    `every` seconds until `stop`."""
+    def __init__(self, marker: str, every: float = 0.5):
+        super().__init__(daemon=True)
+        self.marker, self.every, self.peak, self.done = marker, every, 0.0, threading.Event()
     def run(self):
-        while not self.done.wait(0.5):
+        while not self.done.wait(self.every):
             for p in psutil.process_iter(["cmdline"]):
                 try:
                     if self.marker in " ".join(p.info["cmdline"] or ()):
