@@ -9,7 +9,7 @@ import gc, importlib, os, signal, sys
 # %% auto #0
 __all__ = ['RANK_FLAG', 'RANK_SIGNALS', 'warm_up', 'forked_ranks', 'main', 'rank']
 
-# %% ../nbs/46_warm_launch.ipynb #0cf6603f
+# %% ../nbs/46_warm_launch.ipynb #4632810a
 RANK_FLAG = "--ilab-nb-forked-rank"    # first argument of this file run as a forked rank: the worker module follows
 
 def warm_up(module: str, worker_args: list):
@@ -25,8 +25,7 @@ def warm_up(module: str, worker_args: list):
     W.as_rank()
     W.rank_imports(cfg)                     # bitsandbytes left out first, unless the run uses it
     importlib.import_module(module)         # the worker module: ilab_nb.worker, or one that changes it (the tests')
-    gc.collect()
-    gc.freeze()
+    gc.freeze()                             # not collected first: see below
 
 # %% ../nbs/46_warm_launch.ipynb #1a2bed51
 RANK_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # a fresh process dies of these
