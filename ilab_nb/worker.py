@@ -610,6 +610,7 @@ def run(paths: RunPaths, resume: str | None = None, attempt: int = 1) -> str:
 def rank_imports(cfg: TrainConfig):
     "Import what a rank of the run of `cfg` imports as it sets up (for a launcher that forks ranks: `warm_launch`)."
     if not uses_bitsandbytes(cfg): leave_out("bitsandbytes")
+    skip_detection_losses()               # as `main` does before a rank's run (below)
     causal_lm_class(model_config(cfg), cfg.trust_remote_code)
     import transformers.optimization      # make_scheduler's (28_placement)
     import torch.distributed.checkpoint, torch.distributed.checkpoint.state_dict   # placement's load, checkpoints (29)
