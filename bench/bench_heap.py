@@ -16,22 +16,14 @@ sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "bench"))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])
 
 import ilab_nb.session as session_mod
-from bench_lora import build_model
-from bench_malloc import CHOICES
-from ilab_nb import FineTuneSession
+from bench_malloc import CHOICES, inputs, train
 from ilab_nb.demo import demo_assets
 
 MiB = 2**20
 
 
 def one_run(model, data, root, extra) -> dict:
-    runs = Path(tempfile.mkdtemp(dir=root, prefix="runs-"))
-    s = FineTuneSession(model=str(model), data=str(data), runs_root=runs, num_processes=2, strategy="ddp", device="cpu",
-                        precision="fp32", num_train_epochs=1, logging_steps=1, save_steps=None, learning_rate=1e-3,
-                        lr_scheduler_type="constant", max_tokens_per_batch=128, max_seq_len=128, batching="bucketed",
-                        seed=0, merge_lora=False, **extra)
-    s.start()
-    if s.wait() != "completed": raise SystemExit(f"run {s.run_id} ended {s.status}: {s.reason}")
+    s = train(model, data, Path(tempfile.mkdtemp(dir=root, prefix="runs-")), extra)
     ranks = [json.loads((Path(s.run_dir) / f"heap-rank-{r}.json").read_text()) for r in range(2)]
     return dict(estimate=s.preflight["memory"]["device_bytes"] / MiB, ranks=ranks,
                 loss=s.metrics(kinds=("train",))[-1]["loss"])
@@ -45,13 +37,9 @@ def main():
     demo = demo_assets()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        os.environ.setdefault("ILAB_NB_LOCKS", str(root / "locks"))
-        model = build_model(root / "model", demo.model_dir, hidden=2304, layers=14)
-        data = root / "train.jsonl"
-        data.write_text("".join(open(demo.train_file).readlines()[:16]))
+        model, data = inputs(Path(tmp), demo)
         for choice, extra in CHOICES.items():
-            out[choice] = one_run(model, data, root, extra)
+            out[choice] = one_run(model, data, Path(tmp), extra)
             print(choice, out[choice], flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     lines = ["# What a CPU rank uses and what it holds, beside the estimate (`bench/bench_heap.py`)", "",

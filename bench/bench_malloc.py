@@ -32,17 +32,32 @@ LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
 CHOICES = {"QLoRA r=16 (nf4, double quant)": dict(lora=LORA, quantization=QLORA), "LoRA r=16": dict(lora=LORA)}
 
 
-def one_run(model, data, root, value, extra) -> dict:
-    if value is None: os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-    else: os.environ["MALLOC_MMAP_THRESHOLD_"] = value
-    runs = Path(tempfile.mkdtemp(dir=root, prefix="runs-"))
-    peak = PeakAnon(str(runs), every=0.2); peak.start()
+def inputs(root: Path, demo) -> tuple[Path, Path]:
+    "bench_qlora's ~1B-shaped model and the 16 demo rows, made under `root` (its device locks there too)."
+    os.environ.setdefault("ILAB_NB_LOCKS", str(root / "locks"))
+    model = build_model(root / "model", demo.model_dir, hidden=2304, layers=14)
+    data = root / "train.jsonl"
+    data.write_text("".join(open(demo.train_file).readlines()[:16]))
+    return model, data
+
+
+def train(model, data, runs, extra) -> FineTuneSession:
+    "The run these benches measure (2 CPU processes, DDP, fp32, one epoch), with `extra` fields, to its end."
     s = FineTuneSession(model=str(model), data=str(data), runs_root=runs, num_processes=2, strategy="ddp", device="cpu",
                         precision="fp32", num_train_epochs=1, logging_steps=1, save_steps=None, learning_rate=1e-3,
                         lr_scheduler_type="constant", max_tokens_per_batch=128, max_seq_len=128, batching="bucketed",
                         seed=0, merge_lora=False, **extra)
     s.start()
     if s.wait() != "completed": raise SystemExit(f"run {s.run_id} ended {s.status}: {s.reason}")
+    return s
+
+
+def one_run(model, data, root, value, extra) -> dict:
+    if value is None: os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    else: os.environ["MALLOC_MMAP_THRESHOLD_"] = value
+    runs = Path(tempfile.mkdtemp(dir=root, prefix="runs-"))
+    peak = PeakAnon(str(runs), every=0.2); peak.start()
+    s = train(model, data, runs, extra)
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     train = s.metrics(kinds=("train",))
     return dict(peak=peak.stop(), loop=train[-1]["elapsed_s"], loss=train[-1]["loss"], steps=len(train))
@@ -57,10 +72,7 @@ def main():
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        os.environ.setdefault("ILAB_NB_LOCKS", str(root / "locks"))
-        model = build_model(root / "model", demo.model_dir, hidden=2304, layers=14)
-        data = root / "train.jsonl"
-        data.write_text("".join(open(demo.train_file).readlines()[:16]))
+        model, data = inputs(root, demo)
         for choice, extra in CHOICES.items():
             for r in range(a.rounds if choice.startswith("QLoRA") else 1):
                 ways = list(WAYS.items()) if r % 2 == 0 else list(WAYS.items())[::-1]
